@@ -1,0 +1,54 @@
+"""The autograd Functions the manager inserts into a model's forward.
+
+Both are identities on their tensors. Being autograd Functions, they are carried into an exported
+ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the same ``forward`` and
+``backward`` on every step that eager PyTorch calls. Their first argument is passed by pointer and
+is therefore live state, not a constant frozen at export.
+
+    outputs = TensorProbe.apply(site, *tensors)      # per-step on_forward / on_backward calls
+    outputs = StepBoundary.apply(manager, *tensors)  # end of the root module's forward: step += 1
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _ort
+
+if TYPE_CHECKING:
+    from .manager import SubscriberManager
+    from .subscriber import ProbeSite
+
+
+class TensorProbe(torch.autograd.Function):
+    """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
+
+    @staticmethod
+    def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.event = None if _ort.is_exporting() else site.manager._dispatch_forward(site, tensors)
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if ctx.event is not None:
+            ctx.event.site.manager._dispatch_backward(ctx.event, grads)
+        return (None, *grads)
+
+
+class StepBoundary(torch.autograd.Function):
+    """Identity on the root module's outputs whose forward ends the step's forward pass."""
+
+    @staticmethod
+    def forward(ctx: Any, manager: "SubscriberManager", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not _ort.is_exporting():
+            manager._end_forward()
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        return (None, *grads)
+
+
+PROBE_FUNCTIONS: tuple[type[torch.autograd.Function], ...] = (TensorProbe, StepBoundary)

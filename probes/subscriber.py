@@ -1,0 +1,162 @@
+"""The subscriber interface: what a probe observes, and when.
+
+A subscriber gets two kinds of calls.
+
+*Graph-building calls* run inside the PyTorch module hooks the manager registers. In eager mode
+they run on every forward; under ORTModule only while ORT exports the model, because afterwards ORT
+runs the exported graph and no module hook fires. Anything meant to happen on every step must
+therefore be done by an autograd Function that these calls insert; ORT carries such a Function
+into its graph as a PythonOp and calls its Python code on every step:
+
+- ``pre_forward_module_apply(site, module, args, kwargs) -> (args, kwargs)``
+- ``post_forward_module_apply(site, module, args, outputs) -> outputs``
+- ``pre_forward_outmost_module_apply`` / ``post_forward_outmost_module_apply``: same, root only.
+
+*Per-step calls* come from the manager's own probe Function, in eager PyTorch and in ORT alike,
+only for steps in ``[start_step, end_step)`` and never during an export:
+
+- ``on_forward(event, tensors)``: the tensors of a module's outputs (``event.site.kind ==
+  "output"``), of its inputs (``"input"``, only if ``observe_inputs``) or of an
+  ``inspect_activation`` call (``"inspect"``); ``tensors[i]`` is the i-th tensor of the flattened
+  structure, named ``event.record_name(i)``.
+- ``on_backward(event, grads)``: their gradients (None where a tensor got no gradient).
+- ``on_step_end(step)``: the step is complete (its backward is done); flush what it produced.
+
+Usage::
+
+    class PrintShapes(SubscriberBase):
+        def on_forward(self, event, tensors):
+            print(event.step, event.record_name(0), tuple(tensors[0].shape))
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .manager import SubscriberManager
+
+SiteKind = Literal["input", "output", "inspect"]
+Phase = Literal["forward", "backward"]
+
+
+@dataclass(eq=False)
+class RunState:
+    """Mutable run state of one subscription, shared by its hooks and probe Functions.
+
+    ORT freezes a PythonOp's non-tensor arguments at export; the probes reach this object through a
+    pointer, so the exported graph sees its updates.
+    """
+
+    step: int = 0  # the step whose forward runs now (or runs next)
+    open_step: int | None = None  # the step collecting records; closed once its backward is over
+    seq: int = 0  # execution sequence number within the open step
+    calls: dict[int, int] = field(default_factory=dict)  # per-site call count in the open step
+    inspected: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class ProbeSite:
+    """Where a probe sits: one module's inputs or outputs, or one ``inspect_activation`` name.
+
+    Sites are identity objects shared by every copy of the model (ORT deep-copies it to export).
+    """
+
+    name: str  # the module's qualified name ("<root>" for the root), or the inspect name
+    kind: SiteKind
+    module_index: int  # position in the root's named_modules(); -1 for inspect sites
+    depth: int  # 0 for the root
+    module_class: str
+    manager: "SubscriberManager"
+
+    def __deepcopy__(self, memo: dict) -> "ProbeSite":
+        return self
+
+    def record_name(self, tensor_index: int, call: int = 0) -> str:
+        """Stable name of the i-th tensor here, e.g. ``encoder.layers.0.output.1``.
+
+        A module called more than once in a step gets ``#<call>`` after its name from the second call.
+        """
+        base = self.name if call == 0 else f"{self.name}#{call}"
+        if self.kind == "inspect":
+            return base if tensor_index == 0 else f"{base}.{tensor_index}"
+        return f"{base}.{self.kind}.{tensor_index}"
+
+    def legacy_name(self, tensor_index: int) -> str:
+        """The original onnxruntime hooks' form: ``<Class>_<module index>_<i>th_output``."""
+        if self.kind == "inspect":
+            return self.name
+        return f"{self.module_class}_{self.module_index}_{tensor_index}th_{self.kind}"
+
+
+@dataclass(frozen=True)
+class ProbeEvent:
+    """One probe firing: a site, in a step, in a phase."""
+
+    site: ProbeSite
+    step: int
+    phase: Phase
+    seq: int  # execution order within the step; forward and backward share one counter
+    call: int = 0  # how many times this site fired earlier in the step's forward
+
+    def record_name(self, tensor_index: int) -> str:
+        return self.site.record_name(tensor_index, self.call)
+
+
+class SubscriberBase:
+    """Base class of every subscriber; override the calls you need (all default to no-ops).
+
+    Steps in ``[start_step, end_step)`` get per-step calls; ``None`` means 0 and unbounded.
+    """
+
+    observe_inputs: bool = False  # also probe module inputs (outputs and inspect calls always)
+
+    def __init__(self, start_step: int | None = None, end_step: int | None = None) -> None:
+        start = 0 if start_step is None else start_step
+        end = sys.maxsize if end_step is None else end_step
+        for label, value in (("start_step", start), ("end_step", end)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{label} must be a non-negative int or None, got {value!r}")
+        if start > end:
+            raise ValueError(f"start_step ({start}) must not be greater than end_step ({end})")
+        self.start_step = start
+        self.end_step = end
+
+    def is_active(self, step: int) -> bool:
+        return self.start_step <= step < self.end_step
+
+    @property
+    def observes_tensors(self) -> bool:
+        """True when this subscriber overrides on_forward or on_backward (so probes are inserted)."""
+        cls = type(self)
+        return cls.on_forward is not SubscriberBase.on_forward or cls.on_backward is not SubscriberBase.on_backward
+
+    # Graph-building calls (eager: every forward; ORT: at export).
+    def pre_forward_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, kwargs: dict):
+        return args, kwargs
+
+    def post_forward_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, outputs: Any):
+        return outputs
+
+    def pre_forward_outmost_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, kwargs: dict):
+        return args, kwargs
+
+    def post_forward_outmost_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, outputs: Any):
+        return outputs
+
+    # Per-step calls (eager and ORT alike, only for active steps, never during export).
+    def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
+        pass
+
+    def on_step_end(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        """Release resources (files, threads); called when the subscription is removed."""
