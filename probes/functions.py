@@ -22,12 +22,22 @@ if TYPE_CHECKING:
     from .subscriber import ProbeSite
 
 
+def _keep_non_differentiable(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> None:
+    # Outputs of a Function require grad when any input does; a tensor that did not must stay so.
+    # Gradients that never arrived stay None rather than being materialised as zeros.
+    ctx.set_materialize_grads(False)
+    frozen = [t for t in tensors if not t.requires_grad]
+    if frozen:
+        ctx.mark_non_differentiable(*frozen)
+
+
 class TensorProbe(torch.autograd.Function):
     """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
 
     @staticmethod
     def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None if _ort.is_exporting() else site.manager._dispatch_forward(site, tensors)
+        _keep_non_differentiable(ctx, tensors)
         return tensors
 
     @staticmethod
@@ -44,6 +54,7 @@ class StepBoundary(torch.autograd.Function):
     def forward(ctx: Any, manager: "SubscriberManager", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not _ort.is_exporting():
             manager._end_forward()
+        _keep_non_differentiable(ctx, tensors)
         return tensors
 
     @staticmethod

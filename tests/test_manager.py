@@ -1,0 +1,287 @@
+"""SubscriberManager in eager PyTorch: hooks, names, the step counter, structures, removal, errors."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import Recorder, hook_count
+from probes import GlobalSubscriberManager, SubscriberBase, SubscriberManager, inspect_activation
+from probes.models import TinyTransformer, TransformerConfig, make_batch
+
+CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
+
+
+def train_steps(model, steps, seed=0):
+    losses = []
+    for step in range(steps):
+        batch = make_batch(CONFIG, batch_size=4, seed=seed + step)
+        loss = model(batch["tokens"], labels=batch["labels"])
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_recorder_sees_every_module_output_in_execution_order():
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder()
+    manager = SubscriberManager()
+    with manager.subscribe(model, [recorder]):
+        train_steps(model, 1)
+    forward = recorder.names(0, "forward")
+    # Every module that runs reports its output once, children before parents (post-forward order).
+    expected_modules = {name or "<root>" for name, _ in model.named_modules()} - {"blocks"}  # ModuleList never runs
+    assert {n.rsplit(".output.", 1)[0] for n in forward} == expected_modules
+    assert forward.index("blocks.0.attn.qkv.output.0") < forward.index("blocks.0.attn.output.0")
+    assert forward[-1] == "<root>.output.0"
+    # Backward visits the same records in reverse dependency order; the root's gradient comes first.
+    backward = recorder.names(0, "backward")
+    assert backward[0] == "<root>.output.0"
+    assert sorted(backward) == sorted(forward)
+    seqs = [c.seq for c in recorder.calls if c.step == 0]
+    assert seqs == list(range(len(seqs)))
+
+
+def test_step_counter_counts_training_steps_and_closes_steps():
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder()
+    manager = SubscriberManager()
+    manager.subscribe(model, [recorder])
+    train_steps(model, 3)
+    assert manager.step == 3
+    assert recorder.step_ends == [0, 1]  # step 2 is still open: its end is only known later
+    manager.unsubscribe()
+    assert recorder.step_ends == [0, 1, 2] and recorder.closed
+    assert {c.step for c in recorder.calls} == {0, 1, 2}
+
+
+def test_start_and_end_step_limit_per_step_calls():
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder(start_step=1, end_step=3)
+    with SubscriberManager().subscribe(model, [recorder]):
+        train_steps(model, 4)
+    assert {c.step for c in recorder.calls} == {1, 2}
+    assert recorder.step_ends == [1, 2]
+
+
+def test_tracing_does_not_count_as_a_step():
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder()
+    manager = SubscriberManager()
+    with manager.subscribe(model, [recorder]):
+        batch = make_batch(CONFIG, batch_size=2)
+        torch.jit.trace(model, (batch["tokens"],), check_trace=False)
+        assert manager.step == 0 and recorder.calls == []
+        train_steps(model, 1)
+        assert manager.step == 1
+
+
+def test_probes_do_not_change_loss_or_gradients_bit_for_bit():
+    torch.manual_seed(0)
+    probed = TinyTransformer(CONFIG)
+    plain = copy.deepcopy(probed)
+    observer = Recorder(observe_inputs=True)
+    with SubscriberManager().subscribe(probed, [observer]):
+        for step in range(3):
+            batch = make_batch(CONFIG, batch_size=4, seed=step)
+            for model in (probed, plain):
+                model.zero_grad()
+                loss = model(batch["tokens"], labels=batch["labels"])
+                loss.backward()
+            assert torch.equal(probed(batch["tokens"], labels=batch["labels"]),
+                               plain(batch["tokens"], labels=batch["labels"]))
+            for (name, a), (_, b) in zip(probed.named_parameters(), plain.named_parameters()):
+                assert torch.equal(a.grad, b.grad), name
+    assert observer.calls
+
+
+def test_unsubscribe_removes_every_hook_and_restores_outputs():
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    before = hook_count(model)
+    batch = make_batch(CONFIG, batch_size=2)
+    expected = model(batch["tokens"])
+    manager = SubscriberManager()
+    handle = manager.subscribe(model, [Recorder()])
+    assert hook_count(model) == before + 2 * len(list(model.modules()))
+    handle.remove()
+    assert hook_count(model) == before
+    output = model(batch["tokens"])
+    assert torch.equal(output, expected) and output.grad_fn.name() == expected.grad_fn.name()
+    handle.remove()  # idempotent
+
+
+def test_subscribing_again_replaces_the_earlier_subscription():
+    model = TinyTransformer(CONFIG)
+    first, second = Recorder(), Recorder()
+    manager = SubscriberManager()
+    manager.subscribe(model, [first])
+    other = SubscriberManager()
+    other.subscribe(model, [second])  # another manager takes the model over
+    assert first.closed
+    assert hook_count(model) == 2 * len(list(model.modules()))
+    train_steps(model, 1)
+    assert not first.calls and second.calls
+    other.subscribe(model, [Recorder()])
+    assert second.closed and hook_count(model) == 2 * len(list(model.modules()))
+    other.unsubscribe()
+    assert hook_count(model) == 0
+
+
+def test_original_usage_on_the_class_uses_the_global_manager():
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder()
+    SubscriberManager.subscribe(model, [recorder])
+    try:
+        train_steps(model, 2)
+        assert GlobalSubscriberManager.step == 2
+        assert GlobalSubscriberManager.subscribers == (recorder,)
+    finally:
+        SubscriberManager.unsubscribe()
+    assert hook_count(model) == 0 and recorder.closed
+
+
+class Nested(nn.Module):
+    Pair = collections.namedtuple("Pair", "a b")
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale=1.0, extra=None):
+        y = self.linear(x) * scale
+        return {
+            "pair": Nested.Pair(y, y.sum()),
+            "list": [y.detach(), None, "text", 3],
+            "ids": torch.arange(3),
+            "extra": extra,
+        }
+
+
+def test_nested_outputs_and_keyword_only_inputs_pass_through_unchanged():
+    torch.manual_seed(0)
+    model = Nested()
+    plain = copy.deepcopy(model)
+    recorder = Recorder(observe_inputs=True)
+    x = torch.randn(2, 4)
+    with SubscriberManager().subscribe(model, [recorder]):
+        out = model(x, scale=2.0, extra=(1, "b"))
+        out["pair"].b.backward()
+    ref = plain(x, scale=2.0, extra=(1, "b"))
+    assert isinstance(out["pair"], Nested.Pair)
+    assert torch.equal(out["pair"].a, ref["pair"].a) and torch.equal(out["ids"], ref["ids"])
+    assert out["list"][1:] == [None, "text", 3] and out["extra"] == (1, "b")
+    assert not out["list"][0].requires_grad and out["ids"].dtype == torch.int64
+    assert torch.equal(model.linear.weight.grad, torch.autograd.grad(ref["pair"].b, plain.linear.weight)[0])
+    forward = recorder.names(0, "forward")
+    assert forward == ["<root>.input.0", "linear.input.0", "linear.output.0", "<root>.output.0"]
+    root_outputs = [c.shapes for c in recorder.calls if c.name == "<root>.output.0" and c.phase == "forward"]
+    assert root_outputs == [((2, 4), (), (2, 4), (3,))]  # y, y.sum(), detached y, ids
+    grads = {c.name: c.shapes for c in recorder.calls if c.phase == "backward"}
+    assert grads["<root>.output.0"] == (None, (), None, None)  # only y.sum() is on the loss path
+
+
+class WithOwnFunction(nn.Module):
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * x * grad
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return WithOwnFunction.Square.apply(self.linear(x)).sum()
+
+
+def test_model_with_its_own_autograd_function():
+    torch.manual_seed(0)
+    model = WithOwnFunction()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 3)
+    recorder = Recorder()
+    with SubscriberManager().subscribe(model, [recorder]):
+        model(x).backward()
+    plain(x).backward()
+    assert torch.equal(model.linear.weight.grad, plain.linear.weight.grad)
+    assert recorder.names(0, "forward") == ["linear.output.0", "<root>.output.0"]
+
+
+class Inspecting(nn.Module):
+    def __init__(self, repeat=1):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.repeat = repeat
+
+    def forward(self, x):
+        y = self.linear(x)
+        for _ in range(self.repeat):
+            y = inspect_activation("hidden", y) * 2
+        return y.sum()
+
+
+def test_inspect_activation_records_and_rejects_duplicate_names():
+    model = Inspecting()
+    recorder = Recorder()
+    with SubscriberManager().subscribe(model, [recorder]):
+        model(torch.randn(2, 3)).backward()
+        model(torch.randn(2, 3)).backward()
+    assert recorder.names(1, "forward") == ["linear.output.0", "hidden", "<root>.output.0"]
+    assert "hidden" in recorder.names(1, "backward")
+    x = torch.randn(2, 3)
+    assert inspect_activation("hidden", x) is x  # nothing subscribed: a no-op
+    twice = Inspecting(repeat=2)
+    with SubscriberManager().subscribe(twice, [Recorder()]):
+        with pytest.raises(ValueError, match="'hidden' was used twice in step 0"):
+            twice(torch.randn(2, 3))
+
+
+def test_module_called_twice_gets_distinct_record_names():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    recorder = Recorder()
+    with SubscriberManager().subscribe(model, [recorder]):
+        model(torch.randn(2, 3)).sum().backward()
+    assert recorder.names(0, "forward") == ["0.output.0", "1.output.0", "0#1.output.0", "<root>.output.0"]
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m: m.subscribe("model", [Recorder()]), TypeError, "needs a torch.nn.Module.*got str"),
+        (lambda m: m.subscribe(nn.Linear(2, 2), [object()]), TypeError, r"subscribers\[0\] is a object"),
+        (lambda m: m.subscribe(nn.Linear(2, 2), Recorder()), TypeError, "wrap a single subscriber in a list"),
+        (lambda m: m.subscribe(nn.Linear(2, 2), []), ValueError, "empty list"),
+        (lambda m: Recorder(start_step=5, end_step=2), ValueError, r"start_step \(5\) must not be greater"),
+        (lambda m: Recorder(start_step=-1), ValueError, "non-negative"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(call, error, message):
+    with pytest.raises(error, match=message):
+        call(SubscriberManager())
+
+
+def test_subscriber_base_defaults_are_pass_through():
+    class Quiet(SubscriberBase):
+        pass
+
+    model = TinyTransformer(CONFIG)
+    manager = SubscriberManager()
+    with manager.subscribe(model, [Quiet()]):
+        train_steps(model, 2)
+        assert manager.step == 2
+        # No observing subscriber: only the root's step boundary is inserted.
+        out = model(make_batch(CONFIG, batch_size=1)["tokens"])
+        assert out.grad_fn.name() == "StepBoundaryBackward"
