@@ -4,15 +4,19 @@
     SubscriberManager.subscribe(model, [StatisticsSubscriber("pt_out", override_output_dir=True)])
 """
 
+from .dump import load_dump
 from .manager import GlobalSubscriberManager, SubscriberManager, Subscription, inspect_activation
+from .statistics import StatisticsSubscriber
 from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
 
 __all__ = [
     "GlobalSubscriberManager",
     "ProbeEvent",
     "ProbeSite",
+    "StatisticsSubscriber",
     "SubscriberBase",
     "SubscriberManager",
     "Subscription",
     "inspect_activation",
+    "load_dump",
 ]
