@@ -1,0 +1,417 @@
+// Fused single-pass summary statistics of a contiguous CPU tensor, for probes/numerics.py.
+//
+// stats(x) -> (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero), the field order of
+// probes.numerics.TensorSummary. One pass over memory computes everything:
+//  * the data is cut into blocks of kBlock elements; a block keeps (n_b, K_b, S1_b, S2_b) where
+//    K_b is the block's first finite value and S1_b = sum(x - K_b), S2_b = sum((x - K_b)^2) in
+//    double. Since K_b is one of the values, S2_b <= (n_b + 1) * m2_b, so m2_b = S2_b - S1_b^2/n_b
+//    loses at most ~n_b ulps even when the data sits on a huge offset;
+//  * after the pass the mean comes from a compensated sum of the block sums, and
+//    m2 = sum(m2_b) + sum(n_b * (mean_b - mean)^2) with mean_b - mean formed as
+//    (K_b - mean) + S1_b/n_b, so no term carries a rounding error of the size of the offset.
+// Blocks of float data are first run through a branch-free vector loop that assumes all values are
+// finite; a non-finite S1/S2 proves that assumption wrong (or a float64 overflow) and the block is
+// redone by the scalar loop, which handles nan/inf element by element.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// A multiple of 16 (the vector loops' stride); m2 of a block loses at most ~kBlock ulps.
+constexpr int64_t kBlock = 1024;
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f4 __attribute__((vector_size(16)));
+typedef double d4 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef int64_t l4 __attribute__((vector_size(32)));
+
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+struct Totals {
+  int64_t nan = 0, inf = 0, neg = 0, pos = 0, zero = 0;
+  double fmin = std::numeric_limits<double>::infinity();
+  double fmax = -std::numeric_limits<double>::infinity();
+  int64_t imin = std::numeric_limits<int64_t>::max();
+  int64_t imax = std::numeric_limits<int64_t>::min();
+  double m2_within = 0.0;     // sum over blocks of m2_b
+  std::vector<double> blocks;  // (n_b, K_b, S1_b) for every block with finite values
+
+  void add_block(int64_t n, double k, double s1, double s2) {
+    if (n == 0) return;
+    double m2 = s2 - s1 * s1 / static_cast<double>(n);
+    m2_within += m2 > 0.0 ? m2 : 0.0;
+    blocks.push_back(static_cast<double>(n));
+    blocks.push_back(k);
+    blocks.push_back(s1);
+  }
+};
+
+inline double hsum(d4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+
+// Scalar loop for any floating block: exact handling of nan/inf, in element order.
+inline void block_scalar_float(const float* p, int64_t n, Totals& t) {
+  int64_t nf = 0;
+  double k = 0.0, s1 = 0.0, s2 = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = p[i];
+    if (std::isnan(v)) {
+      ++t.nan;
+      continue;
+    }
+    if (v < 0.0) ++t.neg;
+    else if (v > 0.0) ++t.pos;
+    else ++t.zero;
+    if (std::isinf(v)) {
+      ++t.inf;
+      continue;
+    }
+    if (nf == 0) k = v;
+    ++nf;
+    const double d = v - k;
+    s1 += d;
+    s2 += d * d;
+    if (v < t.fmin) t.fmin = v;
+    if (v > t.fmax) t.fmax = v;
+  }
+  t.add_block(nf, k, s1, s2);
+}
+
+inline void block_scalar_double(const double* p, int64_t n, Totals& t) {
+  int64_t nf = 0;
+  double k = 0.0, s1 = 0.0, s2 = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = p[i];
+    if (std::isnan(v)) {
+      ++t.nan;
+      continue;
+    }
+    if (v < 0.0) ++t.neg;
+    else if (v > 0.0) ++t.pos;
+    else ++t.zero;
+    if (std::isinf(v)) {
+      ++t.inf;
+      continue;
+    }
+    if (nf == 0) k = v;
+    ++nf;
+    const double d = v - k;
+    s1 += d;
+    s2 += d * d;
+    if (v < t.fmin) t.fmin = v;
+    if (v > t.fmax) t.fmax = v;
+  }
+  t.add_block(nf, k, s1, s2);
+}
+
+#if defined(__AVX__)
+inline d4 widen(const float* p) { return (d4)_mm256_cvtps_pd(_mm_loadu_ps(p)); }
+#else
+inline d4 widen(const float* p) { return __builtin_convertvector(load<f4>(p), d4); }
+#endif
+
+// Per-lane min/max/counts of the blocks that took the vector loop, reduced once at the end.
+template <typename E, typename V, typename I>
+struct Lanes {
+  V lo, hi;
+  I neg = {}, zero = {};
+  int64_t blocks = 0;
+
+  Lanes() {
+    lo = V{} + std::numeric_limits<E>::infinity();
+    hi = V{} - std::numeric_limits<E>::infinity();
+  }
+
+  void absorb(V block_lo, V block_hi, I block_neg, I block_zero) {
+    lo = block_lo < lo ? block_lo : lo;
+    hi = block_hi > hi ? block_hi : hi;
+    neg += block_neg;
+    zero += block_zero;
+    ++blocks;
+  }
+
+  // Moves the counts into t; with int32 lanes this must happen before a lane can overflow.
+  void flush(Totals& t) {
+    constexpr int width = sizeof(V) / sizeof(E);
+    int64_t nneg = 0, nzero = 0;
+    for (int j = 0; j < width; ++j) {
+      nneg += neg[j];
+      nzero += zero[j];
+      if (blocks) {
+        t.fmin = lo[j] < t.fmin ? lo[j] : t.fmin;
+        t.fmax = hi[j] > t.fmax ? hi[j] : t.fmax;
+      }
+    }
+    t.neg += nneg;
+    t.zero += nzero;
+    t.pos += blocks * kBlock - nneg - nzero;
+    neg = I{};
+    zero = I{};
+    blocks = 0;
+  }
+};
+
+using FloatLanes = Lanes<float, f8, i8>;
+using DoubleLanes = Lanes<double, d4, l4>;
+constexpr int64_t kFlushBlocks = 1 << 16;  // int32 lanes count at most kBlock / 8 per block
+
+// Vector loop for a full block of float32 values; false (and no effect) if a value is not finite.
+inline bool block_vector_float(const float* p, FloatLanes& lanes, Totals& t) {
+  const double k = p[0];
+  d4 s1[4] = {}, s2[4] = {};
+  f8 lo = load<f8>(p), hi = lo;
+  i8 neg = {}, zero = {};
+  const f8 fzero = {};
+  for (int64_t i = 0; i < kBlock; i += 16) {
+    const f8 a = load<f8>(p + i), b = load<f8>(p + i + 8);
+    lo = a < lo ? a : lo;
+    hi = a > hi ? a : hi;
+    lo = b < lo ? b : lo;
+    hi = b > hi ? b : hi;
+    neg -= (a < fzero);
+    zero -= (a == fzero);
+    neg -= (b < fzero);
+    zero -= (b == fzero);
+    const d4 d0 = widen(p + i) - k, d1 = widen(p + i + 4) - k;
+    const d4 d2 = widen(p + i + 8) - k, d3 = widen(p + i + 12) - k;
+    s1[0] += d0;
+    s1[1] += d1;
+    s1[2] += d2;
+    s1[3] += d3;
+    s2[0] += d0 * d0;
+    s2[1] += d1 * d1;
+    s2[2] += d2 * d2;
+    s2[3] += d3 * d3;
+  }
+  const double sum1 = hsum((s1[0] + s1[1]) + (s1[2] + s1[3]));
+  const double sum2 = hsum((s2[0] + s2[1]) + (s2[2] + s2[3]));
+  if (!std::isfinite(sum1 + sum2)) return false;
+  lanes.absorb(lo, hi, neg, zero);
+  t.add_block(kBlock, k, sum1, sum2);
+  return true;
+}
+
+inline bool block_vector_double(const double* p, DoubleLanes& lanes, Totals& t) {
+  const double k = p[0];
+  d4 s1[4] = {}, s2[4] = {};
+  d4 lo = load<d4>(p), hi = lo;
+  l4 neg = {}, zero = {};
+  const d4 dzero = {};
+  for (int64_t i = 0; i < kBlock; i += 16) {
+    for (int j = 0; j < 4; ++j) {
+      const d4 v = load<d4>(p + i + 4 * j);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+      neg -= (v < dzero);
+      zero -= (v == dzero);
+      const d4 d = v - k;
+      s1[j] += d;
+      s2[j] += d * d;
+    }
+  }
+  const double sum1 = hsum((s1[0] + s1[1]) + (s1[2] + s1[3]));
+  const double sum2 = hsum((s2[0] + s2[1]) + (s2[2] + s2[3]));
+  if (!std::isfinite(sum1 + sum2)) return false;
+  lanes.absorb(lo, hi, neg, zero);
+  t.add_block(kBlock, k, sum1, sum2);
+  return true;
+}
+
+void run_float(const float* p, int64_t n, Totals& t) {
+  FloatLanes lanes;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    if (!block_vector_float(p + i, lanes, t)) block_scalar_float(p + i, kBlock, t);
+    if (lanes.blocks == kFlushBlocks) lanes.flush(t);
+  }
+  lanes.flush(t);
+  if (i < n) block_scalar_float(p + i, n - i, t);
+}
+
+void run_double(const double* p, int64_t n, Totals& t) {
+  DoubleLanes lanes;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    if (!block_vector_double(p + i, lanes, t)) block_scalar_double(p + i, kBlock, t);
+  }
+  lanes.flush(t);
+  if (i < n) block_scalar_double(p + i, n - i, t);
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);  // subnormal or zero
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+void widen_half(const uint16_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+  }
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(p[i]);
+}
+
+void widen_bfloat16(const uint16_t* p, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bits_to_float(static_cast<uint32_t>(p[i]) << 16);
+}
+
+// 16-bit floats are widened one block at a time into a buffer that stays in L1.
+template <void (*Widen)(const uint16_t*, int64_t, float*)>
+void run_16bit(const uint16_t* p, int64_t n, Totals& t) {
+  alignas(32) float buffer[kBlock];
+  FloatLanes lanes;
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t m = n - i < kBlock ? n - i : kBlock;
+    Widen(p + i, m, buffer);
+    if (m < kBlock || !block_vector_float(buffer, lanes, t)) block_scalar_float(buffer, m, t);
+    if (lanes.blocks == kFlushBlocks) lanes.flush(t);
+  }
+  lanes.flush(t);
+}
+
+template <typename T>
+void run_int(const T* p, int64_t n, Totals& t) {
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t m = n - start < kBlock ? n - start : kBlock;
+    const T* q = p + start;
+    T mn = q[0], mx = q[0];
+    int64_t neg = 0, zero = 0;
+    const double k = static_cast<double>(q[0]);
+    double s1[4] = {}, s2[4] = {};
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      for (int j = 0; j < 4; ++j) {
+        const T v = q[i + j];
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+        neg += v < 0;
+        zero += v == 0;
+        const double d = static_cast<double>(v) - k;
+        s1[j] += d;
+        s2[j] += d * d;
+      }
+    }
+    for (; i < m; ++i) {
+      const T v = q[i];
+      mn = v < mn ? v : mn;
+      mx = v > mx ? v : mx;
+      neg += v < 0;
+      zero += v == 0;
+      const double d = static_cast<double>(v) - k;
+      s1[0] += d;
+      s2[0] += d * d;
+    }
+    t.neg += neg;
+    t.zero += zero;
+    t.pos += m - neg - zero;
+    if (static_cast<int64_t>(mn) < t.imin) t.imin = static_cast<int64_t>(mn);
+    if (static_cast<int64_t>(mx) > t.imax) t.imax = static_cast<int64_t>(mx);
+    t.add_block(m, k, (s1[0] + s1[1]) + (s1[2] + s1[3]), (s2[0] + s2[1]) + (s2[2] + s2[3]));
+  }
+}
+
+// Combines the block moments into (finite, mean, m2).
+void finish(const Totals& t, int64_t& finite, double& mean, double& m2) {
+  const std::vector<double>& b = t.blocks;
+  finite = 0;
+  mean = 0.0;
+  m2 = 0.0;
+  if (b.empty()) return;
+  const double k0 = b[1];
+  double sum = 0.0, compensation = 0.0;  // Neumaier summation of n_b*(K_b - k0) + S1_b
+  for (size_t i = 0; i < b.size(); i += 3) {
+    finite += static_cast<int64_t>(b[i]);
+    const double term = b[i] * (b[i + 1] - k0) + b[i + 2];
+    const double next = sum + term;
+    compensation += std::fabs(sum) >= std::fabs(term) ? (sum - next) + term : (term - next) + sum;
+    sum = next;
+  }
+  mean = k0 + (sum + compensation) / static_cast<double>(finite);
+  double between = 0.0;
+  for (size_t i = 0; i < b.size(); i += 3) {
+    const double deviation = (b[i + 1] - mean) + b[i + 2] / b[i];
+    between += b[i] * deviation * deviation;
+  }
+  m2 = t.m2_within + between;
+}
+
+py::tuple stats(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "probes stats kernel: expected a CPU tensor");
+  TORCH_CHECK(x.is_contiguous(), "probes stats kernel: expected a contiguous tensor");
+  const int64_t n = x.numel();
+  const auto type = x.scalar_type();
+  const bool is_float = type == torch::kFloat || type == torch::kDouble || type == torch::kHalf ||
+                        type == torch::kBFloat16;
+  const bool is_int = type == torch::kInt8 || type == torch::kInt16 || type == torch::kInt32 ||
+                      type == torch::kInt64 || type == torch::kUInt8 || type == torch::kBool;
+  TORCH_CHECK(is_float || is_int, "probes stats kernel: unsupported dtype ", type);
+  Totals t;
+  t.blocks.reserve(3 * (n / kBlock + 1));
+  int64_t finite = 0;
+  double mean = 0.0, m2 = 0.0;
+  {
+    py::gil_scoped_release no_gil;
+    const void* data = x.data_ptr();
+    switch (type) {
+      case torch::kFloat: run_float(static_cast<const float*>(data), n, t); break;
+      case torch::kDouble: run_double(static_cast<const double*>(data), n, t); break;
+      case torch::kHalf: run_16bit<widen_half>(static_cast<const uint16_t*>(data), n, t); break;
+      case torch::kBFloat16: run_16bit<widen_bfloat16>(static_cast<const uint16_t*>(data), n, t); break;
+      case torch::kInt8: run_int(static_cast<const int8_t*>(data), n, t); break;
+      case torch::kInt16: run_int(static_cast<const int16_t*>(data), n, t); break;
+      case torch::kInt32: run_int(static_cast<const int32_t*>(data), n, t); break;
+      case torch::kInt64: run_int(static_cast<const int64_t*>(data), n, t); break;
+      case torch::kUInt8: run_int(static_cast<const uint8_t*>(data), n, t); break;
+      case torch::kBool: run_int(static_cast<const uint8_t*>(data), n, t); break;
+      default: break;  // rejected above
+    }
+    finish(t, finite, mean, m2);
+  }
+  py::object none = py::none();
+  py::object mean_obj = finite ? py::object(py::float_(mean)) : none;
+  py::object lo = none, hi = none;
+  if (finite && is_float) {
+    lo = py::float_(t.fmin);
+    hi = py::float_(t.fmax);
+  } else if (finite) {
+    lo = py::int_(t.imin);
+    hi = py::int_(t.imax);
+  }
+  return py::make_tuple(n, finite, mean_obj, m2, lo, hi, t.nan, t.inf, t.neg, t.pos, t.zero);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stats", &stats, "(numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero) of a contiguous CPU tensor");
+}
