@@ -155,7 +155,7 @@ CRASHING_RUN = textwrap.dedent(
 def test_a_killed_run_leaves_finished_steps_readable(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", CRASHING_RUN, str(out)], env=env, capture_output=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", CRASHING_RUN, str(out)], env=env, capture_output=True, timeout=600)
     assert result.returncode == -9, result.stderr.decode()
     assert list_steps(out)[0] == {"finished": [0, 1, 2], "unfinished": [3]}
     records = load_dump(out)
