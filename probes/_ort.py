@@ -10,6 +10,10 @@ already been imported by the user's program, so importing probes never imports O
 
 from __future__ import annotations
 
+import atexit
+import functools
+import importlib
+import importlib.util
 import sys
 from typing import Any
 
@@ -105,3 +109,100 @@ def signal_model_changed(model: torch.nn.Module) -> None:
             f"cannot ask ORTModule to re-export after (un)subscribing ({error}); "
             "subscribe before wrapping the model in ORTModule"
         ) from error
+
+
+# PythonOp export support (used by exporters/) -----------------------------------------------------
+
+_ORTMODULE_PACKAGE = "onnxruntime.training.ortmodule"
+_PYTHONOP_EXPORTER_MODULE = "onnxruntime.training.ortmodule._custom_autograd_function_exporter"
+
+
+def is_ortmodule_imported() -> bool:
+    """True once the program has imported onnxruntime.training.ortmodule (never imports it)."""
+    return _ORTMODULE_PACKAGE in sys.modules
+
+
+def add_pythonop_export_handler(func_name: str, handler: Any) -> None:
+    """Make ORTModule's PythonOp exporter call ``handler(g, node, *args, **kwargs)`` for ``func_name``.
+
+    ``func_name`` is the Function's fully qualified class name (ORT's key). ORT 1.19 looks this map up
+    before its default export; a handler returning None falls back to the default.
+    """
+    _check_version()
+    module = importlib.import_module(_PYTHONOP_EXPORTER_MODULE)
+    handlers = getattr(getattr(module, "_SpecialCustomFunctionHandler", None), "_HIGH_PRIORITY_EXPORT_HANDLER_MAP", None)
+    register = getattr(module, "register_high_priority_handler", None)
+    if register is None or not isinstance(handlers, dict):
+        raise OrtInternalsError(
+            f"{_PYTHONOP_EXPORTER_MODULE}.register_high_priority_handler is missing or changed; "
+            "probes cannot export their autograd Functions as PythonOp under ORTModule"
+        )
+    register(func_name)(handler)
+
+
+_RELEASE_AT_EXIT: list[bool] = []
+
+
+def register_pythonop_runtime(func_name: str, function: type, infer_shape: Any, alias_input: Any) -> None:
+    """Tell ORT's PythonOp kernels which class runs ``func_name``, its shape and alias functions.
+
+    ``infer_shape(node, input_shapes, input_dtypes) -> (output_shapes, output_dtypes)`` keeps shapes
+    through the op; ``alias_input(node_proto_bytes) -> (forward_map, backward_map)`` lets ORT reuse
+    input buffers for outputs instead of copying them (see exporters/pythonop.py for the maps).
+    """
+    _check_version()
+    try:
+        from onnxruntime.capi._pybind_state import (
+            register_input_alias_function,
+            register_shape_inference_function,
+            register_torch_autograd_function,
+            unregister_python_functions,
+        )
+    except ImportError as error:
+        raise OrtInternalsError(
+            f"onnxruntime's PythonOp registration functions are missing ({error}); "
+            "is this onnxruntime-training (not plain onnxruntime)?"
+        ) from error
+    if not _RELEASE_AT_EXIT:
+        # ORT's function pool is a C++ static holding these Python objects; released after the
+        # interpreter is gone, it crashes the process at exit. ORTModule registers this release
+        # only when an ORTModule is constructed, which a standalone export may never do.
+        atexit.register(unregister_python_functions)
+        _RELEASE_AT_EXIT.append(True)
+    register_torch_autograd_function(func_name, function)
+    if infer_shape is not None:
+        register_shape_inference_function(func_name, infer_shape)
+    if alias_input is not None:
+        register_input_alias_function(func_name, alias_input)
+
+
+def enable_pythonop_runners() -> None:
+    """Register ORT's Python-op forward/backward runners (ORTModule does it when first constructed).
+
+    Needed to run PythonOp nodes in a plain InferenceSession; imports ORTModule (seconds, once).
+    """
+    _check_version()
+    from onnxruntime.training.ortmodule import _custom_autograd_function
+
+    enable = getattr(_custom_autograd_function, "enable_custom_autograd_support", None)
+    if enable is None:
+        raise OrtInternalsError("onnxruntime.training.ortmodule._custom_autograd_function.enable_custom_autograd_support is missing")
+    enable(True)
+
+
+@functools.cache
+def _onnxruntime_installed() -> bool:
+    return importlib.util.find_spec("onnxruntime") is not None
+
+
+def install_probe_exporters() -> None:
+    """Let ORTModule export the probe Functions with exporters/ (``SubscriberManager.subscribe`` calls this).
+
+    Without onnxruntime installed it returns at once and imports nothing; otherwise
+    ``exporters.install_for_ort`` registers now or when the program imports ORTModule.
+    """
+    if not _onnxruntime_installed():
+        return
+    from exporters import install_for_ort
+
+    install_for_ort()

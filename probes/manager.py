@@ -122,6 +122,7 @@ class SubscriberManager:
                 )
 
         root = _ort.unwrap(model)
+        _ort.install_probe_exporters()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
         previous = _HOLDERS.get(root)
         if previous is not None:
@@ -134,6 +135,10 @@ class SubscriberManager:
         self._register_hooks(root)
         _HOLDERS[root] = self
         _LIVE.add(self)
+        # atexit runs hooks last-registered-first: re-registering here puts this one before the hooks
+        # of the subscribers just created (e.g. dump writers), so the open step is finished first.
+        atexit.unregister(_finish_at_exit)
+        atexit.register(_finish_at_exit)
         self._wrapper_ref = weakref.ref(model) if model is not root else None
         _ort.signal_model_changed(model)
         self._subscription = Subscription(self, root)
@@ -243,6 +248,8 @@ class SubscriberManager:
     def _apply_to_tensors(self, function: type[torch.autograd.Function], first_arg: Any, structure: Any,
                           always: bool = False) -> Any:
         """Pass the tensors of a nested structure through ``function``; everything else is kept as is."""
+        if isinstance(structure, torch.Tensor):  # the common case, without the pytree round trip
+            return function.apply(first_arg, structure)[0]
         leaves, spec = pytree.tree_flatten(structure)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not positions:
@@ -328,7 +335,6 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return _RUNNING[-1].inspect(name, tensor)
 
 
-@atexit.register
 def _finish_at_exit() -> None:
     for manager in list(_LIVE):
         manager.unsubscribe()

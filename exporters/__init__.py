@@ -1,0 +1,29 @@
+"""exporters: ONNX export of probed models (probes' autograd Functions as ``com.microsoft::PythonOp``).
+
+    import exporters
+    exporters.export_onnx(model, (tokens,), "model.onnx")      # standalone, torch 2.4 and 2.13
+    exporters.install_for_ort()                               # ORTModule (subscribe() calls it)
+    exporters.register_probe_function(MyProbe, describe=...)  # a new probe Function
+    with exporters.partitioned_embedding_export(): ...        # DeepSpeed ZeRO-3 (0,) embedding weights
+
+See docs/exporters.md.
+"""
+
+from .embedding import partitioned_embedding_export
+from .export import export_onnx
+from .ort import inference_session, install_for_ort
+from .pythonop import PythonOpExportError
+from .registry import ProbeFunctionSpec, register_probe_function, unregister_probe_function
+from .symbolic import python_op_symbolic
+
+__all__ = [
+    "ProbeFunctionSpec",
+    "PythonOpExportError",
+    "export_onnx",
+    "inference_session",
+    "install_for_ort",
+    "partitioned_embedding_export",
+    "python_op_symbolic",
+    "register_probe_function",
+    "unregister_probe_function",
+]

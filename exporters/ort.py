@@ -1,0 +1,148 @@
+"""Make ORTModule export the probe Functions with exporters/ (PythonOp with aliasing and shapes).
+
+    import exporters
+    exporters.install_for_ort()   # probes.SubscriberManager.subscribe() calls this for you
+
+Without onnxruntime installed this does nothing and imports nothing. If ORT is installed but
+``onnxruntime.training.ortmodule`` is not imported yet, the installation waits for that import
+(importing ORTModule takes seconds, so it is never done on the user's behalf); once it is imported:
+
+- ORTModule's PythonOp exporter calls our handler for every registered probe Function, which emits
+  the node of exporters/pythonop.py (same attributes as ORT's default, plus the site name);
+- ORT's PythonOp kernels get each Function's class, ``infer_shape`` and ``alias_input``, so ORT keeps
+  the shapes and returns the probes' outputs in their inputs' buffers instead of copying them.
+
+All ORT internals used here are behind probes/_ort.py.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+from probes import _ort
+
+from .pythonop import emit_python_op, identity_alias_input, identity_infer_shape
+from .registry import ProbeFunctionSpec, on_register, registered_specs, spec_for
+
+_ORTMODULE = "onnxruntime.training.ortmodule"
+_STATE = {"installed": False, "waiting": False}
+
+
+def _ort_handler(spec: ProbeFunctionSpec) -> Callable[..., Any]:
+    def handler(g: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        current = spec_for(spec.function)
+        if current is None:  # unregistered since: None makes ORT use its default exporter
+            return None
+        return emit_python_op(g, node, current, args)
+
+    handler.__qualname__ = f"export_{spec.function.__qualname__}"
+    return handler
+
+
+def _install_spec(spec: ProbeFunctionSpec) -> None:
+    _ort.add_pythonop_export_handler(spec.name, _ort_handler(spec))
+    shape, alias = (identity_infer_shape, identity_alias_input) if spec.identity else (None, None)
+    _ort.register_pythonop_runtime(spec.name, spec.function, shape, alias)
+
+
+def _install_now() -> None:
+    for spec in registered_specs():
+        _install_spec(spec)
+    if not _STATE["installed"]:
+        _STATE["installed"] = True
+        on_register(_install_spec)
+
+
+def is_installed() -> bool:
+    """True once the probe exporters are registered with an imported ORTModule."""
+    return _STATE["installed"]
+
+
+def install_for_ort() -> None:
+    """Register the probe exporters with ORTModule now, or as soon as the program imports it."""
+    if _STATE["installed"]:
+        return
+    if _ort.is_ortmodule_imported():
+        _install_now()
+        return
+    if _STATE["waiting"] or importlib.util.find_spec("onnxruntime") is None:
+        return
+    sys.meta_path.insert(0, _AfterImport(_ORTMODULE, _install_after_import))
+    _STATE["waiting"] = True
+
+
+def _install_after_import(module: Any) -> None:
+    # Raising here would break the user's `import onnxruntime.training.ortmodule`; ORT then exports
+    # the probes with its default exporter (correct, with an extra copy per probe output).
+    try:
+        _install_now()
+    except Exception as error:  # noqa: BLE001 - any failure must leave ORT importable
+        warnings.warn(
+            f"probes could not install their PythonOp exporters into ORTModule ({error}); ORT's default "
+            "exporter will be used, which copies every probed tensor",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after ``name`` is imported, then removes itself."""
+
+    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
+        self._name = name
+        self._callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self._name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _CallbackLoader(spec.loader, self._callback)
+        return spec
+
+
+class _CallbackLoader:
+    """The found loader, calling back after executing the module; everything else is delegated."""
+
+    def __init__(self, loader: Any, callback: Callable[[Any], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__loader__ = self._loader
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def inference_session(model: Any, **session_options: Any) -> Any:
+    """An ``onnxruntime.InferenceSession`` on an exported model (path or ModelProto) that runs its probes.
+
+        session = exporters.inference_session(exporters.export_onnx(model, (tokens,)))
+        outputs = session.run(None, {"tokens": tokens.numpy()})   # ORT calls the probes' forward
+
+    Registers ORT's Python-op runners and the probe Functions first (imports ORTModule). Only valid
+    in the process that exported the model: its probe arguments are pointers to live objects.
+    """
+    import onnxruntime
+
+    _ort.enable_pythonop_runners()
+    install_for_ort()
+    if isinstance(model, (str, os.PathLike)):
+        source = os.fspath(model)
+    else:
+        source = model if isinstance(model, bytes) else model.SerializeToString()
+    session_options.setdefault("providers", ["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(source, **session_options)

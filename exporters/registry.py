@@ -1,0 +1,103 @@
+"""Which autograd Functions exporters/ exports as PythonOp, and how each names its site.
+
+    from exporters import register_probe_function
+    register_probe_function(MyProbe, describe=lambda args: args[0].name)
+
+A registered Function is exported by our PythonOp symbolic (standalone ``export_onnx`` and, once
+``install_for_ort`` ran, ORTModule's export) and registered with ORT's PythonOp kernels. Functions
+registered as identities (the default) get ORT's shape inference and buffer aliasing: output i is
+tensor input i, and the gradient of tensor input i is the gradient of output i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from probes.functions import StepBoundary, TensorProbe
+from probes.subscriber import ProbeSite
+
+Describe = Callable[[Sequence[Any]], str]
+
+
+@dataclass(frozen=True)
+class ProbeFunctionSpec:
+    """How one probe Function is exported."""
+
+    function: type[torch.autograd.Function]
+    describe: Describe  # the Function's non-tensor arguments -> the PythonOp's ``comment`` (its site name)
+    identity: bool  # outputs are the tensor inputs, unchanged, in order
+
+    @property
+    def name(self) -> str:
+        """The fully qualified class name: PythonOp's ``func_name`` and ORT's registry key."""
+        return qualified_name(self.function)
+
+
+_SPECS: dict[type, ProbeFunctionSpec] = {}
+_LISTENERS: list[Callable[[ProbeFunctionSpec], None]] = []
+
+
+def qualified_name(function: type) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def _no_description(non_tensor_args: Sequence[Any]) -> str:
+    return ""
+
+
+def register_probe_function(function: type[torch.autograd.Function], *, describe: Describe | None = None,
+                            identity: bool = True) -> ProbeFunctionSpec:
+    """Export ``function`` as ``com.microsoft::PythonOp`` with exporters/ (idempotent; re-registering replaces).
+
+    ``describe(non_tensor_args) -> str`` names the probe's site in the PythonOp's ``comment`` attribute.
+    ``identity=False`` for a Function whose outputs are not its tensor inputs: no aliasing and no
+    shape inference are declared to ORT for it.
+    """
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise TypeError(f"register_probe_function needs a torch.autograd.Function subclass, got {function!r}")
+    if "<locals>" in function.__qualname__:
+        raise ValueError(
+            f"{qualified_name(function)} is defined inside a function; ORT finds PythonOp Functions by their "
+            "qualified name, which must be unique: define it at module level"
+        )
+    spec = ProbeFunctionSpec(function, describe or _no_description, identity)
+    _SPECS[function] = spec
+    for listener in _LISTENERS:
+        listener(spec)
+    return spec
+
+
+def unregister_probe_function(function: type[torch.autograd.Function]) -> None:
+    """Stop exporting ``function`` with exporters/ (ORT's own registrations stay until exit)."""
+    _SPECS.pop(function, None)
+
+
+def spec_for(function: type) -> ProbeFunctionSpec | None:
+    return _SPECS.get(function)
+
+
+def registered_specs() -> tuple[ProbeFunctionSpec, ...]:
+    return tuple(_SPECS.values())
+
+
+def on_register(listener: Callable[[ProbeFunctionSpec], None]) -> None:
+    """Call ``listener(spec)`` for every Function registered from now on (ORT installs itself this way)."""
+    _LISTENERS.append(listener)
+
+
+def _describe_site(non_tensor_args: Sequence[Any]) -> str:
+    site = non_tensor_args[0] if non_tensor_args else None
+    if not isinstance(site, ProbeSite):
+        return ""
+    return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"
+
+
+def _describe_step_boundary(non_tensor_args: Sequence[Any]) -> str:
+    return "step_boundary"
+
+
+register_probe_function(TensorProbe, describe=_describe_site)
+register_probe_function(StepBoundary, describe=_describe_step_boundary)

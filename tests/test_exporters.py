@@ -1,0 +1,546 @@
+"""exporters/: probes as com.microsoft::PythonOp (standalone and under ORTModule), ZeRO-3 embeddings."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import onnx
+import pytest
+import torch
+
+import exporters
+from exporters import _torch_compat as compat
+from exporters.pythonop import PythonOpExportError
+from helpers import Recorder, called_by_ort_runtime
+from probes import SubscriberManager, _ort
+from probes.functions import TensorProbe
+from probes.models import TinyTransformer, TransformerConfig, make_batch
+
+CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
+CLONE_WARNING = "A clone will be done"
+
+
+# Helpers ------------------------------------------------------------------------------------------
+
+
+def python_ops(model_proto: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model_proto.graph.node if n.domain == "com.microsoft" and n.op_type == "PythonOp"]
+
+
+def attr(node: onnx.NodeProto, name: str):
+    value = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def output_shapes(model_proto: onnx.ModelProto, op_type: str) -> list[list]:
+    """Shapes of the first output of every ``op_type`` node, after ONNX shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model_proto)
+    infos = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    shapes = []
+    for node in inferred.graph.node:
+        if node.op_type == op_type:
+            dims = infos[node.output[0]].type.tensor_type.shape.dim
+            shapes.append([d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims])
+    return shapes
+
+
+def probed_transformer():
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    recorder, manager = Recorder(), SubscriberManager()
+    manager.subscribe(model, [recorder])
+    return model, manager, recorder
+
+
+def eager_site_names(tokens: torch.Tensor) -> list[str]:
+    """The probe sites one eager forward of a TinyTransformer reports (``embed.output`` ...)."""
+    model, recorder = TinyTransformer(CONFIG), Recorder()
+    with SubscriberManager().subscribe(model, [recorder]):
+        model(tokens)
+    return [call.name.rsplit(".", 1)[0] for call in recorder.calls if call.phase == "forward"]
+
+
+def called_by_inference_session() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith("onnxruntime/capi/onnxruntime_inference_collection.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class SessionRecorder(Recorder):
+    """A Recorder that also notes whether an ORT InferenceSession run made each forward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_session: list[bool] = []
+
+    def on_forward(self, event, tensors):
+        super().on_forward(event, tensors)
+        self.by_session.append(called_by_inference_session())
+
+
+class Square(torch.autograd.Function):
+    """An unrelated custom Function without a symbolic: ORT's own PythonOp exporter handles it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class Scale(torch.autograd.Function):
+    """An unrelated custom Function with its own symbolic: torch exports it as a Mul."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+    @staticmethod
+    def symbolic(g, x, factor):
+        return g.op("Mul", x, g.op("Constant", value_t=torch.tensor(factor, dtype=torch.float32)))
+
+
+class TaggedProbe(torch.autograd.Function):
+    """A probe Function registered by a test: an identity with an int tag."""
+
+    @staticmethod
+    def forward(ctx, tag, x):
+        return (x.view_as(x),)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+class WithCustomFunctions(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return self.function.apply(y) if self.function is Square else self.function.apply(y, 2.0)
+
+
+class CallsProbe(torch.nn.Module):
+    def __init__(self, first_arg):
+        super().__init__()
+        self.first_arg = first_arg
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        (y,) = self.first_arg(x)
+        return self.linear(y)
+
+
+def partitioned(embedding: torch.nn.Embedding) -> torch.nn.Embedding:
+    """What ZeRO-3 leaves of an embedding between gathers: an empty (0,) weight with its full shape."""
+    full_shape = tuple(embedding.weight.shape)
+    embedding.weight.data = torch.empty(0)
+    embedding.weight.ds_shape = full_shape
+    return embedding
+
+
+class GatheringEmbedding(torch.nn.Embedding):
+    """Gathers its partitioned weight around the lookup, like ZeRO-3's forward hooks."""
+
+    def forward(self, indices):
+        saved = self.weight.data
+        self.weight.data = torch.randn(self.weight.ds_shape)
+        try:
+            return super().forward(indices)
+        finally:
+            self.weight.data = saved
+
+
+class EmbeddingModel(torch.nn.Module):
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        self.embed = embedding
+        self.head = torch.nn.Linear(embedding.embedding_dim, 3)
+
+    def forward(self, indices):
+        return self.head(self.embed(indices))
+
+
+INDICES = torch.tensor([[1, 2, 3], [4, 5, 6]])
+
+
+# Standalone export (both lanes) --------------------------------------------------------------------
+
+
+def test_one_python_op_per_probe_with_func_name_and_site():
+    model, manager, recorder = probed_transformer()
+    tokens = make_batch(CONFIG, batch_size=2)["tokens"]
+    sites = eager_site_names(tokens)
+
+    proto = exporters.export_onnx(model, (tokens,))
+
+    onnx.checker.check_model(proto)
+    nodes = python_ops(proto)
+    assert len(nodes) == len(sites) + 1  # one TensorProbe per probed site, one StepBoundary
+    probes_ = [n for n in nodes if attr(n, "func_name") == "probes.functions.TensorProbe"]
+    boundaries = [n for n in nodes if attr(n, "func_name") == "probes.functions.StepBoundary"]
+    assert len(boundaries) == 1 and attr(boundaries[0], "comment") == "step_boundary"
+    assert sorted(attr(n, "comment") for n in probes_) == sorted(sites)
+    for node in nodes:
+        assert attr(node, "input_convention") == "cd"
+        assert attr(node, "input_pointer_scalar_positions") == [0]
+        assert attr(node, "training_mode") == 1
+        assert attr(node, "input_tensor_types") == attr(node, "output_tensor_types") == [onnx.TensorProto.FLOAT]
+        assert len(node.output) == 2 and node.output[0].endswith("_ctx")  # ORT's context output first
+        assert attr(node, "tensor_reuse_map") == [-1, 0] and attr(node, "bw_tensor_reuse_map") == [1]
+    # Export runs are not steps and report nothing.
+    assert manager.step == 0 and recorder.calls == []
+    exporters.export_onnx(model, (tokens,), training=False)
+    assert manager.step == 0 and recorder.calls == []
+    manager.unsubscribe()
+
+
+def test_export_writes_the_file_and_restores_the_pythonop_symbolic(tmp_path):
+    model, manager, _ = probed_transformer()
+    before = compat.active_symbolic("prim::PythonOp", 17)
+    path = tmp_path / "model.onnx"
+    exporters.export_onnx(model, (make_batch(CONFIG, batch_size=2)["tokens"],), path, training=False)
+    assert compat.active_symbolic("prim::PythonOp", 17) is before
+    loaded = onnx.load(path)
+    onnx.checker.check_model(loaded)
+    assert [attr(n, "training_mode") for n in python_ops(loaded)] == [0] * len(python_ops(loaded))
+    manager.unsubscribe()
+
+
+def test_unrelated_function_with_its_own_symbolic_exports_next_to_probes():
+    model = WithCustomFunctions(Scale)
+    manager = SubscriberManager()
+    manager.subscribe(model, [Recorder()])
+    proto = exporters.export_onnx(model, (torch.randn(2, 4),))
+    assert len(python_ops(proto)) == 3  # linear, root, step boundary
+    assert "Mul" in [n.op_type for n in proto.graph.node]
+    manager.unsubscribe()
+
+
+def test_function_without_any_exporter_is_named_in_the_error(monkeypatch):
+    # As on a machine without ORT: no prim::PythonOp symbolic was registered before ours.
+    monkeypatch.setattr(exporters.symbolic.compat, "active_symbolic", lambda name, opset: None)
+    with pytest.raises(PythonOpExportError, match=r"test_exporters\.Square"):
+        exporters.export_onnx(WithCustomFunctions(Square), (torch.randn(2, 4),))
+
+
+def test_tensor_hidden_in_a_non_tensor_argument_names_the_probe_and_argument():
+    model = CallsProbe(lambda x: TensorProbe.apply([x], x))
+    with pytest.raises(PythonOpExportError, match=r"probes\.functions\.TensorProbe: argument 0 \(list\) holds a torch\.Tensor"):
+        exporters.export_onnx(model, (torch.randn(2, 4),))
+
+
+@pytest.fixture
+def tagged_probe():
+    exporters.register_probe_function(TaggedProbe, describe=lambda args: f"tag={args[0]}")
+    yield TaggedProbe
+    exporters.unregister_probe_function(TaggedProbe)
+
+
+def test_registered_probe_exports_its_scalars_and_rejects_an_unpassable_one(tagged_probe):
+    proto = exporters.export_onnx(CallsProbe(lambda x: tagged_probe.apply(7, x)), (torch.randn(2, 4),))
+    (node,) = python_ops(proto)
+    assert attr(node, "func_name") == "test_exporters.TaggedProbe"
+    assert attr(node, "comment") == "tag=7"
+    assert attr(node, "input_int_scalars") == [7] and attr(node, "input_int_scalar_positions") == [0]
+    assert attr(node, "input_pointer_scalars") is None  # an int is a frozen constant, not a pointer
+
+    with pytest.raises(PythonOpExportError, match=r"TaggedProbe: argument 0 \(int\) holds the int \d+, which does not fit"):
+        exporters.export_onnx(CallsProbe(lambda x: tagged_probe.apply(2**70, x)), (torch.randn(2, 4),))
+
+
+def test_register_probe_function_checks_its_argument():
+    with pytest.raises(TypeError, match="autograd.Function"):
+        exporters.register_probe_function(torch.nn.Linear)
+
+    class Local(torch.autograd.Function):
+        pass
+
+    with pytest.raises(ValueError, match="module level"):
+        exporters.register_probe_function(Local)
+
+
+def test_install_for_ort_costs_nothing_without_onnxruntime():
+    if importlib.util.find_spec("onnxruntime") is not None:
+        exporters.install_for_ort()
+        assert exporters.ort.is_installed() == _ort.is_ortmodule_imported()
+        return
+    finders = list(sys.meta_path)
+    exporters.install_for_ort()
+    assert sys.meta_path == finders and "onnxruntime" not in sys.modules
+
+
+def test_alias_maps_follow_the_calling_convention():
+    single = onnx.helper.make_node("PythonOp", ["x"], ["ctx", "x1"], domain="com.microsoft", input_convention="ccd")
+    assert exporters.pythonop.identity_alias_input(single.SerializeToString()) == ([2], [-1, -1, 0])
+    assert exporters.pythonop.reuse_map_attributes("ccd") == {"tensor_reuse_map": [-1, 0], "bw_tensor_reuse_map": [1]}
+    # Several tensors: no alias declared (see identity_alias_maps).
+    assert exporters.pythonop.identity_alias_maps("cdcd") == ([-1, -1], [-1, -1, -1, -1])
+    assert exporters.pythonop.reuse_map_attributes("cdd") == {"tensor_reuse_map": [-1, -1, -1],
+                                                               "bw_tensor_reuse_map": [-1, -1]}
+    shapes, types = exporters.pythonop.identity_infer_shape(single, [[2, "n"], None], [1, 7])
+    assert shapes == [[2, "n"], None] and types == [1, 7]
+
+
+# ZeRO-3 partitioned embeddings (both lanes) ------------------------------------------------------
+
+
+def test_partitioned_embedding_exports_with_the_full_output_shape():
+    model = EmbeddingModel(partitioned(torch.nn.Embedding(10, 4)))
+    original_forward = torch.nn.Embedding.forward
+    with pytest.raises(Exception, match="'weight' must be 2-D"):
+        exporters.export_onnx(model, (INDICES,))
+
+    with exporters.partitioned_embedding_export():
+        proto = exporters.export_onnx(model, (INDICES,))
+        with pytest.raises(RuntimeError, match="'weight' must be 2-D"):
+            model(INDICES)  # a training step (not an export run) is left alone
+
+    assert output_shapes(proto, "ATen") == [[2, 3, 4]]
+    assert torch.nn.Embedding.forward is original_forward
+    with pytest.raises(Exception, match="'weight' must be 2-D"):
+        exporters.export_onnx(model, (INDICES,))  # removed on exit
+
+
+def test_traced_embedding_on_a_partitioned_weight_gets_its_rank_from_the_indices():
+    model = EmbeddingModel(partitioned(GatheringEmbedding(10, 4)))
+    plain = exporters.export_onnx(model, (INDICES,))
+    # Typed from the (0,) weight: torch's Gather gives rank 2 (ORT's ATen, if registered, rank 1), not 3.
+    (wrong,) = output_shapes(plain, "Gather") + output_shapes(plain, "ATen")
+    assert len(wrong) != 3
+
+    with exporters.partitioned_embedding_export(model):
+        fixed = exporters.export_onnx(model, (INDICES,))
+    assert output_shapes(fixed, "ATen") == [[2, 3, 4]]
+
+    with exporters.partitioned_embedding_export():  # without the model the dim is unknown, the rank right
+        (shape,) = output_shapes(exporters.export_onnx(model, (INDICES,)), "ATen")
+    assert shape[:2] == [2, 3] and len(shape) == 3
+
+
+def test_ordinary_embedding_export_is_unchanged_by_the_partitioned_exporter():
+    torch.manual_seed(0)
+    model = EmbeddingModel(torch.nn.Embedding(10, 4))
+    before = exporters.export_onnx(model, (INDICES,)).SerializeToString()
+    symbolic_before = compat.active_symbolic("aten::embedding", 17)
+    with exporters.partitioned_embedding_export(model):
+        inside = exporters.export_onnx(model, (INDICES,)).SerializeToString()
+    after = exporters.export_onnx(model, (INDICES,)).SerializeToString()
+    assert before == inside == after
+    assert compat.active_symbolic("aten::embedding", 17) is symbolic_before
+
+
+# ORT (onnxruntime-training 1.19.2, torch 2.4.1) ---------------------------------------------------
+
+
+def ortmodule(model, **debug):
+    from onnxruntime.training.ortmodule import DebugOptions, LogLevel, ORTModule
+
+    if debug:
+        return ORTModule(model, DebugOptions(log_level=LogLevel.WARNING, **debug))
+    return ORTModule(model)
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_exported_graph_runs_in_ort_which_calls_the_probes(capfd):
+    torch.manual_seed(0)
+    reference = TinyTransformer(CONFIG).eval()
+    model = copy.deepcopy(reference)
+    recorder, manager = SessionRecorder(), SubscriberManager()
+    manager.subscribe(model, [recorder])
+    proto = exporters.export_onnx(model, (make_batch(CONFIG, batch_size=2)["tokens"],), training=False,
+                                  input_names=["tokens"])
+    session = exporters.inference_session(proto)
+    for step in range(2):
+        tokens = make_batch(CONFIG, batch_size=2, seed=step)["tokens"]
+        (logits,) = session.run(None, {"tokens": tokens.numpy()})
+        with torch.no_grad():
+            assert torch.allclose(torch.from_numpy(logits), reference(tokens), atol=1e-5)
+    assert recorder.calls and all(recorder.by_session), "a probe call did not come from the ORT session"
+    probes_per_step = len(python_ops(proto)) - 1  # the step boundary reports nothing
+    assert [c.step for c in recorder.calls] == [0] * probes_per_step + [1] * probes_per_step
+    assert manager.step == 2  # the graph's StepBoundary ended each run's forward
+    assert CLONE_WARNING not in capfd.readouterr().out
+    manager.unsubscribe()
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_unrelated_function_goes_to_orts_exporter_and_runs():
+    _ort.enable_pythonop_runners()  # registers ORT's prim::PythonOp exporter and runners
+    torch.manual_seed(0)
+    model = WithCustomFunctions(Square)
+    manager = SubscriberManager()
+    manager.subscribe(model, [Recorder()])
+    x = torch.randn(2, 4)
+    proto = exporters.export_onnx(model, (x,), training=False, input_names=["x"])
+    func_names = sorted(attr(n, "func_name") for n in python_ops(proto))
+    assert func_names == ["probes.functions.StepBoundary", "probes.functions.TensorProbe",
+                          "probes.functions.TensorProbe", "test_exporters.Square"]
+    (result,) = exporters.inference_session(proto).run(None, {"x": x.numpy()})
+    manager.unsubscribe()
+    with torch.no_grad():
+        assert torch.allclose(torch.from_numpy(result), model(x), atol=1e-6)
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ortmodule_trains_with_the_probes_our_exporter_emitted(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
+    model, manager, recorder = probed_transformer()
+    tokens = make_batch(CONFIG, batch_size=2)["tokens"]
+    sites = eager_site_names(tokens)
+    wrapped = ortmodule(model, save_onnx=True, onnx_prefix="probed")
+    for step in range(3):
+        batch = make_batch(CONFIG, batch_size=2, seed=step)
+        wrapped(batch["tokens"], labels=batch["labels"]).backward()
+
+    assert manager.step == 3
+    assert recorder.calls and all(call.by_ort for call in recorder.calls), "a probe call did not come from ORT"
+    for step in range(3):
+        assert sorted(recorder.names(step, "forward")) == sorted(recorder.names(step, "backward"))
+        assert len(recorder.names(step, "forward")) == len(sites)
+    exported = onnx.load(tmp_path / "probed_torch_exported_training.onnx")
+    comments = [attr(n, "comment") for n in python_ops(exported) if attr(n, "func_name").endswith("TensorProbe")]
+    assert sorted(comments) == sorted(sites), "ORTModule did not export the probes with exporters/"
+    assert CLONE_WARNING not in capfd.readouterr().out
+    manager.unsubscribe()
+
+
+class DataPointers(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.pointers: dict[tuple[int, str, str], tuple[int, ...]] = {}
+
+    def on_forward(self, event, tensors):
+        self.pointers[(event.step, "forward", event.site.name)] = tuple(t.data_ptr() for t in tensors)
+
+    def on_backward(self, event, grads):
+        self.pointers[(event.step, "backward", event.site.name)] = tuple(g.data_ptr() for g in grads)
+
+
+class TwoOutputs(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, x * 3
+
+
+class SharedGradients(torch.nn.Module):
+    """A two-tensor probe whose two gradients ORT passes in one buffer (an Add's backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.two = torch.nn.Linear(4, 4), TwoOutputs()
+
+    def forward(self, x):
+        a, b = self.two(self.linear(x))
+        return a + b
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ort_passes_probe_outputs_in_their_inputs_buffers(capfd):
+    # Linear -> Identity: the Identity's probe gets the Linear probe's output. ORT copies a PythonOp
+    # output unless alias_input declares it to be the input, so equal buffers prove the registration.
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Identity())
+    recorder, manager = DataPointers(), SubscriberManager()
+    manager.subscribe(inner, [recorder])
+    model = ortmodule(inner)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    manager.unsubscribe()
+    step = 1  # ORT's first run copies every input once, to learn what the Function saves
+    for phase in ("forward", "backward"):
+        linear, identity, root = (recorder.pointers[(step, phase, site)] for site in ("0", "1", "<root>"))
+        assert linear == identity == root, phase
+    assert CLONE_WARNING not in capfd.readouterr().out
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_probe_of_two_tensors_sharing_a_gradient_buffer_trains_in_ort():
+    torch.manual_seed(0)
+    eager_model = SharedGradients()
+    inner = copy.deepcopy(eager_model)
+    manager, recorder = SubscriberManager(), Recorder()
+    manager.subscribe(inner, [recorder])
+    model = ortmodule(inner)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        loss = model(x).sum()
+        loss.backward()  # a declared alias would fail here: ORT's check cannot tell the two gradients apart
+    assert loss.item() == pytest.approx(eager_model(x).sum().item(), rel=1e-5)
+    assert {c.name for c in recorder.calls if c.phase == "backward" and c.step == 1} >= {"two.output.0"}
+    manager.unsubscribe()
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ortmodule_exports_a_partitioned_embedding(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path))
+    with pytest.raises(Exception, match="'weight' must be 2-D") as failure:
+        ortmodule(EmbeddingModel(partitioned(torch.nn.Embedding(10, 4))))(INDICES)
+    assert "ATen node" not in str(failure.value)  # failed in ORT's eager output-schema run
+
+    model = ortmodule(EmbeddingModel(partitioned(torch.nn.Embedding(10, 4))), save_onnx=True, onnx_prefix="zero3")
+    with exporters.partitioned_embedding_export():
+        # The export now succeeds; running the graph on the empty weight then fails in the ATen node
+        # (under real ZeRO-3, ORT's own stage-3 support feeds it the gathered weight).
+        with pytest.raises(Exception, match="ATen node"):
+            model(INDICES)
+    exported = onnx.load(tmp_path / "zero3_torch_exported_training.onnx")
+    (shape,) = output_shapes(exported, "ATen")
+    assert len(shape) == 3 and shape[-1] == 4
+
+
+@pytest.mark.ort
+def test_orts_own_embedding_symbolic_is_corrected():
+    ortmodule(torch.nn.Linear(2, 2))  # constructing an ORTModule registers ORT's symbolics (opset 17)
+    model = EmbeddingModel(partitioned(GatheringEmbedding(10, 4)))
+    (wrong,) = output_shapes(exporters.export_onnx(model, (INDICES,)), "ATen")
+    assert len(wrong) != 3  # ORT 1.19.2 types the output from the (0,) weight
+    with exporters.partitioned_embedding_export(model):
+        assert output_shapes(exporters.export_onnx(model, (INDICES,)), "ATen") == [[2, 3, 4]]
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_install_waits_for_the_ortmodule_import():
+    script = textwrap.dedent(
+        """
+        import sys
+        import exporters
+        exporters.install_for_ort()
+        assert "onnxruntime.training.ortmodule" not in sys.modules
+        assert not exporters.ort.is_installed()
+        import onnxruntime.training.ortmodule
+        assert exporters.ort.is_installed()
+        from onnxruntime.training.ortmodule._custom_autograd_function_exporter import _SpecialCustomFunctionHandler
+        assert _SpecialCustomFunctionHandler.get_handler("probes.functions.TensorProbe") is not None
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
