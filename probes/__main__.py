@@ -1,13 +1,15 @@
-"""Command line: ``python -m probes show DIR [--step N] [--rank R]``."""
+"""Command line: ``python -m probes show DIR [--step N] [--rank R]`` and ``python -m probes compare BASE OTHER``."""
 
 from __future__ import annotations
 
 import sys
 
+from .compare import compare_main
 from .dump import show_main
 
-COMMANDS = {"show": show_main}
-USAGE = "usage: python -m probes {show} ...   (python -m probes show --help)"
+COMMANDS = {"show": show_main, "compare": compare_main}
+USAGE = ("usage: python -m probes {show,compare} ...   "
+         "(python -m probes show --help, python -m probes compare --help)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from probes import StatisticsSubscriber, SubscriberManager, inspect_activation, load_dump
-from probes.compare import compare_dumps
 from probes.dump import list_steps
 from probes.models import TinyTransformer, TransformerConfig, make_batch
+from probes.testing import assert_parity
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +191,5 @@ def test_eager_and_ortmodule_dumps_agree(tmp_path):
     keys = {label: sorted((r["step"], r["phase"], r["name"]) for r in records) for label, records in runs.items()}
     assert keys["eager"] == keys["ort"]
     assert {k[0] for k in keys["ort"]} == {0, 1, 2}  # step 0 is the first training step, export never dumped
-    report = compare_dumps(tmp_path / "eager", tmp_path / "ort", rtol=1e-4, atol=1e-6)
-    assert report.first_divergence is None, str(report.first_divergence)
+    report = assert_parity(tmp_path / "eager", tmp_path / "ort", rtol=1e-4, atol=1e-6)
     assert report.matched == len(keys["eager"])

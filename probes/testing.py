@@ -1,0 +1,164 @@
+"""Test helpers: assert that two dumped runs agree, and inject a known bug into one run.
+
+    from probes.testing import assert_parity, inject_bug
+    assert_parity("eager_out", "ort_out", rtol=1e-4, atol=1e-6)      # AssertionError names the first divergence
+
+    bug = inject_bug(model, "blocks.0.mlp.0", step=2, factor=1.01)   # before the first step (ORT: before export)
+    for step in range(steps):
+        bug.step = step                                              # the bug reads the current step from here
+        ...train...
+
+Under pytest, the ``parity`` fixture is ``assert_parity`` that also writes an HTML report into the
+test's tmp_path when the runs diverge (``from probes.testing import parity`` in a test module or conftest).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from .compare import Report, compare_dumps
+
+__all__ = ["BugInjection", "assert_parity", "inject_bug", "parity_message"]
+
+
+def parity_message(report: Report, limit: int = 5) -> str:
+    """A few lines saying where two runs differ: the first divergence, then missing records and steps."""
+    lines = [f"runs differ: {report.base} (base) vs {report.other} (other)"]
+    if report.first_divergence is not None:
+        lines.append(f"first divergence: {report.first_divergence}")
+    diverged = sum(record.diverged for record in report.records)
+    lines.append(f"{report.matched} records matched, {diverged} diverged, "
+                 f"{len(report.only_in_base)} only in base, {len(report.only_in_other)} only in other")
+    for label, steps in (("only in base", report.steps_only_in_base), ("only in other", report.steps_only_in_other)):
+        if steps:
+            lines.append(f"steps {label}: {steps}")
+    for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
+        if keys:
+            shown = ", ".join(f"rank {k[0]} step {k[1]} {k[2]} {k[3]}" for k in keys[:limit])
+            lines.append(f"records {label}: {shown}{' ...' if len(keys) > limit else ''}")
+    lines.append(f"details: python -m probes compare {report.base} {report.other}")
+    return "\n".join(lines)
+
+
+def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 1e-4, atol: float = 1e-6,
+                  noise: str | Path | None = None, noise_factor: float = 10.0, steps: Sequence[int] | None = None,
+                  names: Sequence[str] = (), html: str | Path | None = None) -> Report:
+    """Raises AssertionError naming the first divergence unless the two dumps agree; returns the report.
+
+    Tolerances and filters are those of ``probes.compare.compare_dumps``. ``html``: where to write the
+    HTML report when the runs diverge (its path is then part of the message).
+    """
+    report = compare_dumps(base_dir, other_dir, rtol=rtol, atol=atol, noise=noise, noise_factor=noise_factor,
+                           steps=steps, names=names)
+    if report.agrees:
+        return report
+    message = parity_message(report)
+    if html is not None:
+        from .report_html import write_html
+        write_html(report, html)
+        message += f"\nHTML report: {html}"
+    raise AssertionError(message)
+
+
+# --------------------------------------------------------------------------------------------- bug injection
+
+
+@dataclass(eq=False)
+class BugInjection:
+    """Live state of an injected bug; the exported graph reaches it by pointer, so updates are seen under ORT.
+
+    ``step`` is the current training step, set by the training loop; the bug acts while
+    ``step >= from_step``. Phase "forward": the layer's output is multiplied by ``factor`` (and, as
+    the derivative of that, its gradient too). Phase "backward": only the gradient is.
+    """
+
+    layer: str
+    from_step: int
+    factor: float
+    phase: Literal["forward", "backward"]
+    step: int = 0
+    handle: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.step >= self.from_step
+
+    @property
+    def record_name(self) -> str:
+        """The statistics record the bug shows up in first (the layer's first output)."""
+        return f"{self.layer}.output.0"
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+class ScaleOutput(torch.autograd.Function):
+    """Multiplies a tensor (forward bug) or its gradient (backward bug) by the bug's factor while it is active."""
+
+    @staticmethod
+    def forward(ctx: Any, bug: BugInjection, tensor: torch.Tensor) -> torch.Tensor:
+        # Decided when the forward runs (every step, under ORT too), not when the graph was built.
+        scale = bug.factor if bug.active else 1.0
+        ctx.grad_scale = scale
+        return tensor * (scale if bug.phase == "forward" else 1.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad * ctx.grad_scale
+
+
+def _scale_first_tensor(bug: BugInjection) -> Callable[..., Any]:
+    def hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return ScaleOutput.apply(bug, output)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)([ScaleOutput.apply(bug, output[0]), *output[1:]])
+        raise TypeError(f"inject_bug: {bug.layer} returns {type(output).__name__}, not a tensor or tuple of tensors")
+
+    return hook
+
+
+def inject_bug(model: torch.nn.Module, layer: str, *, step: int, factor: float = 1.01,
+               phase: Literal["forward", "backward"] = "forward") -> BugInjection:
+    """Scales the first output (or its gradient) of ``model``'s submodule ``layer`` from ``step`` on.
+
+    A forward bug goes before any probe on that module (hook prepended), so the probe records the
+    scaled output. A backward bug must be seen by the probe's backward, which runs after the Functions
+    that come later in the forward: call ``inject_bug(..., phase="backward")`` after subscribing.
+    Under ORTModule, inject before wrapping (or before the first step), so the bug is exported.
+    """
+    modules = dict(model.named_modules())
+    if layer not in modules:
+        sample = ", ".join(name for name in list(modules)[1:8])
+        raise ValueError(f"inject_bug: {model.__class__.__name__} has no submodule {layer!r} (some names: {sample})")
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"inject_bug: phase must be 'forward' or 'backward', got {phase!r}")
+    bug = BugInjection(layer, step, float(factor), phase)
+    bug.handle = modules[layer].register_forward_hook(_scale_first_tensor(bug), prepend=phase == "forward")
+    return bug
+
+
+# --------------------------------------------------------------------------------------------- pytest
+
+# Defined only when pytest is already imported (i.e. under pytest): the demo and user scripts that import
+# inject_bug or assert_parity neither need pytest nor pay for importing it.
+pytest = sys.modules.get("pytest")
+
+if pytest is not None:
+
+    @pytest.fixture
+    def parity(tmp_path: Path) -> Callable[..., Report]:
+        """``assert_parity`` that writes ``<tmp_path>/parity.html`` when the runs diverge."""
+
+        def check(base_dir: str | Path, other_dir: str | Path, **options: Any) -> Report:
+            options.setdefault("html", tmp_path / "parity.html")
+            return assert_parity(base_dir, other_dir, **options)
+
+        return check

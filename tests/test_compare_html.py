@@ -1,0 +1,100 @@
+"""The HTML comparison report renders in headless Chromium with its plots visible (skips without chromium)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from probes.compare import compare_dumps
+from probes.report_html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, write_html
+from test_compare import synthetic_records, write_dump
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
+
+
+def read_png(path: Path) -> np.ndarray:
+    """Decodes an 8-bit, non-interlaced RGB or RGBA PNG (what Chromium's --screenshot writes) to HxWxC."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    position, chunks, header = 8, [], None
+    while position < len(data):
+        length, kind = struct.unpack(">I4s", data[position:position + 8])
+        body = data[position + 8:position + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            chunks.append(body)
+        position += 12 + length
+    width, height, depth, color_type, _, _, interlace = header
+    assert depth == 8 and color_type in (2, 6) and interlace == 0, f"unsupported PNG {header}"
+    channels = 3 if color_type == 2 else 4
+    stride = width * channels
+    raw = zlib.decompress(b"".join(chunks))
+    rows: list[list[int]] = []
+    previous = [0] * stride
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], raw[start + 1:start + 1 + stride]
+        if kind == 0:
+            row = list(line)
+        elif kind == 2:
+            row = [(a + b) & 0xFF for a, b in zip(line, previous)]
+        else:  # Sub, Average, Paeth depend on the reconstructed left neighbour: byte by byte
+            row = [0] * stride
+            for x in range(stride):
+                left = row[x - channels] if x >= channels else 0
+                up = previous[x]
+                if kind == 1:
+                    predictor = left
+                elif kind == 3:
+                    predictor = (left + up) >> 1
+                else:
+                    up_left = previous[x - channels] if x >= channels else 0
+                    p = left + up - up_left
+                    pa, pb, pc = abs(p - left), abs(p - up), abs(p - up_left)
+                    predictor = left if pa <= pb and pa <= pc else (up if pb <= pc else up_left)
+                row[x] = (line[x] + predictor) & 0xFF
+        rows.append(row)
+        previous = row
+    image = np.array(rows, dtype=np.uint8)
+    return image.reshape(height, width, channels)[:, :, :3]
+
+
+def pixels_of(image: np.ndarray, color: str, tolerance: int = 10) -> int:
+    rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(image.astype(np.int32) - rgb).max(axis=2) <= tolerance).sum())
+
+
+@needs_chromium
+def test_html_report_renders_in_headless_chromium(tmp_path):
+    for name in ("base", "other"):
+        bumps = {2: {("forward", 1): 1.5}} if name == "other" else {}
+        write_dump(tmp_path / name, 0, {s: synthetic_records(s, 0, bump=bumps.get(s)) for s in range(4)})
+    report = compare_dumps(tmp_path / "base", tmp_path / "other")
+    page = write_html(report, tmp_path / "report.html")
+    screenshot = tmp_path / "shot.png"
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run",
+               f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1600",
+               f"--screenshot={screenshot}", page.resolve().as_uri()]
+    result = subprocess.run(command, capture_output=True, timeout=120)
+    assert result.returncode == 0 and screenshot.exists(), result.stderr.decode(errors="replace")[-2000:]
+
+    image = read_png(screenshot)
+    assert image.shape[:2] == (1600, 1000)
+    non_white = (image < 245).any(axis=2).mean()
+    assert non_white > 0.03, f"the page looks blank ({non_white:.1%} non-white pixels)"
+    # Colours that only the SVG plots draw: both runs' swatches and lines, and the first-divergence ring.
+    assert pixels_of(image, BASE_COLOR) > 200
+    assert pixels_of(image, OTHER_COLOR) > 200
+    assert pixels_of(image, MARK_COLOR) > 40
+    # The heatmap's palette: a diverged cell is dark red, equal cells light grey.
+    assert pixels_of(image, "#b10026", tolerance=30) > 50
