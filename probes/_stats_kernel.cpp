@@ -1,14 +1,17 @@
 // Fused single-pass summary statistics of a contiguous CPU tensor, for probes/numerics.py.
 //
-// stats(x) -> (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero), the field order of
-// probes.numerics.TensorSummary. One pass over memory computes everything:
+// stats(x, shift) -> (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, mean - shift):
+// the field order of probes.numerics.TensorSummary, then the mean as an offset from `shift` (given,
+// or the first finite value) so that buckets combine without rounding at the size of the mean.
+// One pass over memory computes everything:
 //  * the data is cut into blocks of kBlock elements; a block keeps (n_b, K_b, S1_b, S2_b) where
 //    K_b is the block's first finite value and S1_b = sum(x - K_b), S2_b = sum((x - K_b)^2) in
 //    double. Since K_b is one of the values, S2_b <= (n_b + 1) * m2_b, so m2_b = S2_b - S1_b^2/n_b
 //    loses at most ~n_b ulps even when the data sits on a huge offset;
-//  * after the pass the mean comes from a compensated sum of the block sums, and
+//  * after the pass, mean - shift comes from a compensated sum of the block sums, and
 //    m2 = sum(m2_b) + sum(n_b * (mean_b - mean)^2) with mean_b - mean formed as
-//    (K_b - mean) + S1_b/n_b, so no term carries a rounding error of the size of the offset.
+//    ((K_b - shift) + S1_b/n_b) - (mean - shift), so no term carries a rounding error of the size
+//    of the offset.
 // Blocks of float data are first run through a branch-free vector loop that assumes all values are
 // finite; a non-finite S1/S2 proves that assumption wrong (or a float64 overflow) and the block is
 // redone by the scalar loop, which handles nan/inf element by element.
@@ -21,7 +24,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +37,7 @@ typedef float f8 __attribute__((vector_size(32)));
 typedef float f4 __attribute__((vector_size(16)));
 typedef double d4 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef int64_t l4 __attribute__((vector_size(32)));
 
 template <typename V, typename T>
@@ -64,35 +68,9 @@ struct Totals {
 
 inline double hsum(d4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 
-// Scalar loop for any floating block: exact handling of nan/inf, in element order.
-inline void block_scalar_float(const float* p, int64_t n, Totals& t) {
-  int64_t nf = 0;
-  double k = 0.0, s1 = 0.0, s2 = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = p[i];
-    if (std::isnan(v)) {
-      ++t.nan;
-      continue;
-    }
-    if (v < 0.0) ++t.neg;
-    else if (v > 0.0) ++t.pos;
-    else ++t.zero;
-    if (std::isinf(v)) {
-      ++t.inf;
-      continue;
-    }
-    if (nf == 0) k = v;
-    ++nf;
-    const double d = v - k;
-    s1 += d;
-    s2 += d * d;
-    if (v < t.fmin) t.fmin = v;
-    if (v > t.fmax) t.fmax = v;
-  }
-  t.add_block(nf, k, s1, s2);
-}
-
-inline void block_scalar_double(const double* p, int64_t n, Totals& t) {
+// Scalar loop for a block of floats or doubles: exact handling of nan/inf, in element order.
+template <typename T>
+inline void block_scalar(const T* p, int64_t n, Totals& t) {
   int64_t nf = 0;
   double k = 0.0, s1 = 0.0, s2 = 0.0;
   for (int64_t i = 0; i < n; ++i) {
@@ -173,59 +151,71 @@ constexpr int64_t kFlushBlocks = 1 << 16;  // int32 lanes count at most kBlock /
 // Vector loop for a full block of float32 values; false (and no effect) if a value is not finite.
 inline bool block_vector_float(const float* p, FloatLanes& lanes, Totals& t) {
   const double k = p[0];
-  d4 s1[4] = {}, s2[4] = {};
+  // Eight values per iteration and few accumulators: the loop's whole state then fits in the 16
+  // vector registers. A spilled accumulator (what a 16-wide unrolled loop gets) costs a third.
+  d4 s1 = {}, s2[2] = {};
   f8 lo = load<f8>(p), hi = lo;
-  i8 neg = {}, zero = {};
-  const f8 fzero = {};
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    const f8 a = load<f8>(p + i), b = load<f8>(p + i + 8);
+  i8 sign = {}, zero = {};
+  const i8 izero = {};
+  for (int64_t i = 0; i < kBlock; i += 8) {
+    const f8 a = load<f8>(p + i);
     lo = a < lo ? a : lo;
     hi = a > hi ? a : hi;
-    lo = b < lo ? b : lo;
-    hi = b > hi ? b : hi;
-    neg -= (a < fzero);
-    zero -= (a == fzero);
-    neg -= (b < fzero);
-    zero -= (b == fzero);
+    // Counted on the bits: integer compares leave the float units to min/max, which is ~25%
+    // faster on Zen 3. Sign bit set: x < 0 or x == -0.0; bits << 1 == 0: x == +-0.0.
+    sign -= ((i8)a < izero);
+    zero -= ((u8)a + (u8)a == (u8)izero);
     const d4 d0 = widen(p + i) - k, d1 = widen(p + i + 4) - k;
-    const d4 d2 = widen(p + i + 8) - k, d3 = widen(p + i + 12) - k;
-    s1[0] += d0;
-    s1[1] += d1;
-    s1[2] += d2;
-    s1[3] += d3;
+    s1 += d0 + d1;
     s2[0] += d0 * d0;
     s2[1] += d1 * d1;
-    s2[2] += d2 * d2;
-    s2[3] += d3 * d3;
   }
-  const double sum1 = hsum((s1[0] + s1[1]) + (s1[2] + s1[3]));
-  const double sum2 = hsum((s2[0] + s2[1]) + (s2[2] + s2[3]));
+  const double sum1 = hsum(s1);
+  const double sum2 = hsum(s2[0] + s2[1]);
   if (!std::isfinite(sum1 + sum2)) return false;
-  lanes.absorb(lo, hi, neg, zero);
+  lanes.absorb(lo, hi, sign, zero);
   t.add_block(kBlock, k, sum1, sum2);
+  // The lanes count -0.0 as negative and as zero; move those (rare) from negative to positive,
+  // which flush() derives as blocks * kBlock - negative - zero.
+  int32_t any_sign = 0, any_zero = 0;
+  for (int j = 0; j < 8; ++j) {
+    any_sign |= sign[j];
+    any_zero |= zero[j];
+  }
+  if (any_sign && any_zero) {
+    i8 count = {};
+    for (int64_t i = 0; i < kBlock; i += 8) count -= (load<u8>(p + i) == 0x80000000u);
+    int64_t negative_zeros = 0;
+    for (int j = 0; j < 8; ++j) negative_zeros += count[j];
+    t.neg -= negative_zeros;
+    t.pos += negative_zeros;
+  }
   return true;
 }
 
 inline bool block_vector_double(const double* p, DoubleLanes& lanes, Totals& t) {
   const double k = p[0];
-  d4 s1[4] = {}, s2[4] = {};
+  d4 s1 = {}, s2[2] = {};
   d4 lo = load<d4>(p), hi = lo;
   l4 neg = {}, zero = {};
   const d4 dzero = {};
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    for (int j = 0; j < 4; ++j) {
-      const d4 v = load<d4>(p + i + 4 * j);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-      neg -= (v < dzero);
-      zero -= (v == dzero);
-      const d4 d = v - k;
-      s1[j] += d;
-      s2[j] += d * d;
-    }
+  for (int64_t i = 0; i < kBlock; i += 8) {
+    const d4 a = load<d4>(p + i), b = load<d4>(p + i + 4);
+    lo = a < lo ? a : lo;
+    hi = a > hi ? a : hi;
+    lo = b < lo ? b : lo;
+    hi = b > hi ? b : hi;
+    neg -= (a < dzero);
+    zero -= (a == dzero);
+    neg -= (b < dzero);
+    zero -= (b == dzero);
+    const d4 d0 = a - k, d1 = b - k;
+    s1 += d0 + d1;
+    s2[0] += d0 * d0;
+    s2[1] += d1 * d1;
   }
-  const double sum1 = hsum((s1[0] + s1[1]) + (s1[2] + s1[3]));
-  const double sum2 = hsum((s2[0] + s2[1]) + (s2[2] + s2[3]));
+  const double sum1 = hsum(s1);
+  const double sum2 = hsum(s2[0] + s2[1]);
   if (!std::isfinite(sum1 + sum2)) return false;
   lanes.absorb(lo, hi, neg, zero);
   t.add_block(kBlock, k, sum1, sum2);
@@ -236,21 +226,21 @@ void run_float(const float* p, int64_t n, Totals& t) {
   FloatLanes lanes;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    if (!block_vector_float(p + i, lanes, t)) block_scalar_float(p + i, kBlock, t);
+    if (!block_vector_float(p + i, lanes, t)) block_scalar(p + i, kBlock, t);
     if (lanes.blocks == kFlushBlocks) lanes.flush(t);
   }
   lanes.flush(t);
-  if (i < n) block_scalar_float(p + i, n - i, t);
+  if (i < n) block_scalar(p + i, n - i, t);
 }
 
 void run_double(const double* p, int64_t n, Totals& t) {
   DoubleLanes lanes;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
-    if (!block_vector_double(p + i, lanes, t)) block_scalar_double(p + i, kBlock, t);
+    if (!block_vector_double(p + i, lanes, t)) block_scalar(p + i, kBlock, t);
   }
   lanes.flush(t);
-  if (i < n) block_scalar_double(p + i, n - i, t);
+  if (i < n) block_scalar(p + i, n - i, t);
 }
 
 inline float bits_to_float(uint32_t bits) {
@@ -293,7 +283,7 @@ void run_16bit(const uint16_t* p, int64_t n, Totals& t) {
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t m = n - i < kBlock ? n - i : kBlock;
     Widen(p + i, m, buffer);
-    if (m < kBlock || !block_vector_float(buffer, lanes, t)) block_scalar_float(buffer, m, t);
+    if (m < kBlock || !block_vector_float(buffer, lanes, t)) block_scalar(buffer, m, t);
     if (lanes.blocks == kFlushBlocks) lanes.flush(t);
   }
   lanes.flush(t);
@@ -340,32 +330,39 @@ void run_int(const T* p, int64_t n, Totals& t) {
   }
 }
 
-// Combines the block moments into (finite, mean, m2).
-void finish(const Totals& t, int64_t& finite, double& mean, double& m2) {
+struct Moments {
+  int64_t finite = 0;
+  double shift = 0.0, deviation = 0.0, m2 = 0.0;  // mean = shift + deviation
+};
+
+// Combines the block moments; `shift` is the caller's or else the first finite value.
+Moments finish(const Totals& t, const double* shift) {
   const std::vector<double>& b = t.blocks;
-  finite = 0;
-  mean = 0.0;
-  m2 = 0.0;
-  if (b.empty()) return;
-  const double k0 = b[1];
-  double sum = 0.0, compensation = 0.0;  // Neumaier summation of n_b*(K_b - k0) + S1_b
+  Moments out;
+  if (shift) out.shift = *shift;
+  if (b.empty()) return out;
+  if (!shift) out.shift = b[1];
+  const double k0 = out.shift;
+  double sum = 0.0, compensation = 0.0;  // Neumaier summation of n_b * (K_b - k0) + S1_b
   for (size_t i = 0; i < b.size(); i += 3) {
-    finite += static_cast<int64_t>(b[i]);
+    out.finite += static_cast<int64_t>(b[i]);
     const double term = b[i] * (b[i + 1] - k0) + b[i + 2];
     const double next = sum + term;
     compensation += std::fabs(sum) >= std::fabs(term) ? (sum - next) + term : (term - next) + sum;
     sum = next;
   }
-  mean = k0 + (sum + compensation) / static_cast<double>(finite);
+  out.deviation = (sum + compensation) / static_cast<double>(out.finite);
   double between = 0.0;
   for (size_t i = 0; i < b.size(); i += 3) {
-    const double deviation = (b[i + 1] - mean) + b[i + 2] / b[i];
-    between += b[i] * deviation * deviation;
+    const double d = ((b[i + 1] - k0) + b[i + 2] / b[i]) - out.deviation;
+    between += b[i] * d * d;
   }
-  m2 = t.m2_within + between;
+  out.m2 = t.m2_within + between;
+  return out;
 }
 
-py::tuple stats(const torch::Tensor& x) {
+// (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, mean - shift)
+py::tuple stats(const torch::Tensor& x, py::object shift) {
   TORCH_CHECK(x.device().is_cpu(), "probes stats kernel: expected a CPU tensor");
   TORCH_CHECK(x.is_contiguous(), "probes stats kernel: expected a contiguous tensor");
   const int64_t n = x.numel();
@@ -375,10 +372,11 @@ py::tuple stats(const torch::Tensor& x) {
   const bool is_int = type == torch::kInt8 || type == torch::kInt16 || type == torch::kInt32 ||
                       type == torch::kInt64 || type == torch::kUInt8 || type == torch::kBool;
   TORCH_CHECK(is_float || is_int, "probes stats kernel: unsupported dtype ", type);
+  const bool has_shift = !shift.is_none();
+  const double shift_value = has_shift ? shift.cast<double>() : 0.0;
   Totals t;
   t.blocks.reserve(3 * (n / kBlock + 1));
-  int64_t finite = 0;
-  double mean = 0.0, m2 = 0.0;
+  Moments moments;
   {
     py::gil_scoped_release no_gil;
     const void* data = x.data_ptr();
@@ -395,10 +393,11 @@ py::tuple stats(const torch::Tensor& x) {
       case torch::kBool: run_int(static_cast<const uint8_t*>(data), n, t); break;
       default: break;  // rejected above
     }
-    finish(t, finite, mean, m2);
+    moments = finish(t, has_shift ? &shift_value : nullptr);
   }
+  const int64_t finite = moments.finite;
   py::object none = py::none();
-  py::object mean_obj = finite ? py::object(py::float_(mean)) : none;
+  py::object mean = finite ? py::object(py::float_(moments.shift + moments.deviation)) : none;
   py::object lo = none, hi = none;
   if (finite && is_float) {
     lo = py::float_(t.fmin);
@@ -407,11 +406,14 @@ py::tuple stats(const torch::Tensor& x) {
     lo = py::int_(t.imin);
     hi = py::int_(t.imax);
   }
-  return py::make_tuple(n, finite, mean_obj, m2, lo, hi, t.nan, t.inf, t.neg, t.pos, t.zero);
+  return py::make_tuple(n, finite, mean, moments.m2, lo, hi, t.nan, t.inf, t.neg, t.pos, t.zero,
+                        moments.shift, moments.deviation);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stats", &stats, "(numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero) of a contiguous CPU tensor");
+  m.def("stats", &stats, py::arg("x"), py::arg("shift") = py::none(),
+        "(numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, mean - shift) of a "
+        "contiguous CPU tensor; pass the shift of a previous bucket to combine buckets exactly");
 }
