@@ -25,7 +25,7 @@ import re
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,7 @@ class TensorSummary:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields plus "std"."""
-        d = asdict(self)
+        d = {name: getattr(self, name) for name in self.__dataclass_fields__}  # asdict() deep-copies: slow
         d["std"] = self.std
         return d
 
@@ -442,24 +442,18 @@ def sample_indices(numel: int, count: int) -> list[int]:
     return [i * (numel - 1) // (count - 1) for i in range(count)]
 
 
-def take_samples(tensor: torch.Tensor, indices: Sequence[int]) -> list[Number]:
+def take_samples(tensor: torch.Tensor, indices: Sequence[int] | torch.Tensor) -> list[Number]:
     """Values at flat (logical, row-major) indices as python floats (nan/inf included) or ints."""
-    idx = [int(i) for i in indices]
-    if not idx:
-        return []
     x = tensor.detach()
-    numel = x.numel()
-    if min(idx) < 0 or max(idx) >= numel:
-        raise IndexError(f"take_samples: index out of range for a tensor of {numel} elements")
-    if x.dim() == 0:
-        values = [x.item()] * len(idx)
-    else:
-        flat = torch.tensor(idx, dtype=torch.int64, device=x.device)
-        coords = []
-        for size in reversed(x.shape):
-            coords.append(flat % size)
-            flat = flat // size
-        values = x[tuple(reversed(coords))].tolist()
+    if not isinstance(indices, torch.Tensor):
+        idx = [int(i) for i in indices]
+        if idx and (min(idx) < 0 or max(idx) >= x.numel()):
+            raise IndexError(f"take_samples: index out of range for a tensor of {x.numel()} elements")
+        indices = torch.tensor(idx, dtype=torch.int64, device=x.device)
+    if indices.numel() == 0:
+        return []
+    # torch.take indexes the logical row-major order of any layout without copying the tensor.
+    values = torch.take(x, indices).tolist()
     if x.dtype == torch.bool:
         values = [int(v) for v in values]
     return values

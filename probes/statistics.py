@@ -15,6 +15,7 @@ bucket by bucket, without cloning the tensor.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,17 +37,24 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+@functools.lru_cache(maxsize=4096)
+def _sample_positions(numel: int, count: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Sample indices for a tensor size, as a list (for the record) and a tensor (for torch.take)."""
+    indices = sample_indices(numel, count)
+    return indices, torch.tensor(indices, dtype=torch.int64, device=device)
+
+
 def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
                   sample_count: int = DEFAULT_SAMPLE_COUNT) -> dict[str, Any]:
     """The statistics part of a record: shape, dtype, numel, summary statistics and samples."""
     summary: TensorSummary = summarize(tensor, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
-    indices = sample_indices(tensor.numel(), sample_count)
+    indices, index_tensor = _sample_positions(tensor.numel(), sample_count, tensor.device)
     return {
         "shape": list(tensor.shape),
         "dtype": str(tensor.dtype).removeprefix("torch."),
         **summary.to_dict(),
-        "samples": take_samples(tensor, indices),
-        "sample_indices": indices,
+        "samples": take_samples(tensor, index_tensor),
+        "sample_indices": list(indices),
     }
 
 
