@@ -1,0 +1,264 @@
+"""The one place where probes touches DeepSpeed's internals (ZeRO stage 3 parameter offload).
+
+Everything ``probes.zero3`` needs from DeepSpeed goes through these functions, so a DeepSpeed
+release that reorganises its private code breaks here, with a clear error, and nowhere else.
+Importing this module does not import DeepSpeed; ``require_deepspeed()`` does, and checks the version.
+
+    from probes import _deepspeed
+    _deepspeed.require_deepspeed()                    # ImportError / DeepSpeedVersionError
+    _deepspeed.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
+    _deepspeed.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
+"""
+
+from __future__ import annotations
+
+import re
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+import torch
+
+# DeepSpeed releases whose ZeRO-3 internals this adapter was written against and tested with:
+# >= MIN, < MAX (0.19.8 on torch 2.4.1 and torch 2.13.0).
+SUPPORTED_MIN = (0, 19)
+SUPPORTED_MAX = (0, 20)
+SUPPORTED_RANGE = f">={SUPPORTED_MIN[0]}.{SUPPORTED_MIN[1]},<{SUPPORTED_MAX[0]}.{SUPPORTED_MAX[1]}"
+
+_OFFLOAD_MODULE = "deepspeed.runtime.zero.parameter_offload"
+_OFFLOAD_CLASS = "DeepSpeedZeRoOffload"
+_SETUP_HOOKS = "setup_zero_stage3_hooks"
+# The DeepSpeedZeRoOffload methods and attributes the subscriber calls; checked once per process.
+_OFFLOAD_METHODS = (
+    _SETUP_HOOKS,
+    "get_param_coordinator",
+    "pre_sub_module_forward_function",
+    "post_sub_module_forward_function",
+    "pre_sub_module_backward_function",
+    "post_sub_module_backward_function",
+)
+
+
+class DeepSpeedVersionError(ImportError):
+    """The installed DeepSpeed is outside the range this adapter supports."""
+
+
+class DeepSpeedInternalsError(RuntimeError):
+    """DeepSpeed's internals differ from what probes expects (a renamed method, a moved global)."""
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise DeepSpeedVersionError(
+            f"cannot parse the DeepSpeed version {text!r}; probes supports deepspeed{SUPPORTED_RANGE}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def check_version(version_text: str) -> None:
+    """Raise DeepSpeedVersionError unless ``version_text`` is in the supported range."""
+    major, minor, _ = _parse_version(version_text)
+    if not SUPPORTED_MIN <= (major, minor) < SUPPORTED_MAX:
+        raise DeepSpeedVersionError(
+            f"DeepSpeed {version_text} is not supported by probes.zero3 (supported: deepspeed{SUPPORTED_RANGE}, "
+            "tested with 0.19.8); install a supported release or update probes/_deepspeed.py"
+        )
+
+
+_checked = False
+
+
+def require_deepspeed() -> ModuleType:
+    """Import DeepSpeed, check its version and the ZeRO-3 internals probes uses; return the package."""
+    global _checked
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise ImportError(
+            "probes.zero3 needs the 'deepspeed' package, which is not installed "
+            f"(pip install 'deepspeed{SUPPORTED_RANGE}', or pip install 'probes[zero3]')"
+        ) from error
+    if not _checked:
+        check_version(getattr(deepspeed, "__version__", "unknown"))
+        offload = offload_class()
+        missing = [name for name in _OFFLOAD_METHODS if not callable(getattr(offload, name, None))]
+        if missing:
+            raise DeepSpeedInternalsError(
+                f"{_OFFLOAD_MODULE}.{_OFFLOAD_CLASS} in DeepSpeed {deepspeed.__version__} lacks {missing}; "
+                "probes/_deepspeed.py must be updated for this release"
+            )
+        if not isinstance(getattr(_offload_module(), "FWD_MODULE_STACK", None), list):
+            raise DeepSpeedInternalsError(f"{_OFFLOAD_MODULE}.FWD_MODULE_STACK is missing or no longer a list")
+        _checked = True
+    return deepspeed
+
+
+def _offload_module() -> ModuleType:
+    try:
+        import deepspeed.runtime.zero.parameter_offload as module
+    except ImportError as error:
+        raise DeepSpeedInternalsError(f"cannot import {_OFFLOAD_MODULE}: {error}") from error
+    return module
+
+
+def offload_class() -> type:
+    """DeepSpeed's ZeRO-3 parameter offload class (its instances own the parameter hooks)."""
+    cls = getattr(_offload_module(), _OFFLOAD_CLASS, None)
+    if not isinstance(cls, type):
+        raise DeepSpeedInternalsError(f"{_OFFLOAD_MODULE}.{_OFFLOAD_CLASS} is missing")
+    return cls
+
+
+# Replacing DeepSpeedZeRoOffload.setup_zero_stage3_hooks ----------------------------------------
+
+_original_setup: Callable | None = None
+
+
+def replace_setup_hooks(setup: Callable[[Any], None]) -> None:
+    """Make every DeepSpeedZeRoOffload created from now on call ``setup(offload)`` to install its hooks."""
+    global _original_setup
+    cls = offload_class()
+    if _original_setup is None:
+        _original_setup = cls.__dict__[_SETUP_HOOKS]
+    setattr(cls, _SETUP_HOOKS, setup)
+
+
+def restore_setup_hooks() -> bool:
+    """Put DeepSpeed's own setup_zero_stage3_hooks back; False when it was not replaced."""
+    global _original_setup
+    if _original_setup is None:
+        return False
+    setattr(offload_class(), _SETUP_HOOKS, _original_setup)
+    _original_setup = None
+    return True
+
+
+def setup_hooks_replaced() -> bool:
+    return _original_setup is not None
+
+
+# What DeepSpeed's own setup does besides registering hooks --------------------------------------
+
+def is_z3_leaf(module: torch.nn.Module) -> bool:
+    from deepspeed.utils import z3_leaf_module
+
+    return bool(z3_leaf_module(module))
+
+
+def prepare_modules(offload: Any, root: torch.nn.Module) -> set[int]:
+    """Give ``root`` (the offload's module, or the model a wrapper of it runs) and its submodules
+    the ZeRO-3 bookkeeping DeepSpeed's hook registration gives them.
+
+    Returns the ids of the modules that get hooks: every module down to, and including, a
+    ZeRO-3 leaf module (whose descendants DeepSpeed treats as part of the leaf). ``ds_id`` numbering
+    follows DeepSpeed's registration order, so the parameter coordinator's traces are the same.
+    """
+    coordinator = offload.get_param_coordinator()
+    if coordinator is not None and not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()  # modules (re)numbered: a recorded trace no longer applies
+    managed: set[int] = set()
+    counter = 0
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        module.ds_id = counter
+        counter += 1
+        module.ds_recompute_parameters = set()
+        managed.add(id(module))
+        if is_z3_leaf(module):
+            for param in module.parameters():
+                param.ds_z3_leaf_module = module
+        else:
+            stack.extend(reversed(list(module.children())))
+    return managed
+
+
+def offload_root(offload: Any) -> torch.nn.Module:
+    """The module an offload manages (the model given to deepspeed.initialize)."""
+    return offload.module
+
+
+def finish_setup(offload: Any, handle: Any) -> None:
+    """The rest of DeepSpeed's setup_zero_stage3_hooks, with ``handle`` standing for the hooks.
+
+    DeepSpeed removes ``handle`` where it removes its own hooks (engine destroy, generation
+    unwrap), and keeps the root module at the bottom of its forward module stack.
+    """
+    offload.hierarchy = 0
+    offload.forward_hooks.append(handle)
+    offload.fwd_pre_hook = handle
+    _offload_module().FWD_MODULE_STACK.append(offload.module)
+
+
+# Per-step calls (the work DeepSpeed's module hooks do) -----------------------------------------
+
+def start_forward(offload: Any) -> None:
+    """Start of the root module's forward: the coordinator begins a new step (its trace)."""
+    offload.get_param_coordinator().reset_step()
+
+
+def fetch_for_forward(offload: Any, module: torch.nn.Module) -> None:
+    """Gather ``module``'s partitioned parameters before its forward (pushes the module stack)."""
+    offload.pre_sub_module_forward_function(module)
+
+
+def release_after_forward(offload: Any, module: torch.nn.Module, outputs: Iterable[torch.Tensor]) -> None:
+    """Release ``module``'s parameters after its forward (pops the module stack).
+
+    A parameter the module returned as an output (a "dangling" parameter) stays gathered and is
+    registered on the enclosing module, as DeepSpeed's own post-forward hook does.
+    """
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
+
+    stack = _offload_module().FWD_MODULE_STACK
+    stack.pop()
+    for output in outputs:
+        param = output if hasattr(output, "ds_id") else getattr(output, "ds_param_alias", None)
+        if param is None or any(id(param) in m._external_params for m in stack):
+            continue
+        param.is_external_param = True
+        register_external_parameter(stack[-1], param)
+        if id(param) in module._external_params:
+            unregister_external_parameter(module, param)
+        param.all_gather()
+    offload.post_sub_module_forward_function(module)
+
+
+def fetch_for_backward(offload: Any, module: torch.nn.Module) -> None:
+    """Gather ``module``'s parameters before its backward."""
+    offload.pre_sub_module_backward_function(module)
+
+
+def release_after_backward(offload: Any, module: torch.nn.Module) -> None:
+    """Release ``module``'s parameters after its backward."""
+    offload.post_sub_module_backward_function(module)
+
+
+# Parameters ---------------------------------------------------------------------------------
+
+def module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters DeepSpeed gathers for ``module``: its own, its external ones, a leaf's all."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    return list(iter_params(module, recurse=is_z3_leaf(module)))
+
+
+def is_zero_param(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and hasattr(tensor, "ds_id")
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """True when only this rank's shard is held (``param.data`` is empty)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return is_zero_param(param) and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The parameter's unpartitioned shape."""
+    return param.ds_shape if is_zero_param(param) else param.shape
+
+
+def shard_numel(param: torch.Tensor) -> int:
+    """Elements of this rank's shard (``numel / world_size``, rounded up, padded)."""
+    return param.ds_tensor.numel()

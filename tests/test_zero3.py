@@ -1,0 +1,256 @@
+"""ZeRO-3 with probes' hooks trains exactly like DeepSpeed's own hooks (1 and 2 ranks, gloo, CPU).
+
+Each training case runs in fresh processes (torch.multiprocessing spawn): one per rank, each
+training the same model with stock DeepSpeed hooks and with probes' (and probes' + statistics),
+so the process group and DeepSpeed's globals never leak into the pytest process.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import hook_count
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from probes import _deepspeed  # noqa: E402
+from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
+from probes.subscriber import ProbeSite  # noqa: E402
+from probes.zero3 import (  # noqa: E402
+    DeepCopiedModuleError,
+    ZeROOffloadSubscriber,
+    configure_ort_compatible_zero_stage3,
+    is_configured,
+    restore_zero_stage3_hooks,
+)
+
+CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
+STEPS = 5
+BATCH = 4
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": BATCH,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+
+
+# API: patching, restoring, errors (no process group needed) ------------------------------------
+
+def _setup_hooks():
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    return DeepSpeedZeRoOffload.__dict__["setup_zero_stage3_hooks"]
+
+
+def test_configure_replaces_and_restore_puts_back_deepspeeds_setup():
+    original = _setup_hooks()
+    patch = configure_ort_compatible_zero_stage3()
+    try:
+        assert is_configured() and patch.active
+        assert _setup_hooks() is not original
+        configure_ort_compatible_zero_stage3(debug=True)  # again: new settings, still one patch
+        assert not patch.active
+    finally:
+        assert restore_zero_stage3_hooks()
+    assert _setup_hooks() is original and not is_configured()
+    assert not restore_zero_stage3_hooks()
+
+
+def test_context_manager_restores():
+    original = _setup_hooks()
+    with configure_ort_compatible_zero_stage3() as patch:
+        assert patch.active and _setup_hooks() is not original
+    assert _setup_hooks() is original
+
+
+def test_missing_deepspeed_raises_importerror_naming_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ImportError, match="'deepspeed' package"):
+        configure_ort_compatible_zero_stage3()
+
+
+@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0"])
+def test_unsupported_version_names_version_and_range(monkeypatch, version):
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    monkeypatch.setattr(_deepspeed, "_checked", False)
+    with pytest.raises(_deepspeed.DeepSpeedVersionError) as error:
+        configure_ort_compatible_zero_stage3()
+    assert version in str(error.value) and _deepspeed.SUPPORTED_RANGE in str(error.value)
+    assert not is_configured()
+
+
+def test_hooks_refuse_a_copy_of_the_model():
+    # ORTModule deep-copies the model before export unless told not to; a copy cannot be gathered.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    class Offload:
+        module = model
+
+        def get_param_coordinator(self):
+            return None
+
+    subscriber = ZeROOffloadSubscriber(Offload())
+    site = ProbeSite("<root>", "input", 0, 0, "Sequential", None)
+    with pytest.raises(DeepCopiedModuleError, match="ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0"):
+        subscriber.pre_forward_module_apply(site, copy.deepcopy(model), (torch.zeros(1, 2),), {})
+
+
+def test_supported_version_accepted():
+    _deepspeed.check_version("0.19.8")
+    _deepspeed.check_version("0.19.10+abc")
+
+
+# Training equivalence -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _FetchSpy:
+    """Records, for every ZeRO-3 forward fetch, whether ORT's runtime made the call."""
+
+    def __init__(self) -> None:
+        from helpers import called_by_ort_runtime
+
+        self.by_ort: list[bool] = []
+        self._called_by_ort = called_by_ort_runtime
+        self._fetch = _deepspeed.fetch_for_forward
+        _deepspeed.fetch_for_forward = self
+
+    def __call__(self, offload, module) -> None:
+        self.by_ort.append(self._called_by_ort())
+        self._fetch(offload, module)
+
+    def remove(self) -> None:
+        _deepspeed.fetch_for_forward = self._fetch
+
+
+def _train(mode: str, rank: int, world_size: int, stats_dir: Path, adam_eps: float) -> dict:
+    """Train CONFIG's model for STEPS steps with ``mode`` hooks; record what the tests compare.
+
+    Modes: "stock" (DeepSpeed's hooks), "probes", "probes+stats" (debug=True, dumping to
+    ``stats_dir``), "probes+ort" (the model wrapped in ORTModule before deepspeed.initialize),
+    "probes+ort+stats".
+    """
+    from deepspeed.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=adam_eps)
+    patch = None
+    if mode != "stock":
+        patch = configure_ort_compatible_zero_stage3(debug=mode.endswith("+stats"), stats_output_dir=stats_dir,
+                                                     stats_overwrite=True)
+    spy = _FetchSpy()
+    try:
+        wrapped = model
+        if mode.startswith("probes+ort"):
+            from onnxruntime.training.ortmodule import ORTModule
+
+            wrapped = ORTModule(model)
+        engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, config=DS_CONFIG)
+    finally:
+        if patch is not None:
+            patch.restore()
+
+    names = [name for name, _ in model.named_parameters()]
+    hook_calls = {name: 0 for name in names}
+
+    def count_call(name: str):
+        def hook(param: torch.Tensor) -> None:
+            hook_calls[name] += 1
+        return hook
+
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(count_call(name))
+
+    record = {"losses": [], "grads": [], "hook_calls": [], "partitioned": [], "shards": {}}
+    for step in range(STEPS):
+        batch = make_batch(CONFIG, batch_size=BATCH, seed=step * world_size + rank)
+        loss = engine(batch["tokens"], labels=batch["labels"])
+        engine.backward(loss)
+        record["grads"].append({name: safe_get_full_grad(param).clone() for name, param in model.named_parameters()})
+        record["hook_calls"].append(dict(hook_calls))
+        hook_calls.update({name: 0 for name in names})
+        engine.step()
+        record["losses"].append(loss.item())
+        record["partitioned"].append(all(param.data.numel() == 0 for param in model.parameters()))
+    record["shards"] = {name: (_deepspeed.shard_numel(p), p.ds_numel) for name, p in model.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        record["params"] = {name: param.detach().clone() for name, param in model.named_parameters()}
+    record["fetches_by_ort"] = spy.by_ort
+    spy.remove()
+    record["hooks_before_destroy"] = hook_count(model)
+    engine.destroy()
+    record["hooks_after_destroy"] = hook_count(model)
+    return record
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, modes: list[str], adam_eps: float) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 75 s C++ build we do not need
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {mode: _train(mode, rank, world_size, Path(out_dir) / mode, adam_eps) for mode in modes}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(world_size: int, out_dir: Path, modes: list[str], adam_eps: float = 1e-8) -> list[dict]:
+    """Spawn ``world_size`` ranks that each train every mode; return each rank's records."""
+    torch.multiprocessing.start_processes(_worker, args=(world_size, _free_port(), str(out_dir), modes, adam_eps),
+                                          nprocs=world_size, join=True, start_method="spawn")
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def check_zero3_invariants(run: dict, world_size: int, label: str) -> None:
+    """Partitioned outside forward (one numel / world_size shard per rank); every parameter got a
+    non-zero gradient through autograd in every step; destroying the engine removed our hooks."""
+    assert all(run["partitioned"]), label
+    for name, (shard, numel) in run["shards"].items():
+        assert shard == math.ceil(numel / world_size), (label, name)
+    for step in range(STEPS):
+        assert all(calls >= 1 for calls in run["hook_calls"][step].values()), (label, step, run["hook_calls"][step])
+        assert all(grad.norm() > 0 for grad in run["grads"][step].values()), (label, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_probes_hooks_train_exactly_like_deepspeeds(tmp_path, world_size):
+    modes = ["stock", "probes", "probes+stats"]
+    for rank, results in enumerate(run_ranks(world_size, tmp_path, modes)):
+        stock = results["stock"]
+        assert len(stock["losses"]) == STEPS and len(set(stock["losses"])) > 1
+        for mode in modes:
+            run = results[mode]
+            check_zero3_invariants(run, world_size, f"{mode} rank {rank}")
+            assert not any(run["fetches_by_ort"]), mode
+            assert run["hooks_after_destroy"] == stock["hooks_after_destroy"], mode  # DeepSpeed's engine keeps 2
+            if mode == "stock":
+                continue
+            assert run["losses"] == stock["losses"], (mode, rank)
+            for step in range(STEPS):
+                for name, grad in stock["grads"][step].items():
+                    assert torch.equal(run["grads"][step][name], grad), (mode, rank, step, name)
+            for name, param in stock["params"].items():
+                assert torch.equal(run["params"][name], param), (mode, rank, name)
+    check_dumps(tmp_path / "probes+stats", world_size)
+
+
+def check_dumps(stats_dir: Path, world_size: int) -> None:
+    """debug=True dumped every step of every rank, each rank in its own directory."""
+    for rank in range(world_size):
+        steps = sorted((stats_dir / f"rank_{rank}").glob("step_*.jsonl"))
+        assert len(steps) == STEPS, (rank, steps)
+        assert all(step.stat().st_size > 0 for step in steps)
