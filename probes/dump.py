@@ -67,6 +67,8 @@ MANIFEST_NAME = "manifest.json"
 OVERRIDE_HINT = "pass override_output_dir=True (DumpWriter(..., override=True)) or choose another directory"
 
 _RANK_DIR_RE = re.compile(r"rank_(0|[1-9][0-9]*)")
+_MANIFEST_RE = re.compile(re.escape(MANIFEST_NAME))
+_MANIFEST_TEMP_RE = re.compile(r"\.manifest\.json\.[0-9]+\.[0-9]+\.tmp")
 _STEP_FILE_RE = re.compile(r"step_([0-9]{6,})\.jsonl(\.partial)?")
 _PROBE_FILE_NAME = ".write-test"
 _BUFFER_SIZE = 1 << 16
@@ -505,7 +507,7 @@ def _check_existing_output_dir(layout: DumpLayout, rank: int, override: bool) ->
             errno.EEXIST, f"the output path {root} exists and is not a directory; {OVERRIDE_HINT}", str(root)
         )
     manifest = _read_manifest(root)
-    if manifest is None and any(root.iterdir()):
+    if manifest is None and not all(_is_dump_entry(entry.name) for entry in root.iterdir()):
         raise FileExistsError(
             errno.EEXIST,
             f"the output directory {root} is not empty and is not a probes dump (no valid {MANIFEST_NAME}); "
@@ -531,6 +533,12 @@ def _check_existing_output_dir(layout: DumpLayout, rank: int, override: bool) ->
             errno.EEXIST, f"{rank_dir} is not a directory; not deleting it, remove it yourself", str(rank_dir)
         )
     shutil.rmtree(rank_dir)
+
+
+def _is_dump_entry(name: str) -> bool:
+    """Whether ``name`` is something a DumpWriter creates: another rank may be creating the dump now,
+    its manifest still under a temporary name."""
+    return any(pattern.fullmatch(name) for pattern in (_MANIFEST_RE, _RANK_DIR_RE, _MANIFEST_TEMP_RE))
 
 
 def _create_output_dir(layout: DumpLayout, rank: int) -> None:

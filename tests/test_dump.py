@@ -560,3 +560,19 @@ def test_show_main(finished_dump, capsys):
     assert show_main([str(finished_dump / "nowhere")]) == 1
     assert "error" in capsys.readouterr().err
     assert show_main(["--bogus"]) == 2
+
+
+def test_a_rank_joins_while_another_rank_is_still_writing_the_manifest(tmp_path):
+    # Rank 0 has created the directory and is between writing its temporary manifest and renaming it.
+    root = tmp_path / "dump"
+    (root / "rank_0").mkdir(parents=True)
+    (root / ".manifest.json.12345.140000000000.tmp").write_text("{}")
+    writer = DumpWriter(root, rank=1)
+    writer.write(0, {"name": "x", "phase": "forward", "seq": 0})
+    writer.close()
+    assert [r["rank"] for r in load_dump(root / "rank_1")] == [1]
+    # A directory holding anything else is still refused.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a probes dump"):
+        DumpWriter(tmp_path / "other", rank=0)
