@@ -10,18 +10,37 @@ import torch
 from probes import SubscriberBase
 
 
-def called_by_ort_runtime() -> bool:
-    """True when the current Python call comes from an ORT InferenceSession/TrainingAgent run.
-
-    ORT's execution agent is the only Python frame through which ORT's C++ graph run calls a
-    PythonOp; an eager (or export-time) forward never passes through it.
-    """
+def called_from(file_suffix: str) -> bool:
+    """True when a Python frame of a file ending in ``file_suffix`` is on the current call stack."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.replace("\\", "/").endswith("ortmodule/_execution_agent.py"):
+        if frame.f_code.co_filename.replace("\\", "/").endswith(file_suffix):
             return True
         frame = frame.f_back
     return False
+
+
+def called_by_ort_runtime() -> bool:
+    """True when the current Python call comes from ORTModule's graph run.
+
+    ORT's execution agent is the only Python frame through which ORTModule's C++ graph run calls a
+    PythonOp; an eager (or export-time) forward never passes through it.
+    """
+    return called_from("ortmodule/_execution_agent.py")
+
+
+class Square(torch.autograd.Function):
+    """A user's own custom autograd Function, unrelated to probes (and without a symbolic)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 import exporters
 from exporters import _torch_compat as compat
 from exporters.pythonop import PythonOpExportError
-from helpers import Recorder, called_by_ort_runtime
+from helpers import Recorder, Square, called_by_ort_runtime, called_from
 from probes import SubscriberManager, _ort
 from probes.functions import TensorProbe
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -66,12 +66,7 @@ def eager_site_names(tokens: torch.Tensor) -> list[str]:
 
 
 def called_by_inference_session() -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.replace("\\", "/").endswith("onnxruntime/capi/onnxruntime_inference_collection.py"):
-            return True
-        frame = frame.f_back
-    return False
+    return called_from("onnxruntime/capi/onnxruntime_inference_collection.py")
 
 
 class SessionRecorder(Recorder):
@@ -86,18 +81,6 @@ class SessionRecorder(Recorder):
         self.by_session.append(called_by_inference_session())
 
 
-class Square(torch.autograd.Function):
-    """An unrelated custom Function without a symbolic: ORT's own PythonOp exporter handles it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
 
 
 class Scale(torch.autograd.Function):
@@ -240,7 +223,7 @@ def test_unrelated_function_with_its_own_symbolic_exports_next_to_probes():
 def test_function_without_any_exporter_is_named_in_the_error(monkeypatch):
     # As on a machine without ORT: no prim::PythonOp symbolic was registered before ours.
     monkeypatch.setattr(exporters.symbolic.compat, "active_symbolic", lambda name, opset: None)
-    with pytest.raises(PythonOpExportError, match=r"test_exporters\.Square"):
+    with pytest.raises(PythonOpExportError, match=r"helpers\.Square"):
         exporters.export_onnx(WithCustomFunctions(Square), (torch.randn(2, 4),))
 
 
@@ -396,8 +379,8 @@ def test_unrelated_function_goes_to_orts_exporter_and_runs():
     x = torch.randn(2, 4)
     proto = exporters.export_onnx(model, (x,), training=False, input_names=["x"])
     func_names = sorted(attr(n, "func_name") for n in python_ops(proto))
-    assert func_names == ["probes.functions.StepBoundary", "probes.functions.TensorProbe",
-                          "probes.functions.TensorProbe", "test_exporters.Square"]
+    assert func_names == ["helpers.Square", "probes.functions.StepBoundary", "probes.functions.TensorProbe",
+                          "probes.functions.TensorProbe"]
     (result,) = exporters.inference_session(proto).run(None, {"x": x.numpy()})
     manager.unsubscribe()
     with torch.no_grad():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import Recorder, hook_count
+from helpers import Recorder, Square, hook_count
 from probes import GlobalSubscriberManager, SubscriberBase, SubscriberManager, inspect_activation
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
@@ -187,23 +187,12 @@ def test_nested_outputs_and_keyword_only_inputs_pass_through_unchanged():
 
 
 class WithOwnFunction(nn.Module):
-    class Square(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        def backward(ctx, grad):
-            (x,) = ctx.saved_tensors
-            return 2 * x * grad
-
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(3, 3)
 
     def forward(self, x):
-        return WithOwnFunction.Square.apply(self.linear(x)).sum()
+        return Square.apply(self.linear(x)).sum()
 
 
 def test_model_with_its_own_autograd_function():
