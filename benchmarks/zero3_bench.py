@@ -72,9 +72,9 @@ def _worker(rank: int, world_size: int, port: int, config: TransformerConfig, re
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu", ORTMODULE_FALLBACK_POLICY="FALLBACK_DISABLE")
     import deepspeed
-    import deepspeed.ops
+    from probes import _deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a 75 s C++ build not needed here
+    _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     cases = [STOCK, PROBES] + ([PROBES_ORT] if _ortmodule_class() is not None else [])
     batch = make_batch(config, batch_size=BATCH, seed=rank)

@@ -93,6 +93,19 @@ def require_deepspeed() -> ModuleType:
     return deepspeed
 
 
+def skip_shm_comm_build() -> None:
+    """Stop DeepSpeed from compiling its shared-memory communication op (~75 s) at init_distributed.
+
+    Only the CPU accelerator builds it, and gloo over loopback does not need it.
+    """
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if not isinstance(compatible, dict):
+        raise DeepSpeedInternalsError("deepspeed.ops.__compatible_ops__ is missing or no longer a dict")
+    compatible["deepspeed_shm_comm"] = False
+
+
 def _offload_module() -> ModuleType:
     try:
         import deepspeed.runtime.zero.parameter_offload as module

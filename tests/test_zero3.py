@@ -199,9 +199,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, modes: list[str
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 75 s C++ build we do not need
+    _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     results = {mode: _train(mode, rank, world_size, Path(out_dir) / mode, adam_eps) for mode in modes}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
