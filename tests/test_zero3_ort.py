@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from test_zero3 import STEPS, check_dumps, check_zero3_invariants, run_ranks  # noqa: E402
+from probes.testing import assert_parity  # noqa: E402
 
 pytestmark = [pytest.mark.ort, pytest.mark.slow]
 
@@ -26,10 +27,10 @@ MODULES = 28  # modules of the test transformer, each fetched once per forward
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_ortmodule_trains_like_eager_with_probes_zero3_hooks(tmp_path, world_size):
-    # With one rank, ORT also runs with debug=True (statistics probes next to the ZeRO-3 ones).
-    ort_mode = "probes+ort+stats" if world_size == 1 else "probes+ort"
-    for rank, results in enumerate(run_ranks(world_size, tmp_path, ["probes", ort_mode], ADAM_EPS)):
-        eager, ort = results["probes"], results[ort_mode]
+    # Both runs also have debug=True: statistics probes next to the ZeRO-3 ones, dumped per rank.
+    eager_mode, ort_mode = "probes+stats", "probes+ort+stats"
+    for rank, results in enumerate(run_ranks(world_size, tmp_path, [eager_mode, ort_mode], ADAM_EPS)):
+        eager, ort = results[eager_mode], results[ort_mode]
         check_zero3_invariants(eager, world_size, f"eager rank {rank}")
         check_zero3_invariants(ort, world_size, f"ort rank {rank}")
         # ORT's runtime made every fetch of the training steps; the rest are its export runs.
@@ -45,5 +46,7 @@ def test_ortmodule_trains_like_eager_with_probes_zero3_hooks(tmp_path, world_siz
                                        msg=lambda m: f"rank {rank} {name}: {m}")
         # Our hooks are gone (eager keeps 2 of DeepSpeed's engine on the model; with ORT they are on the wrapper).
         assert ort["hooks_after_destroy"] <= eager["hooks_after_destroy"] < eager["hooks_before_destroy"]
-    if world_size == 1:
-        check_dumps(tmp_path / ort_mode, world_size)
+    for mode in (eager_mode, ort_mode):
+        check_dumps(tmp_path / mode, world_size)
+    # Every rank's statistics agree between eager and ORT (records are matched per rank).
+    assert_parity(tmp_path / eager_mode, tmp_path / ort_mode, rtol=1e-3, atol=1e-5)
