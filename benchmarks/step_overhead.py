@@ -2,18 +2,22 @@
 
     python -m benchmarks.step_overhead [--quick]
 
-Eager PyTorch on the CPU, one thread: the 4-layer transformer of shared/ENVIRONMENT.md (d_model 256,
-seq 128, batch 8). Every case trains its own copy of the same model; the cases are timed
-round-robin and reported as the median step time relative to the unprobed step.
+Eager PyTorch and ORTModule on the CPU, one thread: the 4-layer transformer of shared/ENVIRONMENT.md
+(d_model 256, seq 128, batch 8) and a narrower one (d_model 128). Every case trains its own copy of
+the same model; the cases are timed round-robin and reported as the median step time relative to
+the unprobed step of the same backend and of eager PyTorch, with the dump volume per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import tempfile
 import warnings
 from pathlib import Path
+
+os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # a failed export must not time PyTorch
 
 import torch
 
@@ -22,6 +26,7 @@ from probes import StatisticsSubscriber, SubscriberManager
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 FULL = TransformerConfig(vocab_size=1024, d_model=256, n_heads=8, n_layers=4, d_ff=1024, seq_len=128)
+SMALL = TransformerConfig(vocab_size=1024, d_model=128, n_heads=4, n_layers=4, d_ff=512, seq_len=128)
 QUICK = TransformerConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=256, seq_len=32)
 
 
@@ -39,21 +44,41 @@ def _original_subscribe(model: torch.nn.Module, output_dir: Path) -> object | No
     return manager
 
 
-def run(quick: bool = False) -> str:
-    torch.set_num_threads(1)
-    config = QUICK if quick else FULL
-    repeats = 3 if quick else 15
+def _ortmodule(model: torch.nn.Module) -> torch.nn.Module | None:
+    try:
+        from onnxruntime.training.ortmodule import ORTModule
+    except Exception:
+        return None
+    return ORTModule(model)
+
+
+def _bytes_per_step(directory: Path, steps: int) -> str:
+    total = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+    return f"{total / steps / 1024:.0f}"
+
+
+def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[object]]:
     torch.manual_seed(0)
     base = TinyTransformer(config)
     batch = make_batch(config, batch_size=8, seed=0)
-    work = Path(tempfile.mkdtemp(prefix="probes-bench-"))
-
-    models = {"no probes": base, "probes StatisticsSubscriber": copy.deepcopy(base)}
-    manager = SubscriberManager()
-    manager.subscribe(models["probes StatisticsSubscriber"], [StatisticsSubscriber(work / "ours")])
-    original_model = copy.deepcopy(base)
-    if _original_subscribe(original_model, work / "original") is not None:
-        models["original onnxruntime StatisticsSubscriber"] = original_model
+    managers = []
+    cases: dict[tuple[str, str], torch.nn.Module] = {}
+    dumps: dict[tuple[str, str], Path] = {}
+    for backend in ("eager", "ortmodule"):
+        for case in ("no probes", "probes StatisticsSubscriber", "original onnxruntime StatisticsSubscriber"):
+            model = copy.deepcopy(base)
+            dump = work / f"{backend}-{case.split()[0]}"
+            if case.startswith("probes"):
+                managers.append(SubscriberManager())
+                managers[-1].subscribe(model, [StatisticsSubscriber(dump)])
+            elif case.startswith("original") and _original_subscribe(model, dump) is None:
+                continue
+            if backend == "ortmodule":
+                model = _ortmodule(model)
+                if model is None:
+                    continue
+            cases[(backend, case)] = model
+            dumps[(backend, case)] = dump
 
     def step(model: torch.nn.Module):
         def run_step() -> None:
@@ -61,16 +86,33 @@ def run(quick: bool = False) -> str:
             model(batch["tokens"], labels=batch["labels"]).backward()
         return run_step
 
-    times = interleaved({name: step(model) for name, model in models.items()}, repeats=repeats)
-    manager.unsubscribe()
-    baseline = median(times["no probes"])
-    rows = [[name, f"{median(t) * 1e3:.1f}", f"{min(t) * 1e3:.1f}", f"{median(t) / baseline:.2f}x"]
-            for name, t in times.items()]
-    modules = len(list(base.modules()))
-    return (f"### Training step, eager ({'quick' if quick else 'full'}: d_model {config.d_model}, "
-            f"layers {config.n_layers}, seq {config.seq_len}, batch 8, {modules} modules probed, "
-            f"{repeats} interleaved repeats)\n\n{environment()}\n\n"
-            + table(["case", "median ms", "min ms", "median / no probes"], rows))
+    warmup = 2
+    times = interleaved({key: step(model) for key, model in cases.items()}, repeats=repeats, warmup=warmup)
+    for manager in managers:
+        manager.unsubscribe()
+    rows = []
+    eager_base = median(times[("eager", "no probes")])
+    for (backend, case), samples in times.items():
+        backend_base = median(times[(backend, "no probes")])
+        dump = dumps[(backend, case)]
+        rows.append([f"d_model {config.d_model}", backend, case, f"{median(samples) * 1e3:.1f}",
+                     f"{median(samples) / backend_base:.2f}x", f"{median(samples) / eager_base:.2f}x",
+                     _bytes_per_step(dump, warmup + repeats) if dump.exists() else ""])
+    return rows
+
+
+def run(quick: bool = False) -> str:
+    torch.set_num_threads(1)
+    configs = (QUICK,) if quick else (SMALL, FULL)
+    repeats = 3 if quick else 15
+    work = Path(tempfile.mkdtemp(prefix="probes-bench-"))
+    rows = [row for config in configs for row in _measure(config, repeats, work)]
+    modules = len(list(TinyTransformer(configs[-1]).modules()))
+    return (f"### Training step, eager and ORTModule ({'quick' if quick else 'full'}: layers {configs[-1].n_layers}, "
+            f"seq {configs[-1].seq_len}, batch 8, {modules} modules probed, {repeats} interleaved repeats)\n\n"
+            f"{environment()}\n\n"
+            + table(["model", "backend", "case", "median ms", "/ no probes (same backend)", "/ eager no probes",
+                     "dump KiB / step"], rows))
 
 
 if __name__ == "__main__":
