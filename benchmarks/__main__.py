@@ -9,8 +9,13 @@ import argparse
 import importlib
 from pathlib import Path
 
-BENCHMARKS = ("benchmarks.step_overhead", "benchmarks.stats_kernel", "benchmarks.probe_overhead", "benchmarks.dump_compare",
-              "benchmarks.zero3_bench")
+BENCHMARKS = (
+    "benchmarks.step_overhead",
+    "benchmarks.stats_kernel",
+    "benchmarks.probe_overhead",
+    "benchmarks.dump_compare",
+    "benchmarks.zero3_bench",
+)
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks
 
