@@ -8,6 +8,7 @@ from .dump import load_dump
 from .manager import GlobalSubscriberManager, SubscriberManager, Subscription, inspect_activation
 from .statistics import StatisticsSubscriber
 from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+from .zero3 import ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3
 
 __all__ = [
     "GlobalSubscriberManager",
@@ -17,6 +18,8 @@ __all__ = [
     "SubscriberBase",
     "SubscriberManager",
     "Subscription",
+    "ZeROOffloadSubscriber",
+    "configure_ort_compatible_zero_stage3",
     "inspect_activation",
     "load_dump",
 ]
