@@ -67,7 +67,7 @@ def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[o
     for backend in ("eager", "ortmodule"):
         for case in ("no probes", "probes StatisticsSubscriber", "original onnxruntime StatisticsSubscriber"):
             model = copy.deepcopy(base)
-            dump = work / f"{backend}-{case.split()[0]}"
+            dump = work / f"d{config.d_model}-{backend}-{case.split()[0]}"
             if case.startswith("probes"):
                 managers.append(SubscriberManager())
                 managers[-1].subscribe(model, [StatisticsSubscriber(dump)])
