@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from probes import SubscriberBase
+from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from probes.models import TinyTransformer, TransformerConfig, make_batch
+from probes.testing import BugInjection, inject_bug
 
 
 def called_from(file_suffix: str) -> bool:
@@ -85,3 +88,31 @@ class Recorder(SubscriberBase):
 
 def hook_count(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def train_run(out: Path, *, config: TransformerConfig, steps: int, bug: tuple[str, int, str] | None = None,
+              wrap=None, model: torch.nn.Module | None = None) -> None:
+    """Trains TinyTransformer (seed 0) for ``steps`` SGD steps, dumping statistics to ``out``.
+
+    ``bug``: (layer, step, phase) to perturb by 1%; ``wrap``: e.g. ORTModule.
+    """
+    if model is None:
+        torch.manual_seed(0)
+        model = TinyTransformer(config)
+    injection: BugInjection | None = None
+    if bug is not None and bug[2] == "forward":
+        injection = inject_bug(model, bug[0], step=bug[1], phase="forward")
+    manager = SubscriberManager()
+    manager.subscribe(model, [StatisticsSubscriber(out)])
+    if bug is not None and bug[2] == "backward":  # after subscribing: the probe must see the scaled gradient
+        injection = inject_bug(model, bug[0], step=bug[1], phase="backward")
+    runner = wrap(model) if wrap is not None else model
+    optimizer = torch.optim.SGD(runner.parameters(), lr=0.1)
+    for step in range(steps):
+        if injection is not None:
+            injection.step = step
+        batch = make_batch(config, batch_size=4, seed=step)
+        optimizer.zero_grad()
+        runner(batch["tokens"], labels=batch["labels"]).backward()
+        optimizer.step()
+    manager.unsubscribe()

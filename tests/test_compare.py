@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import json
 import os
@@ -15,45 +16,21 @@ import pytest
 import torch
 from torch import nn
 
+import helpers
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.__main__ import main as probes_main
 from probes.compare import Progress, compare_dumps, read_dump
 from probes.dump import DumpWriter, load_dump
-from probes.models import TinyTransformer, TransformerConfig, make_batch
+from probes.models import TinyTransformer, TransformerConfig
 from probes.statistics import tensor_record
-from probes.testing import BugInjection, assert_parity, inject_bug, parity  # noqa: F401  (parity: fixture)
+from probes.testing import assert_parity, inject_bug, parity  # noqa: F401  (parity: fixture)
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 STEPS = 3
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_run(out: Path, *, bug: tuple[str, int, str] | None = None, steps: int = STEPS,
-              wrap=None, model: nn.Module | None = None, config: TransformerConfig = CONFIG) -> None:
-    """Trains TinyTransformer (seed 0) for ``steps`` SGD steps, dumping statistics to ``out``.
-
-    ``bug``: (layer, step, phase) to perturb by 1%; ``wrap``: e.g. ORTModule.
-    """
-    if model is None:
-        torch.manual_seed(0)
-        model = TinyTransformer(config)
-    injection: BugInjection | None = None
-    if bug is not None and bug[2] == "forward":
-        injection = inject_bug(model, bug[0], step=bug[1], phase="forward")
-    manager = SubscriberManager()
-    manager.subscribe(model, [StatisticsSubscriber(out)])
-    if bug is not None and bug[2] == "backward":  # after subscribing: the probe must see the scaled gradient
-        injection = inject_bug(model, bug[0], step=bug[1], phase="backward")
-    runner = wrap(model) if wrap is not None else model
-    optimizer = torch.optim.SGD(runner.parameters(), lr=0.1)
-    for step in range(steps):
-        if injection is not None:
-            injection.step = step
-        batch = make_batch(config, batch_size=4, seed=step)
-        optimizer.zero_grad()
-        runner(batch["tokens"], labels=batch["labels"]).backward()
-        optimizer.step()
-    manager.unsubscribe()
+train_run = functools.partial(helpers.train_run, config=CONFIG, steps=STEPS)
 
 
 def where(divergence) -> tuple:

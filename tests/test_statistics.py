@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import train_run
 from probes import StatisticsSubscriber, SubscriberManager, inspect_activation, load_dump
 from probes.dump import list_steps
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -174,20 +175,9 @@ def test_eager_and_ortmodule_dumps_agree(tmp_path):
     torch.manual_seed(0)
     eager = TinyTransformer(CONFIG)
     ort_inner = copy.deepcopy(eager)
-    runs = {"eager": eager, "ort": None}
-    for label in ("eager", "ort"):
-        inner = eager if label == "eager" else ort_inner
-        manager = SubscriberManager()
-        manager.subscribe(inner, [StatisticsSubscriber(tmp_path / label)])
-        model = inner if label == "eager" else ORTModule(inner)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            batch = make_batch(CONFIG, batch_size=4, seed=step)
-            optimizer.zero_grad()
-            model(batch["tokens"], labels=batch["labels"]).backward()
-            optimizer.step()
-        manager.unsubscribe()
-        runs[label] = load_dump(tmp_path / label)
+    train_run(tmp_path / "eager", config=CONFIG, steps=3, model=eager)
+    train_run(tmp_path / "ort", config=CONFIG, steps=3, model=ort_inner, wrap=ORTModule)
+    runs = {label: load_dump(tmp_path / label) for label in ("eager", "ort")}
     keys = {label: sorted((r["step"], r["phase"], r["name"]) for r in records) for label, records in runs.items()}
     assert keys["eager"] == keys["ort"]
     assert {k[0] for k in keys["ort"]} == {0, 1, 2}  # step 0 is the first training step, export never dumped
