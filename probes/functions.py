@@ -6,7 +6,8 @@ ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the
 is therefore live state, not a constant frozen at export.
 
     outputs = TensorProbe.apply(site, *tensors)      # per-step on_forward / on_backward calls
-    outputs = StepBoundary.apply(manager, *tensors)  # end of the root module's forward: step += 1
+    outputs = StepBoundary.apply(manager, *tensors)  # end of the root module's forward; its backward
+                                                     # makes the step close when that backward pass ends
 """
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ class StepBoundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, manager: "SubscriberManager", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not _ort.is_exporting():
+        ctx.manager = None if _ort.is_exporting() else manager
+        if ctx.manager is not None:
             manager._end_forward()
         _keep_non_differentiable(ctx, tensors)
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if ctx.manager is not None:
+            ctx.manager._root_backward()
         return (None, *grads)
 
 

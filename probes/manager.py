@@ -12,6 +12,19 @@ Each module gets a forward pre-hook and a forward hook. The hooks pass the modul
 (and, when a subscriber asks, its input tensors) through a ``TensorProbe`` autograd Function and the
 root module's outputs through ``StepBoundary``; those Functions do the per-step work, so the same
 code runs when ORTModule executes the exported graph and the hooks no longer fire.
+
+Steps (see docs/api.md, "What a step is"):
+
+- A step opens at the first probe of a forward. It closes when the backward pass that reaches it
+  ends (the autograd engine's graph task finishes), so its dump is complete when ``backward()``
+  returns. A forward that no backward follows (evaluation, ``torch.no_grad``) closes when the next
+  forward starts, or on ``flush()``/``unsubscribe()``.
+- A forward that runs inside a backward pass is a recomputation (activation checkpointing): not a
+  step, not a new call of its modules, not recorded (unless a subscriber sets ``observe_recompute``).
+- A backward pass that reaches a step already closed (``retain_graph=True`` and a second
+  ``backward()``, a second-order backward) opens a backward-only step of its own. A second backward
+  of the same forward within one step is recorded as a new call of the module (``name#k``).
+- Module names ignore wrappers (DDP, FSDP, torch.compile, DeepSpeed, checkpoint wrappers, ORTModule).
 """
 
 from __future__ import annotations
@@ -26,9 +39,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from . import _ort
+from . import _autograd, _ort, _wrappers
 from .functions import StepBoundary, TensorProbe
-from .subscriber import ProbeEvent, ProbeSite, RunState, SiteKind, SubscriberBase
+from .subscriber import ProbeEvent, ProbeSite, Recomputed, RunState, SubscriberBase
 
 ROOT_NAME = "<root>"
 
@@ -100,7 +113,8 @@ class SubscriberManager:
 
     @_BindsGlobalOnClass
     def subscribe(self, model: torch.nn.Module, subscribers: Sequence[SubscriberBase]) -> Subscription:
-        """Hook ``subscribers`` into every module of ``model`` (a plain module or an ORTModule)."""
+        """Hook ``subscribers`` into every module of ``model`` (a plain module, or one inside DDP, FSDP,
+        torch.compile, a DeepSpeed engine or ORTModule: the same names either way)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"subscribe() needs a torch.nn.Module (or ORTModule), got {type(model).__qualname__}")
         if isinstance(subscribers, SubscriberBase) or not isinstance(subscribers, (list, tuple)):
@@ -121,7 +135,7 @@ class SubscriberManager:
                     f"end_step ({subscriber.end_step})"
                 )
 
-        root = _ort.unwrap(model)
+        root = _wrappers.unwrap(model)
         _ort.install_probe_exporters()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
         previous = _HOLDERS.get(root)
@@ -169,12 +183,13 @@ class SubscriberManager:
 
     @_BindsGlobalOnClass
     def flush(self) -> None:
-        """Finish the open step now (call after its backward, e.g. at the end of training)."""
+        """Finish the open step now (a step closes by itself when its backward ends; this closes a
+        forward-only one, e.g. after evaluation)."""
         self._close_open_step()
 
     @property
     def step(self) -> int:
-        """The number of training steps whose forward has completed."""
+        """The number of steps begun so far (the number the next step will get)."""
         return self.run_state.step
 
     @property
@@ -206,7 +221,7 @@ class SubscriberManager:
     # Hooks ------------------------------------------------------------------------------------
 
     def _register_hooks(self, root: torch.nn.Module) -> None:
-        for index, (name, module) in enumerate(root.named_modules()):
+        for index, (name, module) in enumerate(_wrappers.user_named_modules(root)):
             qualified = name or ROOT_NAME
             depth = 0 if not name else name.count(".") + 1
             sites = {kind: ProbeSite(qualified, kind, index, depth, type(module).__name__, self)
@@ -263,52 +278,144 @@ class SubscriberManager:
 
     # Per-step dispatch, called by the probe Functions -------------------------------------------
 
-    def _open(self, step: int) -> None:
+    def _open(self) -> int:
+        """The open step, opening the next one if none is open (closing one whose forward is over)."""
         state = self.run_state
-        if state.open_step == step:
-            return
-        self._close_open_step()
-        state.open_step = step
-        state.seq = 0
-        state.calls.clear()
-        state.inspected.clear()
+        if state.open_step is not None:
+            return state.open_step
+        state.open_step = state.step
+        state.step += 1
+        return state.open_step
 
-    def _dispatch_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent:
+    def _begin_forward_work(self) -> int:
+        # A probe after the root forward returned belongs to the next forward: the open step got no
+        # backward (evaluation, no_grad), so it is complete.
         state = self.run_state
-        self._open(state.step)
+        if state.open_step is not None and state.forward_done:
+            self._close_open_step()
+        # No backward runs now (a forward inside one is a recomputation and does not get here): a pass
+        # still listed raised before its end callbacks ran.
+        state.backward_tasks.clear()
+        return self._open()
+
+    def _dispatch_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
+        if _autograd.current_backward() is not None:
+            return self._recomputed_forward(site, tensors)
+        state = self.run_state
+        step = self._begin_forward_work()
         if site.kind == "inspect":
             if site.name in state.inspected:
                 raise ValueError(
-                    f"inspect_activation name {site.name!r} was used twice in step {state.step}; "
+                    f"inspect_activation name {site.name!r} was used twice in step {step}; "
                     "give every inspected tensor a unique name"
                 )
             state.inspected.add(site.name)
         call = state.calls.get(id(site), 0)
         state.calls[id(site)] = call + 1
-        event = ProbeEvent(site, state.step, "forward", state.seq, call)
+        event = ProbeEvent(site, step, "forward", state.seq, call)
         state.seq += 1
+        state.unmatched.setdefault(id(site), []).append(event)
         for subscriber in self._observers:
-            if subscriber.is_active(event.step) and (site.kind != "input" or subscriber.observe_inputs):
+            if subscriber.is_active(step) and (site.kind != "input" or subscriber.observe_inputs):
                 subscriber.on_forward(event, tensors)
         return event
 
-    def _dispatch_backward(self, forward_event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
+    def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:
+        """A forward run inside backward (activation checkpointing): matched to its original later."""
         state = self.run_state
-        self._open(forward_event.step)
-        event = ProbeEvent(forward_event.site, forward_event.step, "backward", state.seq, forward_event.call)
+        token = Recomputed(site)
+        state.recomputing.append((id(site), token))
+        step = state.open_step
+        wanted = [s for s in self._observers if s.observe_recompute and step is not None and s.is_active(step)
+                  and (site.kind != "input" or s.observe_inputs)]
+        if wanted:
+            count = state.recomputes.get(id(site), 0)
+            state.recomputes[id(site)] = count + 1
+            event = ProbeEvent(site, step, "recompute", state.seq, count)
+            state.seq += 1
+            for subscriber in wanted:
+                subscriber.on_forward(event, tensors)
+        return token
+
+    def _match_recomputed(self) -> None:
+        """Pairs the probes recomputed since the last backward call with their original forward events.
+
+        A checkpointed segment is recomputed in one go, in forward order, and segments are recomputed
+        last first; so the k recomputed calls of a site are its last k forward calls not matched yet.
+        Only a reentrant checkpoint runs backward through recomputed probes; the others leave them unused.
+        """
+        state = self.run_state
+        if not state.recomputing:
+            return
+        by_site: dict[int, list[Recomputed]] = {}
+        for site_id, token in state.recomputing:
+            by_site.setdefault(site_id, []).append(token)
+        state.recomputing.clear()
+        for site_id, tokens in by_site.items():
+            originals = state.unmatched.get(site_id, [])
+            matched = originals[-len(tokens):] if tokens else []
+            del originals[len(originals) - len(matched):]
+            for token, event in zip(tokens[len(tokens) - len(matched):], matched):
+                token.event = event
+
+    def _dispatch_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
+        self._match_recomputed()
+        forward = token.event if isinstance(token, Recomputed) else token
+        if forward is None:
+            return
+        self._watch_backward()
+        state = self.run_state
+        step = self._open()
+        site = forward.site
+        if forward.step == step and id(forward) not in state.backward_done:
+            state.backward_done.add(id(forward))
+            event = ProbeEvent(site, step, "backward", state.seq, forward.call)
+        else:  # another backward of a forward already differentiated: a new call in this step
+            call = state.calls.get(id(site), 0)
+            state.calls[id(site)] = call + 1
+            event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
         state.seq += 1
         for subscriber in self._observers:
-            if subscriber.is_active(event.step) and (event.site.kind != "input" or subscriber.observe_inputs):
+            if subscriber.is_active(step) and (site.kind != "input" or subscriber.observe_inputs):
                 subscriber.on_backward(event, grads)
 
     def _end_forward(self) -> None:
+        """The root module's forward returned."""
+        if _autograd.current_backward() is not None:
+            return  # the root itself recomputed by a checkpoint
+        self._begin_forward_work()
+        self.run_state.forward_done = True
+
+    def _root_backward(self) -> None:
+        """The backward pass reached the root's outputs: the step closes when that pass ends."""
+        self._match_recomputed()
+        self._watch_backward()
+
+    def _watch_backward(self) -> None:
+        task = _autograd.current_backward()
         state = self.run_state
-        self._open(state.step)
-        state.step += 1
+        if task is None or task in state.backward_tasks:
+            return
+        state.backward_tasks.add(task)
+        _autograd.call_when_backward_ends(functools.partial(self._backward_ended, task))
+
+    def _backward_ended(self, task: int) -> None:
+        state = self.run_state
+        state.backward_tasks.discard(task)
+        # Wait for the enclosing pass when a reentrant checkpoint's nested backward ends, and for the
+        # forward when a backward runs inside it (torch.autograd.grad in a module's forward).
+        if state.backward_tasks or self in _RUNNING:
+            return
+        self._close_open_step()
 
     def _close_open_step(self) -> None:
         state = self.run_state
         step, state.open_step = state.open_step, None
+        state.forward_done = False
+        state.seq = 0
+        for per_step in (state.calls, state.inspected, state.unmatched, state.recomputing, state.recomputes,
+                         state.backward_done):
+            per_step.clear()
         if step is None:
             return
         for subscriber in self._subscribers:

@@ -19,6 +19,8 @@ only for steps in ``[start_step, end_step)`` and never during an export:
   "output"``), of its inputs (``"input"``, only if ``observe_inputs``) or of an
   ``inspect_activation`` call (``"inspect"``); ``tensors[i]`` is the i-th tensor of the flattened
   structure, named ``event.record_name(i)``.
+  A forward recomputed by activation checkpointing is not reported, unless ``observe_recompute``
+  (then with ``event.phase == "recompute"``).
 - ``on_backward(event, grads)``: their gradients (None where a tensor got no gradient).
 - ``on_step_end(step)``: the step is complete (its backward is done); flush what it produced.
 
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     from .manager import SubscriberManager
 
 SiteKind = Literal["input", "output", "inspect"]
-Phase = Literal["forward", "backward"]
+Phase = Literal["forward", "backward", "recompute"]
 
 
 @dataclass(eq=False)
@@ -49,14 +51,31 @@ class RunState:
     """Mutable run state of one subscription, shared by its hooks and probe Functions.
 
     ORT freezes a PythonOp's non-tensor arguments at export; the probes reach this object through a
-    pointer, so the exported graph sees its updates.
+    pointer, so the exported graph sees its updates. See ``probes.manager`` for the step rules.
     """
 
-    step: int = 0  # the step whose forward runs now (or runs next)
-    open_step: int | None = None  # the step collecting records; closed once its backward is over
+    step: int = 0  # the number the next step gets: the count of steps begun so far
+    open_step: int | None = None  # the step collecting records
+    forward_done: bool = False  # the open step's root forward has returned
     seq: int = 0  # execution sequence number within the open step
     calls: dict[int, int] = field(default_factory=dict)  # per-site call count in the open step
     inspected: set[str] = field(default_factory=set)
+    # Activation checkpointing: forward events of the open step per site, those not yet matched by a
+    # recomputation, and the recomputed probes waiting for their match (see manager._match_recomputed).
+    unmatched: dict[int, list["ProbeEvent"]] = field(default_factory=dict)
+    recomputing: list[tuple[int, "Recomputed"]] = field(default_factory=list)
+    recomputes: dict[int, int] = field(default_factory=dict)  # per-site recomputations in the open step
+    backward_done: set[int] = field(default_factory=set)  # ids of forward events whose backward was recorded
+    backward_tasks: set[int] = field(default_factory=set)  # running graph tasks that end the open step
+
+
+@dataclass(eq=False)
+class Recomputed:
+    """A probe recomputed by activation checkpointing; ``event`` is the original forward event it
+    stands for (None when it could not be matched), so its backward is recorded under that event."""
+
+    site: "ProbeSite"
+    event: "ProbeEvent | None" = None
 
 
 @dataclass(eq=False)
@@ -100,8 +119,9 @@ class ProbeEvent:
     site: ProbeSite
     step: int
     phase: Phase
-    seq: int  # execution order within the step; forward and backward share one counter
-    call: int = 0  # how many times this site fired earlier in the step's forward
+    seq: int  # execution order within the step; every phase shares one counter
+    call: int = 0  # how many times this site fired earlier in the step (see ``record_name``)
+    forward_step: int | None = None  # backward only: the step of the forward it differentiates, if another
 
     def record_name(self, tensor_index: int) -> str:
         return self.site.record_name(tensor_index, self.call)
@@ -114,6 +134,7 @@ class SubscriberBase:
     """
 
     observe_inputs: bool = False  # also probe module inputs (outputs and inspect calls always)
+    observe_recompute: bool = False  # also get forwards recomputed by activation checkpointing (phase "recompute")
 
     def __init__(self, start_step: int | None = None, end_step: int | None = None) -> None:
         start = 0 if start_step is None else start_step

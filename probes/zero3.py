@@ -32,7 +32,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _deepspeed, _ort
+from . import _deepspeed, _ort, _wrappers
 from .manager import SubscriberManager
 from .subscriber import ProbeSite, SubscriberBase
 
@@ -167,10 +167,10 @@ class ZeROOffloadSubscriber(SubscriberBase):
         # the wrapped model is the root whose forward the hooks see.
         root = _ort.unwrap(_deepspeed.offload_root(offloader))
         managed = _deepspeed.prepare_modules(offloader, root)
-        # Indexed like the manager's sites (root.named_modules() order); None inside a ZeRO-3 leaf module.
+        # Indexed like the manager's sites (the order of the manager's module walk); None inside a ZeRO-3 leaf module.
         self._bindings: list[ModuleBinding | None] = [
             ModuleBinding(offloader, module, name or "<root>", module is root) if id(module) in managed else None
-            for name, module in root.named_modules()
+            for name, module in _wrappers.user_named_modules(root)
         ]
         self.closed = False
 

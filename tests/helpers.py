@@ -116,3 +116,19 @@ def train_run(out: Path, *, config: TransformerConfig, steps: int, bug: tuple[st
         runner(batch["tokens"], labels=batch["labels"]).backward()
         optimizer.step()
     manager.unsubscribe()
+
+
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    """Hugging Face GPT-2 (causal LM) from a tiny config built in code: no download, no dropout."""
+    transformers = __import__("pytest").importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt2_batch(seed: int, batch_size: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Inputs for ``tiny_gpt2``: ``model(**gpt2_batch(step)).loss``."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (batch_size, seq_len), generator=generator)
+    return {"input_ids": tokens, "labels": tokens}

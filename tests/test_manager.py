@@ -54,7 +54,7 @@ def test_step_counter_counts_training_steps_and_closes_steps():
     manager.subscribe(model, [recorder])
     train_steps(model, 3)
     assert manager.step == 3
-    assert recorder.step_ends == [0, 1]  # step 2 is still open: its end is only known later
+    assert recorder.step_ends == [0, 1, 2]  # each step closed when its backward returned
     manager.unsubscribe()
     assert recorder.step_ends == [0, 1, 2] and recorder.closed
     assert {c.step for c in recorder.calls} == {0, 1, 2}
