@@ -5,11 +5,14 @@
     python -m probes compare pt_out ort_out [--noise pt_out2] [--json r.json] [--html r.html]
 
 Records are matched by (rank, step, phase, name); records present on one side only are listed,
-never dropped. Every matched record is checked statistic by statistic against a tolerance that is
+never dropped. A gradient that is exactly zero everywhere in one run and absent in the other (one
+backend materialises the zeros another leaves out) is a note, not a divergence, unless
+``strict_zero_grads``. Every matched record is checked statistic by statistic against a tolerance that is
 fixed (``atol + rtol * |base|``) or, given a second baseline run, derived from how much the two
 baselines differ. The first divergence is searched in execution order: earliest step, then the
 forward records in the base run's order (``seq``), then the backward ones, across ranks.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
+Dumps still being written by this process are waited for first (``probes.dump.flush_writers``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .dump import MANIFEST_NAME, DumpFormatError, DumpLayout, list_steps, load_dump
+from .dump import MANIFEST_NAME, DumpFormatError, DumpLayout, _list_steps, _load_dump, flush_writers
 
 __all__ = [
     "CompareConfig",
@@ -41,6 +44,7 @@ __all__ = [
     "compare_main",
     "compare_records",
     "format_report",
+    "is_zero_gradient",
     "read_dump",
 ]
 
@@ -49,6 +53,9 @@ STRUCTURE = ("shape", "dtype", "numel")
 COUNTS = ("nan", "inf")
 MOMENTS = ("min", "max", "mean", "std")
 PHASE_ORDER = {"forward": 0, "backward": 1}
+GRADIENT_PHASES = frozenset({"backward"})
+DEFAULT_RTOL, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR = 1e-4, 1e-6, 10.0
+ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 JSON_FORMAT = "probes-compare"
 JSON_VERSION = 1
 EXIT_AGREE, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
@@ -65,13 +72,16 @@ class CompareConfig:
     ``|x - y| <= max(atol + rtol * |x|, noise_factor * noise)``, where ``noise`` is the record's noise
     level measured from a second baseline run (0 without one; see docs/compare.md).
     ``steps``: only these steps (None: all). ``names``: only record names matching one of these globs.
+    ``strict_zero_grads``: a gradient that is exactly zero in one run and absent in the other counts
+    as a record on one side only (a divergence) instead of a note.
     """
 
-    rtol: float = 1e-4
-    atol: float = 1e-6
-    noise_factor: float = 10.0
+    rtol: float = DEFAULT_RTOL
+    atol: float = DEFAULT_ATOL
+    noise_factor: float = DEFAULT_NOISE_FACTOR
     steps: frozenset[int] | None = None
     names: tuple[str, ...] = ()
+    strict_zero_grads: bool = False
 
     def __post_init__(self) -> None:
         for label in ("rtol", "atol", "noise_factor"):
@@ -278,6 +288,9 @@ class Report:
     unfinished: dict[str, dict[int, list[int]]]  # "base"/"other" -> rank -> unfinished steps (not read)
     first_divergence: Divergence | None = None
     noise_unmatched: int = 0  # matched records without a counterpart in the noise run
+    # (key, "base" or "other": the run that has it) of each gradient exactly zero in one run and absent
+    # in the other, in execution order; not in only_in_base/only_in_other. Empty with strict_zero_grads.
+    zero_grads: list[tuple[Key, str]] = field(default_factory=list)
 
     @property
     def matched(self) -> int:
@@ -327,11 +340,12 @@ class Report:
             "tolerance": {"rtol": config.rtol, "atol": config.atol, "noise_factor": config.noise_factor},
             "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
                         "names": list(config.names)},
+            "options": {"strict_zero_grads": config.strict_zero_grads},
             "verdict": "agree" if self.agrees else "diverged",
             "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
             "counts": {"matched": self.matched, "diverged": sum(r.diverged for r in self.records),
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
-                       "noise_unmatched": self.noise_unmatched},
+                       "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},
             "steps": {"base": {str(r): s for r, s in self.base_steps.items()},
                       "other": {str(r): s for r, s in self.other_steps.items()},
                       "only_in_base": self.steps_only_in_base, "only_in_other": self.steps_only_in_other,
@@ -339,6 +353,8 @@ class Report:
                                      for side, ranks in self.unfinished.items()}},
             "only_in_base": [_key_json(key) for key in self.only_in_base],
             "only_in_other": [_key_json(key) for key in self.only_in_other],
+            "zero_grads": [{**_key_json(key), "present_in": side, "note": ZERO_GRAD_NOTE}
+                           for key, side in self.zero_grads],
             "per_step": [summary.to_json() for summary in self.per_step()],
             "divergences": [record.to_json() for record in self.records if record.diverged],
         }
@@ -412,7 +428,7 @@ def _step_files(path: Path) -> list[tuple[int | None, int, Path]]:
     """(rank, step, file) of every finished step of a dump directory, a rank directory or one step file."""
     if path.is_file():
         return []  # read whole by the caller
-    steps = list_steps(path)
+    steps = _list_steps(path)
     root = path if (path / MANIFEST_NAME).exists() else path.parent
     layout = DumpLayout(root)
     return [(rank, step, layout.step_file(rank, step))
@@ -448,15 +464,17 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     """Loads and validates a dump for comparison, keeping only the steps and names ``config`` selects.
 
     Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, and
-    OSError for unreadable paths. ``progress``: False, True (stderr) or a stream.
+    OSError for unreadable paths. ``progress``: False, True (stderr) or a stream. A live writer of
+    this process into ``path`` is waited for first, so every step it finished is read.
     """
     path = Path(path)
+    flush_writers(path)
     loaded = LoadedDump(path, {}, {}, {})
     if path.is_file():
-        chunks: Iterable[tuple[Path, list[dict[str, Any]]]] = [(path, load_dump(path))]
+        chunks: Iterable[tuple[Path, list[dict[str, Any]]]] = [(path, _load_dump(path))]
         files: list[tuple[int | None, int, Path]] = []
     else:
-        for rank, by_state in list_steps(path).items():
+        for rank, by_state in _list_steps(path).items():
             if rank is not None and by_state["unfinished"]:
                 loaded.unfinished[rank] = by_state["unfinished"]
         files = [item for item in _step_files(path) if config.wants_step(item[1])]
@@ -491,7 +509,7 @@ def _load_files(root: Path, files: list[tuple[int | None, int, Path]],
                 progress: bool | TextIO) -> Iterable[tuple[Path, list[dict[str, Any]]]]:
     meter = Progress(f"reading {root}", len(files), None if progress is True else progress) if progress else None
     for done, (rank, step, file_path) in enumerate(files):
-        records = load_dump(file_path)
+        records = _load_dump(file_path)
         if rank is not None:
             _check_complete(file_path, rank, step, len(records))
         yield file_path, records
@@ -638,11 +656,54 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
         meter.close()
     only_in_other = sorted(set(other.records) - set(base.records),
                            key=lambda k: execution_order(k[1], k[2], other.records[k].get("seq"), k[0]))
+    zero_grads: list[tuple[Key, str]] = []
+    if not config.strict_zero_grads:
+        only_in_base, zero_base = _split_zero_grads(only_in_base, base, other)
+        only_in_other, zero_other = _split_zero_grads(only_in_other, other, base)
+        zero_grads = sorted([(key, "base") for key in zero_base] + [(key, "other") for key in zero_other],
+                            key=lambda item: _order_of(item[0], base if item[1] == "base" else other))
     report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
                     only_in_base, only_in_other, base.steps, other.steps,
-                    {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched)
+                    {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
+                    zero_grads=zero_grads)
     report.first_divergence = _first_divergence(report, base, other)
     return report
+
+
+def is_zero_gradient(record: Mapping[str, Any]) -> bool:
+    """Whether a record is a gradient that is exactly zero everywhere, by its counts.
+
+        is_zero_gradient({"phase": "backward", "numel": 6, "zero": 6, "nan": 0, "inf": 0})  # True
+
+    A backward record whose ``zero`` count equals ``numel``, with no nan or inf. Records without
+    these counts (a tensor the statistics could not handle) are never zero gradients.
+    """
+    if record.get("phase") not in GRADIENT_PHASES:
+        return False
+    counts = [record.get(key) for key in ("numel", "zero", "nan", "inf")]
+    if not all(isinstance(count, int) and not isinstance(count, bool) for count in counts):
+        return False
+    numel, zero, nan, inf = counts
+    return zero == numel and nan == 0 and inf == 0
+
+
+def _split_zero_grads(keys: list[Key], has: LoadedDump, lacks: LoadedDump) -> tuple[list[Key], list[Key]]:
+    """``keys`` (records only in ``has``) split into (the rest, zero gradients of steps both runs finished).
+
+    In a step the other run never finished, every record is missing there: that is a different step
+    count, so its zero gradients stay with the rest.
+    """
+    rest: list[Key] = []
+    zeros: list[Key] = []
+    for key in keys:
+        rank, step = key[0], key[1]
+        in_both = step in has.steps.get(rank, ()) and step in lacks.steps.get(rank, ())
+        (zeros if in_both and is_zero_gradient(has.records[key]) else rest).append(key)
+    return rest, zeros
+
+
+def _order_of(key: Key, loaded: LoadedDump) -> tuple[int, int, int, int]:
+    return execution_order(key[1], key[2], loaded.records[key].get("seq"), key[0])
 
 
 def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump) -> Divergence | None:
@@ -667,15 +728,18 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump) -> Di
     return min(candidates, key=lambda item: item[0])[1] if candidates else None
 
 
-def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = 1e-4, atol: float = 1e-6,
-                  noise: str | Path | None = None, noise_factor: float = 10.0,
+def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+                  noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
-                  progress: bool | TextIO = False) -> Report:
+                  progress: bool | TextIO = False, strict_zero_grads: bool = False) -> Report:
     """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
 
-    Raises DumpFormatError (naming file and line) or OSError when a dump cannot be read.
+    ``strict_zero_grads``: a gradient exactly zero in one run and absent in the other diverges
+    (by default it is only noted in ``report.zero_grads``). Raises DumpFormatError (naming file and
+    line) or OSError when a dump cannot be read.
     """
-    config = CompareConfig(rtol, atol, noise_factor, frozenset(steps) if steps is not None else None, tuple(names))
+    config = CompareConfig(rtol, atol, noise_factor, frozenset(steps) if steps is not None else None, tuple(names),
+                           bool(strict_zero_grads))
     loaded_base = read_dump(base, config, progress=progress)
     loaded_other = read_dump(other, config, progress=progress)
     loaded_noise = read_dump(noise, config, progress=progress) if noise is not None else None
@@ -783,6 +847,9 @@ def format_report(report: Report, top: int = 10) -> str:
     if report.steps_only_in_base or report.steps_only_in_other:
         lines.append(f"  different step counts: steps only in base {_ranges(report.steps_only_in_base)}, "
                      f"only in other {_ranges(report.steps_only_in_other)}")
+    if report.zero_grads:
+        lines.append(f"  note: {len(report.zero_grads)} {_plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
+                     "(not counted as divergences; --strict-zero-grads counts them)")
 
     first = report.first_divergence
     if first is not None:
@@ -811,6 +878,9 @@ def format_report(report: Report, top: int = 10) -> str:
             shown = ", ".join(f"{'r%d ' % k[0] if with_rank else ''}s{k[1]} {k[2]} {_clip(k[3], 40)}"
                               for k in keys[:5])
             lines += ["", f"{len(keys)} records {label}: {shown}{' ...' if len(keys) > 5 else ''}"]
+    if report.zero_grads:
+        lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
+        lines += _zero_grad_lines(report.zero_grads, with_rank)
     summaries = report.per_step()
     if summaries:
         shown_steps = [s for s in summaries if s.diverged or s.only_in_base or s.only_in_other][:20] \
@@ -829,10 +899,27 @@ def format_report(report: Report, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _plural(count: int, note: str) -> str:
+    """``note`` ("materialised zero gradient, ...") with its noun in the plural when ``count`` != 1."""
+    noun, comma, rest = note.partition(",")
+    return note if count == 1 else f"{noun}s{comma}{rest}"
+
+
+def _zero_grad_lines(zero_grads: Sequence[tuple[Key, str]], with_rank: bool, limit: int = 10) -> list[str]:
+    lines = [f"  {'r%d ' % key[0] if with_rank else ''}s{key[1]} {key[2]} {_clip(key[3], 60)}: "
+             f"zero in {side}, absent in {'other' if side == 'base' else 'base'}"
+             for key, side in zero_grads[:limit]]
+    if len(zero_grads) > limit:
+        lines.append(f"  ... {len(zero_grads) - limit} more (see --json)")
+    return lines
+
+
 def _verdict(report: Report) -> str:
     first = report.first_divergence
     if report.agrees:
-        return f"verdict: AGREE ({report.matched} records within tolerance)"
+        noted = f"; {len(report.zero_grads)} {_plural(len(report.zero_grads), 'materialised zero gradient')} noted" \
+            if report.zero_grads else ""
+        return f"verdict: AGREE ({report.matched} records within tolerance{noted})"
     if first is not None:
         return (f"verdict: DIVERGED at rank {first.rank} step {first.step} {first.phase} {_fmt(first.name)} "
                 f"({first.metric})")
@@ -866,12 +953,12 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                     "Exit status: 0 agree, 1 diverged (or records on one side only), 2 bad input.")
     parser.add_argument("base", metavar="BASE", help="the reference dump (directory, rank_<r> directory or step file)")
     parser.add_argument("other", metavar="OTHER", help="the dump to check against BASE")
-    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
-    parser.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance (default 1e-6)")
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help=f"relative tolerance (default {DEFAULT_RTOL:g})")
+    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
     parser.add_argument("--noise", metavar="BASE2",
                         help="a second run of the baseline: per-record tolerance max(atol + rtol*|x|, k*noise)")
-    parser.add_argument("--noise-factor", type=float, default=10.0, metavar="K",
-                        help="k of the noise tolerance (default 10)")
+    parser.add_argument("--noise-factor", type=float, default=DEFAULT_NOISE_FACTOR, metavar="K",
+                        help=f"k of the noise tolerance (default {DEFAULT_NOISE_FACTOR:g})")
     parser.add_argument("--step", action="append", type=parse_steps, metavar="STEPS",
                         help="only these steps: N, A-B or a comma list (repeatable)")
     parser.add_argument("--name", action="append", default=[], metavar="GLOB",
@@ -879,6 +966,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report (docs/compare.md) here")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the self-contained HTML report here")
     parser.add_argument("--top", type=int, default=10, help="rows in the table of worst records (default 10)")
+    parser.add_argument("--strict-zero-grads", action="store_true",
+                        help="a gradient exactly zero in one run and absent in the other is a divergence "
+                             "(default: a note)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits on --help and on usage errors; report a code instead
@@ -886,7 +976,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     steps = frozenset().union(*args.step) if args.step else None
     try:
         report = compare_dumps(args.base, args.other, rtol=args.rtol, atol=args.atol, noise=args.noise,
-                               noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True)
+                               noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True,
+                               strict_zero_grads=args.strict_zero_grads)
     except (OSError, ValueError) as error:  # DumpFormatError is a ValueError naming file and line
         print(f"probes compare: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

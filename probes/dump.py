@@ -25,6 +25,21 @@ Paths contain only rank and step numbers; names from the model appear only insid
 A step is finished by flushing, fsync'ing and renaming its .partial file, so a crash loses at most
 the steps not finished yet and never damages a finished one. Lines are standard JSON except that
 non-finite floats are written as NaN / Infinity / -Infinity (Python's json reads them back).
+
+Reading while this process still writes: the writer stays asynchronous (training never waits for the
+disk), and every reader of this module (``load_dump``, ``list_steps``, ``show``, and through them
+``probes.compare`` and ``probes.testing.assert_parity``) first waits for each live DumpWriter of this
+process that writes into the path being read (the dump directory, one of its rank directories or a
+file in one; paths compared resolved) to write everything it was given, ``finish_step`` renames
+included. So a dump read right after training shows every finished step, without a sleep. The wait
+never raises the writer's own error (that goes to the training thread); the reader then reads what
+is on disk. ``flush_writers(path)`` is that wait on its own. Writers of other processes are not
+waited for: their unfinished steps read as unfinished.
+
+Interpreter exit: a writer that is still open is closed by an atexit hook. If something could not be
+written by then (the directory was removed, the disk filled up and nobody was told yet), that is one
+warning line on stderr naming the directory and the steps lost, never a traceback. Calls the
+manager's own atexit hook makes on a closed or failed writer are dropped the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ import shutil
 import string
 import sys
 import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +70,7 @@ __all__ = [
     "DumpWriteError",
     "DumpWriter",
     "WriterConfig",
+    "flush_writers",
     "format_records",
     "list_steps",
     "load_dump",
@@ -173,9 +190,43 @@ class _OpenStep:
     order: list[tuple[Any, str]] = field(default_factory=list)  # (seq, order.txt line), in write order
 
 
-# Work items for the writer thread: (kind, step, payload); flush and stop items carry _NO_STEP.
-_WRITE, _FINISH, _FLUSH, _STOP = "write", "finish", "flush", "stop"
+# Work items for the writer thread: (kind, step, payload); flush, barrier and stop items carry _NO_STEP.
+# A barrier is a reader's flush: it makes buffered lines visible but does not fsync.
+_WRITE, _FINISH, _FLUSH, _BARRIER, _STOP = "write", "finish", "flush", "barrier", "stop"
 _NO_STEP = -1
+
+# The open writers of this process, so that readers can wait for them (see the module docstring).
+_LIVE_WRITERS: weakref.WeakSet[DumpWriter] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def _at_exit() -> bool:
+    """True once the interpreter is exiting: atexit hooks run after the main thread has stopped."""
+    return not threading.main_thread().is_alive()
+
+
+def _resolved(path: str | Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):  # a symlink loop, an unreadable component: compare as given
+        return Path(os.path.abspath(path))
+
+
+def flush_writers(path: str | Path) -> None:
+    """Waits until every live DumpWriter of this process writing into ``path`` has written what it got.
+
+    Usage: ``flush_writers("pt_out")`` (``load_dump``, ``list_steps``, ``probes.compare`` and
+    ``assert_parity`` already do this). ``path`` may be a dump directory, a rank directory or a step
+    file. Never raises a writer's error: a failed writer's error belongs to the training thread.
+    """
+    with _LIVE_LOCK:
+        writers = list(_LIVE_WRITERS)
+    if not writers:
+        return
+    target = _resolved(path)
+    for writer in writers:
+        if writer._writes_into(target):
+            writer._wait_written()
 
 
 def _open_step_file(path: Path) -> BinaryIO:
@@ -200,17 +251,22 @@ class DumpWriter:
 
     Errors of the writer thread (disk full, ...) stop all further writing; finished steps stay intact
     and the unfinished ones stay ``.partial``. The error is raised as DumpWriteError on the next
-    ``write``/``finish_step``/``flush`` call (every time), or by ``close`` if nothing reported it yet.
+    ``write``/``finish_step``/``flush`` call (every time), or by ``close`` if nothing reported it yet;
+    at interpreter exit none of them raise, ``close`` prints one warning line instead. Readers of
+    this process wait for the writer of the directory they read (see the module docstring).
     """
 
     def __init__(
         self, output_dir: str | Path, rank: int = 0, *, override: bool = False, queue_size: int = 4096
     ) -> None:
         self.config = WriterConfig(Path(output_dir), rank, override, queue_size)
-        self.layout = DumpLayout(self.config.output_dir)
+        # Absolute: the writer thread opens files long after this call, maybe after an os.chdir().
+        self.layout = DumpLayout(Path(os.path.abspath(self.config.output_dir)))
         _prepare_output_dir(self.layout, self.config.rank, self.config.override)
+        self._resolved_root = _resolved(self.layout.root)
         self._queue: queue.Queue[tuple[str, int, Any]] = queue.Queue(maxsize=queue_size)
         self._finished: set[int] = set()
+        self._lost: set[int] = set()  # steps given records or finished that did not reach a finished file
         self._error: DumpWriteError | None = None
         self._error_reported = False
         self._closed = False
@@ -220,6 +276,8 @@ class DumpWriter:
         # The thread is a daemon (a forgotten close() must not hang the interpreter), so write what is
         # queued at exit; open steps stay unfinished because nobody said they were complete.
         atexit.register(self._close_at_exit)
+        with _LIVE_LOCK:
+            _LIVE_WRITERS.add(self)
 
     @property
     def error(self) -> BaseException | None:
@@ -234,7 +292,8 @@ class DumpWriter:
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         """Queues one record of ``step``; records of a step reach the file in call order."""
-        self._check_usable()
+        if not self._usable(step):
+            return
         _check_step(step)
         if not isinstance(record, Mapping):
             raise TypeError(f"a record must be a dict, got {type(record).__name__}")
@@ -253,35 +312,42 @@ class DumpWriter:
 
     def finish_step(self, step: int) -> None:
         """Queues the finalisation of ``step`` (flush, fsync, rename). A step without records writes no file."""
-        self._check_usable()
+        if not self._usable(step):
+            return
         _check_step(step)
         self._finished.add(step)
         self._put((_FINISH, step, None))
 
     def flush(self) -> None:
         """Blocks until everything queued so far is written and fsync'ed (open steps stay .partial)."""
-        if self._closed:
+        if self._closed or not self._usable(_NO_STEP):
             return
-        self._raise_error()
         done = threading.Event()
         self._put((_FLUSH, _NO_STEP, done))
         while not done.wait(0.5):
             self._check_thread_alive()
-        self._raise_error()
+        self._usable(_NO_STEP)  # raises what the thread hit meanwhile
 
     def close(self, *, finish_open_steps: bool = True) -> None:
         """Writes everything queued, finishes every open step (unless told not to) and stops the thread.
 
-        Idempotent. Raises the writer's error if no earlier call reported it.
+        Idempotent. Raises the writer's error if no earlier call reported it; at interpreter exit it
+        prints one warning line instead (see the module docstring).
         """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
             atexit.unregister(self._close_at_exit)
+            with _LIVE_LOCK:
+                _LIVE_WRITERS.discard(self)
             self._put((_STOP, _NO_STEP, finish_open_steps))
             self._thread.join()
-        if not self._error_reported:
+        if _at_exit():
+            warning = self._exit_warning()
+            if warning is not None:
+                print(warning, file=sys.stderr, flush=True)
+        elif not self._error_reported:
             self._raise_error()
 
     def __enter__(self) -> DumpWriter:
@@ -294,13 +360,57 @@ class DumpWriter:
     def _close_at_exit(self) -> None:
         try:
             self.close(finish_open_steps=False)
-        except DumpWriteError as error:
-            print(f"probes: {error}", file=sys.stderr)
+        except Exception as error:  # a traceback at exit helps nobody; the line says what happened
+            print(f"probes: warning: closing the dump writer of {self.rank_dir} at exit failed: {error}",
+                  file=sys.stderr, flush=True)
 
-    def _check_usable(self) -> None:
+    def _usable(self, step: int) -> bool:
+        """Whether a training-thread call may go ahead; raises when the writer is closed or failed.
+
+        At interpreter exit it returns False instead of raising (the manager's atexit hook still
+        finishes steps): the step is remembered as lost and close() warns once.
+        """
         if self._closed:
+            if _at_exit():
+                return False
             raise RuntimeError(f"the DumpWriter of {self.rank_dir} is closed")
-        self._raise_error()
+        if self._error is not None:
+            if _at_exit():
+                if step != _NO_STEP:
+                    self._lost.add(step)
+                return False
+            self._raise_error()
+        return True
+
+    def _exit_warning(self) -> str | None:
+        """The one line that says what could not be written, or None when nothing unreported was lost."""
+        if self._error is not None and self._error_reported:
+            return None  # the training thread was told
+        lost = sorted(self._lost)
+        if self._error is None and not lost:
+            return None
+        steps = (f"step {lost[0]} was" if len(lost) == 1 else f"steps {', '.join(map(str, lost))} were") \
+            if lost else "the records queued at exit were"
+        if not self.rank_dir.is_dir():
+            return (f"probes: warning: the dump directory {self.layout.root} was removed before its writer "
+                    f"(rank {self.config.rank}) was closed; {steps} not written.")
+        return f"probes: warning: {str(self._error).removeprefix('probes dump: ')} At exit {steps} not finished."
+
+    def _writes_into(self, target: Path) -> bool:
+        """Whether ``target`` (resolved) is this writer's dump directory or lies inside it."""
+        root = self._resolved_root
+        return target == root or root in target.parents
+
+    def _wait_written(self) -> None:
+        """A reader's flush: waits for everything queued so far, never raises the writer's error."""
+        if self._closed or self._error is not None or threading.current_thread() is self._thread:
+            return
+        done = threading.Event()
+        if not self._put((_BARRIER, _NO_STEP, done), quiet=True):
+            return
+        while not done.wait(0.5):
+            if not self._thread.is_alive():
+                return  # closed meanwhile (the stop item came first) or failed: read what is there
 
     def _raise_error(self) -> None:
         error = self._error
@@ -308,13 +418,17 @@ class DumpWriter:
             self._error_reported = True
             raise error.with_traceback(None)
 
-    def _put(self, item: tuple[str, int, Any]) -> None:
+    def _put(self, item: tuple[str, int, Any], *, quiet: bool = False) -> bool:
+        """Queues ``item``, blocking while the queue is full; ``quiet``: False instead of raising."""
         while True:
             try:
                 self._queue.put(item, timeout=0.5)
-                return
+                return True
             except queue.Full:
-                self._check_thread_alive()
+                if not quiet:
+                    self._check_thread_alive()
+                elif not self._thread.is_alive():
+                    return False
 
     def _check_thread_alive(self) -> None:
         if not self._thread.is_alive():
@@ -331,22 +445,23 @@ class DumpWriter:
                 if kind == _STOP:
                     self._shutdown(open_steps, finish=payload)
                     return
-                if kind == _FLUSH:
+                if kind in (_FLUSH, _BARRIER):
                     if self._error is None:
-                        self._sync_open_steps(open_steps)
+                        self._sync_open_steps(open_steps, durable=kind == _FLUSH)
                     continue
                 if self._error is not None:
+                    self._lost.add(step)
                     continue  # drain without writing, so a blocked put() on the training thread returns
                 if kind == _WRITE:
                     self._append(open_steps, step, payload)
                 else:
                     self._finish(open_steps, step)
             except Exception as error:  # a bug here must still reach the training thread
-                self._fail(error, self.rank_dir, "failed while writing", open_steps)
+                self._fail(error, self.rank_dir, "failed while writing", open_steps, step)
                 if kind == _STOP:
                     return
             finally:
-                if kind == _FLUSH:
+                if kind in (_FLUSH, _BARRIER):
                     payload.set()
 
     def _append(self, open_steps: dict[int, _OpenStep], step: int, record: dict[str, Any]) -> None:
@@ -355,7 +470,7 @@ class DumpWriter:
             line = json.dumps(record).encode("ascii") + b"\n"
         except (TypeError, ValueError) as error:
             action = f"could not write record {record.get('name')!r} (not JSON-serialisable) to"
-            self._fail(error, partial, action, open_steps)
+            self._fail(error, partial, action, open_steps, step)
             return
         entry = open_steps.get(step)
         try:
@@ -363,7 +478,7 @@ class DumpWriter:
                 entry = open_steps[step] = _OpenStep(partial, _open_step_file(partial))
             entry.file.write(line)
         except OSError as error:
-            self._fail(error, partial, "could not write", open_steps)
+            self._fail(error, partial, "could not write", open_steps, step)
             return
         entry.order.append((record.get("seq"), _order_line(record)))
 
@@ -384,13 +499,14 @@ class DumpWriter:
             _fsync_dir(self.rank_dir)
         except OSError as error:
             _close_quietly(entry)
-            self._fail(error, path, "could not finish step", open_steps)
+            self._fail(error, path, "could not finish step", open_steps, step)
 
-    def _sync_open_steps(self, open_steps: dict[int, _OpenStep]) -> None:
+    def _sync_open_steps(self, open_steps: dict[int, _OpenStep], *, durable: bool = True) -> None:
         for entry in open_steps.values():
             try:
                 entry.file.flush()
-                os.fsync(entry.file.fileno())
+                if durable:
+                    os.fsync(entry.file.fileno())
             except OSError as error:
                 self._fail(error, entry.partial, "could not flush", open_steps)
                 return
@@ -402,25 +518,39 @@ class DumpWriter:
                     self._finish(open_steps, step)
             else:
                 self._sync_open_steps(open_steps)
+        if open_steps and not self.rank_dir.is_dir():
+            self._lost.update(open_steps)  # synced into files that no longer have a name
         for entry in open_steps.values():
             _close_quietly(entry)
         open_steps.clear()
 
-    def _fail(self, error: BaseException, path: Path, action: str, open_steps: dict[int, _OpenStep]) -> None:
+    def _fail(self, error: BaseException, path: Path, action: str, open_steps: dict[int, _OpenStep],
+              step: int = _NO_STEP) -> None:
         if self._error is None:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-            if not isinstance(error, OSError):
-                reason = f"{type(error).__name__}: {reason}"
-            message = (
-                f"probes dump: {action} {path}: {reason}. Dumping stopped; steps finished before this "
-                f"error are intact, unfinished ones stay as .partial files in {self.rank_dir}."
-            )
-            wrapped = DumpWriteError(message, path, error)
+            wrapped = DumpWriteError(self._failure_message(error, path, action), path, error)
             wrapped.__cause__ = error
             self._error = wrapped
+        self._lost.update(open_steps)
+        if step != _NO_STEP:
+            self._lost.add(step)
         for entry in open_steps.values():
             _close_quietly(entry)
         open_steps.clear()
+
+    def _failure_message(self, error: BaseException, path: Path, action: str) -> str:
+        if isinstance(error, FileNotFoundError) and not self.rank_dir.is_dir():
+            return (
+                f"probes dump: {action} {path}: the dump directory {self.layout.root} (or its "
+                f"{self.rank_dir.name}) was removed while the writer was open. Dumping stopped; keep the "
+                "directory until the subscriber is closed (SubscriberManager.unsubscribe())."
+            )
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        if not isinstance(error, OSError):
+            reason = f"{type(error).__name__}: {reason}"
+        return (
+            f"probes dump: {action} {path}: {reason}. Dumping stopped; steps finished before this "
+            f"error are intact, unfinished ones stay as .partial files in {self.rank_dir}."
+        )
 
 
 def _check_step(step: int) -> None:
@@ -672,9 +802,15 @@ def load_dump(path: str | Path, *, include_partial: bool = False) -> list[dict[s
 
     Records come sorted by (rank, step, line in the file); each has 'rank' and 'step'. Unfinished
     (.partial) steps are skipped unless ``include_partial``, which loads their complete lines.
+    Live writers of this process into ``path`` are waited for first (``flush_writers``).
     Raises DumpFormatError naming the file and line for invalid data.
     """
-    path = Path(path)
+    flush_writers(path)
+    return _load_dump(Path(path), include_partial=include_partial)
+
+
+def _load_dump(path: Path, *, include_partial: bool = False) -> list[dict[str, Any]]:
+    """``load_dump`` without waiting for live writers (the caller did)."""
     _, files = _scan(path)
     if path.is_file() and not files[0].finished and not include_partial:
         raise ValueError(f"{path} is an unfinished step; load it with include_partial=True (show: --include-partial)")
@@ -686,8 +822,17 @@ def load_dump(path: str | Path, *, include_partial: bool = False) -> list[dict[s
 
 
 def list_steps(path: str | Path) -> dict[int | None, dict[str, list[int]]]:
-    """``{rank: {"finished": [steps], "unfinished": [steps]}}`` for the dump at ``path``, steps sorted."""
-    ranks, files = _scan(Path(path))
+    """``{rank: {"finished": [steps], "unfinished": [steps]}}`` for the dump at ``path``, steps sorted.
+
+    Live writers of this process into ``path`` are waited for first (``flush_writers``).
+    """
+    flush_writers(path)
+    return _list_steps(Path(path))
+
+
+def _list_steps(path: Path) -> dict[int | None, dict[str, list[int]]]:
+    """``list_steps`` without waiting for live writers (the caller did)."""
+    ranks, files = _scan(path)
     result: dict[int | None, dict[str, list[int]]] = {rank: {"finished": [], "unfinished": []} for rank in ranks}
     for step_file in files:
         result[step_file.rank]["finished" if step_file.finished else "unfinished"].append(step_file.step)

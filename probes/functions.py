@@ -32,6 +32,20 @@ def _keep_non_differentiable(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> Non
         ctx.mark_non_differentiable(*frozen)
 
 
+def _passes_through(tensor: torch.Tensor) -> torch.Tensor:
+    # A Function returning its input makes autograd take a view of it, which sparse and jagged tensors
+    # do not support; a detached alias carries the same data (gradients still flow through backward).
+    if tensor.layout != torch.strided or tensor.is_nested:
+        return tensor.detach()
+    return tensor
+
+
+def can_probe(tensor: torch.Tensor) -> bool:
+    """Whether a tensor can pass through a probe Function (a strided nested tensor cannot: it has no
+    sizes autograd can record); such tensors are left as they are, unobserved."""
+    return not (tensor.is_nested and tensor.layout == torch.strided)
+
+
 class TensorProbe(torch.autograd.Function):
     """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
 
@@ -39,7 +53,7 @@ class TensorProbe(torch.autograd.Function):
     def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None if _ort.is_exporting() else site.manager._dispatch_forward(site, tensors)
         _keep_non_differentiable(ctx, tensors)
-        return tensors
+        return tuple(_passes_through(tensor) for tensor in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -57,7 +71,7 @@ class StepBoundary(torch.autograd.Function):
         if ctx.manager is not None:
             manager._end_forward()
         _keep_non_differentiable(ctx, tensors)
-        return tensors
+        return tuple(_passes_through(tensor) for tensor in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import functools
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
@@ -40,7 +41,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from . import _autograd, _ort, _wrappers
-from .functions import StepBoundary, TensorProbe
+from .functions import StepBoundary, TensorProbe, can_probe
 from .subscriber import ProbeEvent, ProbeSite, Recomputed, RunState, SubscriberBase
 
 ROOT_NAME = "<root>"
@@ -263,10 +264,13 @@ class SubscriberManager:
     def _apply_to_tensors(self, function: type[torch.autograd.Function], first_arg: Any, structure: Any,
                           always: bool = False) -> Any:
         """Pass the tensors of a nested structure through ``function``; everything else is kept as is."""
-        if isinstance(structure, torch.Tensor):  # the common case, without the pytree round trip
+        if isinstance(structure, torch.Tensor) and can_probe(structure):  # the common case, no pytree round trip
             return function.apply(first_arg, structure)[0]
         leaves, spec = pytree.tree_flatten(structure)
-        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        positions = [i for i in tensors if can_probe(leaves[i])]
+        if len(positions) < len(tensors) and isinstance(first_arg, ProbeSite):
+            _warn_unobserved(first_arg, [leaves[i] for i in tensors if not can_probe(leaves[i])])
         if not positions:
             if always and not _ort.is_exporting():
                 self._end_forward()  # no tensor to carry the step boundary: eager-only fallback
@@ -440,6 +444,18 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not _RUNNING:
         return tensor
     return _RUNNING[-1].inspect(name, tensor)
+
+
+_UNOBSERVED_WARNED: "weakref.WeakSet[ProbeSite]" = weakref.WeakSet()
+
+
+def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:
+    if site in _UNOBSERVED_WARNED:
+        return
+    _UNOBSERVED_WARNED.add(site)
+    kinds = ", ".join(sorted({f"{tensor.dtype} {tensor.layout} nested tensor" for tensor in tensors}))
+    warnings.warn(f"probes: {site.name!r} {site.kind} has tensors no autograd Function can pass ({kinds}); "
+                  "they go on unobserved (no record). This warning is not repeated.", stacklevel=3)
 
 
 def _finish_at_exit() -> None:

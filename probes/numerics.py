@@ -10,7 +10,10 @@ and min/max are exact (integer min/max stay python ints).
 CPU tensors of the common dtypes go through a fused single-pass C++ kernel
 (``probes/_stats_kernel.cpp``, built once per torch version with ``load_inline``); other devices and
 dtypes, or a failed build, use a pure-torch path. ``backend()`` tells which one CPU tensors use;
-``PROBES_NUMERICS_BACKEND=torch|cpp`` (or ``summarize(..., backend=...)``) forces one.
+``PROBES_NUMERICS_BACKEND=torch|cpp`` (or ``summarize(..., backend=...)``) forces one. float8 and
+uint16/uint32 tensors, which torch cannot reduce, are converted bucket by bucket to float32 / int64
+(exact). Only dense tensors with data are accepted: complex, sparse, nested, quantized, meta and
+``__torch_dispatch__`` tensors raise TypeError (``probes.statistics`` summarises what they hold).
 """
 
 from __future__ import annotations
@@ -140,6 +143,20 @@ _KERNEL_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
 })
+
+
+def _widened_dtypes() -> dict[torch.dtype, torch.dtype]:
+    """Dtypes torch cannot reduce or compare (in this version), each with one that holds all its values exactly."""
+    wide = {"float8_e4m3fn": torch.float32, "float8_e5m2": torch.float32, "float8_e4m3fnuz": torch.float32,
+            "float8_e5m2fnuz": torch.float32, "float8_e8m0fnu": torch.float32,
+            "uint16": torch.int64, "uint32": torch.int64}
+    return {getattr(torch, name): to for name, to in wide.items() if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+# Converted one bucket at a time, so the memory bound of a statistics pass stays.
+_WIDENED = _widened_dtypes()
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _BACKENDS = ("auto", "cpp", "torch")
 _DEFAULT_BACKEND = os.environ.get("PROBES_NUMERICS_BACKEND", "auto").strip().lower() or "auto"
 if _DEFAULT_BACKEND not in _BACKENDS:
@@ -371,6 +388,30 @@ def _buckets(x: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 # --- public entry points --------------------------------------------------------------------------
 
 
+def _check_readable(tensor: torch.Tensor) -> None:
+    """Raises TypeError unless `tensor` is a dense tensor with memory the statistics can read.
+
+    The kernel reads raw memory: a tensor without a plain strided buffer (sparse, nested, quantized,
+    meta, a __torch_dispatch__ subclass such as FakeTensor or DTensor) would be read as garbage or
+    crash the process. probes.statistics.statistics_view turns most of them into one that is readable.
+    """
+    plain_type = type(tensor) in _PLAIN_TYPES
+    if plain_type and tensor.layout is torch.strided and not (tensor.is_nested or tensor.is_quantized
+                                                               or tensor.is_meta):
+        return
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        kind = "a nested tensor" if tensor.is_nested else f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+    elif tensor.is_quantized:
+        kind = "a quantized tensor"
+    elif tensor.is_meta:
+        kind = "a meta tensor (no data)"
+    elif not plain_type and torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python):
+        kind = f"a {type(tensor).__qualname__} (a __torch_dispatch__ subclass)"
+    else:
+        return  # e.g. a __torch_function__-only subclass: a plain buffer underneath
+    raise TypeError(f"summarize needs a dense tensor with data, got {kind}")
+
+
 def summarize(
     tensor: torch.Tensor,
     bucket_size: int = 1 << 22,
@@ -384,6 +425,9 @@ def summarize(
     backend: "auto" (default), "cpp" (fail if the kernel cannot be built) or "torch".
     """
     choice = _DEFAULT_BACKEND if backend is None else _resolve(backend)
+    _check_readable(tensor)
+    if tensor.is_neg():  # a lazily negated view: the kernel reads memory, which holds -x
+        tensor = tensor.resolve_neg()
     # Fast path (one kernel call, no copies): every CPU tensor that fits in one bucket.
     if (
         choice != "torch"
@@ -399,13 +443,15 @@ def summarize(
     if bucket_size < 1:
         raise ValueError("bucket_size must be positive")
     if tensor.is_complex():
-        raise TypeError("summarize: complex tensors are not supported")
+        raise TypeError("summarize: complex tensors are not supported (summarize torch.view_as_real(x))")
     x = tensor.detach()
     if x.numel() == 0:
         return TensorSummary.empty()
+    wide = _WIDENED.get(x.dtype)
+    work_dtype = wide or x.dtype
     on_cpu = run_on_cpu or x.is_cpu
     kernel = None
-    if on_cpu and choice != "torch" and x.dtype in _KERNEL_DTYPES:
+    if on_cpu and choice != "torch" and work_dtype in _KERNEL_DTYPES:
         kernel = _get_kernel(required=choice == "cpp")
     if kernel is None and on_cpu:
         # Each bucket makes float64 temporaries; small ones skip page faults (1.6x faster at 1e6).
@@ -419,6 +465,8 @@ def summarize(
     for bucket in _buckets(x, bucket_size):
         if on_cpu:
             bucket = bucket.cpu()
+        if wide is not None:
+            bucket = bucket.to(wide)
         if kernel is not None:
             rows.append(kernel.stats(bucket.contiguous(), kernel_shift))
             kernel_shift = rows[0][11]
@@ -426,7 +474,7 @@ def summarize(
             row, torch_shift = _torch_bucket(bucket, torch_shift)
             device_rows.append(row)
     if device_rows:
-        rows = _decode(torch.stack(device_rows), x.dtype)  # one device-to-host transfer per tensor
+        rows = _decode(torch.stack(device_rows), work_dtype)  # one device-to-host transfer per tensor
     return _combine(rows)
 
 
@@ -453,7 +501,12 @@ def take_samples(tensor: torch.Tensor, indices: Sequence[int] | torch.Tensor) ->
     if indices.numel() == 0:
         return []
     # torch.take indexes the logical row-major order of any layout without copying the tensor.
-    values = torch.take(x, indices).tolist()
+    wide = _WIDENED.get(x.dtype)
+    if wide is not None:  # no take kernel: gather the bits as an integer of the same size
+        carrier = _SAME_SIZE_INT[x.element_size()]
+        values = torch.take(x.view(carrier), indices).view(x.dtype).to(wide).tolist()
+    else:
+        values = torch.take(x, indices).tolist()
     if x.dtype == torch.bool:
         values = [int(v) for v in values]
     return values

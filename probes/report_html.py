@@ -5,8 +5,9 @@
 
 The page shows the verdict and the first divergence, a heatmap of the relative error over
 step x layer per phase (first divergence ringed), the statistic trajectories of both runs for the
-layers that matter most (the first divergence's and the worst ones), the per-step summary and the
-records present in one run only. Hovering a heatmap cell shows its numbers (SVG <title>).
+layers that matter most (the first divergence's and the worst ones), the per-step summary, the
+records present in one run only and, as notes, the materialised zero gradients (exactly zero in
+one run, absent in the other; not divergences unless compared with strict_zero_grads). Hovering a heatmap cell shows its numbers (SVG <title>).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
 
-from .compare import MOMENTS, PHASE_ORDER, Key, RecordDiff, Report
+from .compare import MOMENTS, PHASE_ORDER, ZERO_GRAD_NOTE, Key, RecordDiff, Report
 
 __all__ = ["HtmlConfig", "render_html", "write_html"]
 
@@ -367,6 +368,20 @@ def _table(header: Sequence[str] | None, rows: Iterable[Sequence[Any]], numeric:
     return f"<table>{head}{body}</table>"
 
 
+def _zero_grad_section(report: Report, limit: int = 500) -> str:
+    """The notes on materialised zero gradients: which records, and which run has them."""
+    shown = report.zero_grads[:limit]
+    rows = [(*key, side, "other" if side == "base" else "base") for key, side in shown]
+    parts = [f'<h2 id="zero-grads">Notes: {_e(ZERO_GRAD_NOTE)} ({len(report.zero_grads)})</h2>',
+             '<p class="note">A gradient that is exactly zero everywhere in one run and has no record in the other '
+             "(one backend materialises the zeros another leaves out). Not a divergence; compare with "
+             "<code>--strict-zero-grads</code> (<code>strict_zero_grads=True</code>) to count it as one.</p>",
+             _table(["rank", "step", "phase", "name", "zero in", "absent in"], rows, {0, 1})]
+    if len(report.zero_grads) > len(shown):
+        parts.append(f'<p class="note">{len(report.zero_grads) - len(shown)} more in the JSON report.</p>')
+    return "".join(parts)
+
+
 def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     """The report page as a string (see the module docstring)."""
     grid = _Grid.build(report)
@@ -375,6 +390,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     verdict_class = "agree" if report.agrees else "diverged"
     if report.agrees:
         verdict = f"AGREE: {report.matched} records within tolerance"
+        if report.zero_grads:
+            verdict += f" ({len(report.zero_grads)} materialised zero gradients noted)"
     elif first is not None:
         verdict = f"DIVERGED at rank {first.rank}, step {first.step}, {first.phase}, {first.name} ({first.metric})"
     else:
@@ -389,6 +406,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         ("records matched / diverged", f"{report.matched} / {diverged}"),
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
+        ("materialised zero gradients (notes)", len(report.zero_grads)),
     ])
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -429,5 +447,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
             parts.append(_table(["rank", "step", "phase", "name"], shown, {0, 1}))
             if len(keys) > len(shown):
                 parts.append(f'<p class="note">{len(keys) - len(shown)} more in the JSON report.</p>')
+    if report.zero_grads:
+        parts.append(_zero_grad_section(report))
     parts.append("</body></html>")
     return "\n".join(parts)

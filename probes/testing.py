@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from .compare import Report, compare_dumps
+from .compare import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, Report, compare_dumps
 
 __all__ = ["BugInjection", "assert_parity", "inject_bug", "parity_message"]
 
@@ -41,20 +41,27 @@ def parity_message(report: Report, limit: int = 5) -> str:
         if keys:
             shown = ", ".join(f"rank {k[0]} step {k[1]} {k[2]} {k[3]}" for k in keys[:limit])
             lines.append(f"records {label}: {shown}{' ...' if len(keys) > limit else ''}")
+    if report.zero_grads:
+        lines.append(f"note: {len(report.zero_grads)} records are a {ZERO_GRAD_NOTE} (not counted; "
+                     "strict_zero_grads=True counts them)")
     lines.append(f"details: python -m probes compare {report.base} {report.other}")
     return "\n".join(lines)
 
 
-def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 1e-4, atol: float = 1e-6,
-                  noise: str | Path | None = None, noise_factor: float = 10.0, steps: Sequence[int] | None = None,
-                  names: Sequence[str] = (), html: str | Path | None = None) -> Report:
+def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = DEFAULT_RTOL,
+                  atol: float = DEFAULT_ATOL, noise: str | Path | None = None,
+                  noise_factor: float = DEFAULT_NOISE_FACTOR, steps: Sequence[int] | None = None,
+                  names: Sequence[str] = (), html: str | Path | None = None,
+                  strict_zero_grads: bool = False) -> Report:
     """Raises AssertionError naming the first divergence unless the two dumps agree; returns the report.
 
-    Tolerances and filters are those of ``probes.compare.compare_dumps``. ``html``: where to write the
-    HTML report when the runs diverge (its path is then part of the message).
+    Tolerances, filters and ``strict_zero_grads`` are those of ``probes.compare.compare_dumps`` (by
+    default a gradient exactly zero in one run and absent in the other is only noted in
+    ``report.zero_grads``). ``html``: where to write the HTML report when the runs diverge (its path
+    is then part of the message). Dumps this process is still writing are waited for first.
     """
     report = compare_dumps(base_dir, other_dir, rtol=rtol, atol=atol, noise=noise, noise_factor=noise_factor,
-                           steps=steps, names=names)
+                           steps=steps, names=names, strict_zero_grads=strict_zero_grads)
     if report.agrees:
         return report
     message = parity_message(report)
