@@ -634,7 +634,7 @@ def execution_order(step: int, phase: str, seq: Any, rank: int) -> tuple[int, in
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                    noise: LoadedDump | None = None, *, progress: bool | TextIO = False) -> Report:
     """Compares two loaded dumps (see ``compare_dumps``)."""
-    keys = sorted(base.records, key=lambda k: execution_order(k[1], k[2], base.records[k].get("seq"), k[0]))
+    keys = sorted(base.records, key=lambda key: _order_of(key, base))
     records: list[RecordDiff] = []
     only_in_base: list[Key] = []
     noise_unmatched = 0
@@ -655,7 +655,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     if meter:
         meter.close()
     only_in_other = sorted(set(other.records) - set(base.records),
-                           key=lambda k: execution_order(k[1], k[2], other.records[k].get("seq"), k[0]))
+                           key=lambda key: _order_of(key, other))
     zero_grads: list[tuple[Key, str]] = []
     if not config.strict_zero_grads:
         only_in_base, zero_base = _split_zero_grads(only_in_base, base, other)
@@ -696,13 +696,18 @@ def _split_zero_grads(keys: list[Key], has: LoadedDump, lacks: LoadedDump) -> tu
     rest: list[Key] = []
     zeros: list[Key] = []
     for key in keys:
-        rank, step = key[0], key[1]
-        in_both = step in has.steps.get(rank, ()) and step in lacks.steps.get(rank, ())
+        in_both = _finished_in_both(key[0], key[1], has, lacks)
         (zeros if in_both and is_zero_gradient(has.records[key]) else rest).append(key)
     return rest, zeros
 
 
+def _finished_in_both(rank: int, step: int, one: LoadedDump, other: LoadedDump) -> bool:
+    """Whether both runs finished this (rank, step): only there is a record missing on one side a mismatch."""
+    return step in one.steps.get(rank, ()) and step in other.steps.get(rank, ())
+
+
 def _order_of(key: Key, loaded: LoadedDump) -> tuple[int, int, int, int]:
+    """The execution-order sort key of a record of ``loaded``."""
     return execution_order(key[1], key[2], loaded.records[key].get("seq"), key[0])
 
 
@@ -720,7 +725,7 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump) -> Di
     for keys, loaded, present, missing in ((report.only_in_base, base, "present", "missing"),
                                            (report.only_in_other, other, "missing", "present")):
         for rank, step, phase, name in keys:
-            if step in base.steps.get(rank, ()) and step in other.steps.get(rank, ()):
+            if _finished_in_both(rank, step, base, other):
                 seq = loaded.records[(rank, step, phase, name)].get("seq")
                 candidates.append((execution_order(step, phase, seq, rank),
                                    Divergence(rank, step, phase, name, "record", present, missing, seq)))

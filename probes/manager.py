@@ -13,7 +13,7 @@ Each module gets a forward pre-hook and a forward hook. The hooks pass the modul
 root module's outputs through ``StepBoundary``; those Functions do the per-step work, so the same
 code runs when ORTModule executes the exported graph and the hooks no longer fire.
 
-Steps (see docs/api.md, "What a step is"):
+Steps (docs/training.md says what each training set-up gives):
 
 - A step opens at the first probe of a forward. It closes when the backward pass that reaches it
   ends (the autograd engine's graph task finishes), so its dump is complete when ``backward()``
@@ -283,7 +283,7 @@ class SubscriberManager:
     # Per-step dispatch, called by the probe Functions -------------------------------------------
 
     def _open(self) -> int:
-        """The open step, opening the next one if none is open (closing one whose forward is over)."""
+        """The open step, opening the next one if none is open."""
         state = self.run_state
         if state.open_step is not None:
             return state.open_step
@@ -319,10 +319,16 @@ class SubscriberManager:
         event = ProbeEvent(site, step, "forward", state.seq, call)
         state.seq += 1
         state.unmatched.setdefault(id(site), []).append(event)
-        for subscriber in self._observers:
-            if subscriber.is_active(step) and (site.kind != "input" or subscriber.observe_inputs):
-                subscriber.on_forward(event, tensors)
+        for subscriber in self._receivers(site, step):
+            subscriber.on_forward(event, tensors)
         return event
+
+    def _receivers(self, site: ProbeSite, step: int | None, *, recompute: bool = False) -> list[SubscriberBase]:
+        """The observers that get this site's calls in ``step``."""
+        if step is None:
+            return []
+        return [s for s in self._observers if s.is_active(step) and (site.kind != "input" or s.observe_inputs)
+                and (s.observe_recompute or not recompute)]
 
     def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:
         """A forward run inside backward (activation checkpointing): matched to its original later."""
@@ -330,8 +336,7 @@ class SubscriberManager:
         token = Recomputed(site)
         state.recomputing.append((id(site), token))
         step = state.open_step
-        wanted = [s for s in self._observers if s.observe_recompute and step is not None and s.is_active(step)
-                  and (site.kind != "input" or s.observe_inputs)]
+        wanted = self._receivers(site, step, recompute=True)
         if wanted:
             count = state.recomputes.get(id(site), 0)
             state.recomputes[id(site)] = count + 1
@@ -357,7 +362,7 @@ class SubscriberManager:
         state.recomputing.clear()
         for site_id, tokens in by_site.items():
             originals = state.unmatched.get(site_id, [])
-            matched = originals[-len(tokens):] if tokens else []
+            matched = originals[-len(tokens):]
             del originals[len(originals) - len(matched):]
             for token, event in zip(tokens[len(tokens) - len(matched):], matched):
                 token.event = event
@@ -379,9 +384,8 @@ class SubscriberManager:
             state.calls[id(site)] = call + 1
             event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
         state.seq += 1
-        for subscriber in self._observers:
-            if subscriber.is_active(step) and (site.kind != "input" or subscriber.observe_inputs):
-                subscriber.on_backward(event, grads)
+        for subscriber in self._receivers(site, step):
+            subscriber.on_backward(event, grads)
 
     def _end_forward(self) -> None:
         """The root module's forward returned."""

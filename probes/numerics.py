@@ -388,6 +388,24 @@ def _buckets(x: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 # --- public entry points --------------------------------------------------------------------------
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """A plain strided tensor with data (not sparse, nested, quantized, meta or a subclass): what the
+    kernel reads directly.
+
+        is_dense(torch.randn(3))   # True
+    """
+    return (type(tensor) in _PLAIN_TYPES and tensor.layout is torch.strided
+            and not (tensor.is_nested or tensor.is_quantized or tensor.is_meta))
+
+
+def is_dispatch_subclass(tensor: torch.Tensor) -> bool:
+    """True for __torch_dispatch__ subclasses (FakeTensor, DTensor, jagged nested, user wrappers).
+
+        is_dispatch_subclass(torch.randn(3))   # False
+    """
+    return type(tensor) not in _PLAIN_TYPES and torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
+
+
 def _check_readable(tensor: torch.Tensor) -> None:
     """Raises TypeError unless `tensor` is a dense tensor with memory the statistics can read.
 
@@ -395,9 +413,7 @@ def _check_readable(tensor: torch.Tensor) -> None:
     meta, a __torch_dispatch__ subclass such as FakeTensor or DTensor) would be read as garbage or
     crash the process. probes.statistics.statistics_view turns most of them into one that is readable.
     """
-    plain_type = type(tensor) in _PLAIN_TYPES
-    if plain_type and tensor.layout is torch.strided and not (tensor.is_nested or tensor.is_quantized
-                                                               or tensor.is_meta):
+    if is_dense(tensor):
         return
     if tensor.layout is not torch.strided or tensor.is_nested:
         kind = "a nested tensor" if tensor.is_nested else f"a {str(tensor.layout).removeprefix('torch.')} tensor"
@@ -405,7 +421,7 @@ def _check_readable(tensor: torch.Tensor) -> None:
         kind = "a quantized tensor"
     elif tensor.is_meta:
         kind = "a meta tensor (no data)"
-    elif not plain_type and torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python):
+    elif is_dispatch_subclass(tensor):
         kind = f"a {type(tensor).__qualname__} (a __torch_dispatch__ subclass)"
     else:
         return  # e.g. a __torch_function__-only subclass: a plain buffer underneath

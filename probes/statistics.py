@@ -31,12 +31,11 @@ from typing import Any, Sequence
 import torch
 
 from .dump import DumpWriter
-from .numerics import TensorSummary, sample_indices, summarize, take_samples
+from .numerics import TensorSummary, is_dense, is_dispatch_subclass, sample_indices, summarize, take_samples
 from .subscriber import ProbeEvent, SubscriberBase
 
 DEFAULT_BUCKET_SIZE = 1 << 22  # elements; bounds the extra memory of one statistics pass
 DEFAULT_SAMPLE_COUNT = 32
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
 _REASON_LENGTH = 300
 
@@ -72,13 +71,7 @@ def _sample_positions(numel: int, count: int, device: torch.device) -> tuple[lis
 
 def _is_ordinary(tensor: torch.Tensor) -> bool:
     """A dense, real, readable tensor: summarised as it is (the common case, checked first)."""
-    return (type(tensor) in _PLAIN_TYPES and tensor.layout is torch.strided and not tensor.is_complex()
-            and not (tensor.is_quantized or tensor.is_nested or tensor.is_meta))
-
-
-def _is_dispatch_subclass(tensor: torch.Tensor) -> bool:
-    """True for __torch_dispatch__ subclasses (FakeTensor, DTensor, jagged nested, user wrappers)."""
-    return type(tensor) not in _PLAIN_TYPES and torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
+    return is_dense(tensor) and not tensor.is_complex()
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -125,7 +118,7 @@ def _components(tensor: torch.Tensor) -> torch.Tensor:
 
 def _container_view(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     """(a strided tensor with data, what it is of) for sparse, nested, DTensor; raises UnsupportedTensor."""
-    if _is_dispatch_subclass(tensor):
+    if is_dispatch_subclass(tensor):
         if _is_dtensor(tensor):
             return tensor.to_local(), "local_shard"
         if tensor.is_nested:

@@ -165,7 +165,7 @@ class ZeROOffloadSubscriber(SubscriberBase):
         self.offloader = offloader
         # An ORTModule given to deepspeed.initialize reports its wrapped model's children as its own:
         # the wrapped model is the root whose forward the hooks see.
-        root = _ort.unwrap(_deepspeed.offload_root(offloader))
+        root = _wrappers.unwrap(_deepspeed.offload_root(offloader))
         managed = _deepspeed.prepare_modules(offloader, root)
         # Indexed like the manager's sites (the order of the manager's module walk); None inside a ZeRO-3 leaf module.
         self._bindings: list[ModuleBinding | None] = [
