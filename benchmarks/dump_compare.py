@@ -20,7 +20,7 @@ import torch
 from benchmarks.common import environment, table
 from probes.compare import compare_dumps
 from probes.dump import DumpWriter, load_dump
-from probes.statistics import tensor_record
+from probes.stats.subscriber import tensor_record
 
 FULL = (1000, 500)  # steps, records per step
 QUICK = (20, 50)

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from benchmarks.common import environment, interleaved, median, table
-from probes import numerics
+from probes.stats import numerics
 
 FULL_SIZES = (10**3, 10**4, 10**5, 10**6, 10**7, 10**8)
 QUICK_SIZES = (10**3, 10**5)
@@ -36,7 +36,7 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
-from probes import numerics
+from probes.stats import numerics
 numerics.summarize(torch.randn(10))  # load the kernel before measuring
 x = torch.randn(size)
 with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current resident set

@@ -9,6 +9,7 @@
 See docs/exporters.md.
 """
 
+from ._ort_compat import is_exporting
 from .embedding import partitioned_embedding_export
 from .export import export_onnx
 from .ort import inference_session, install_for_ort
@@ -22,6 +23,7 @@ __all__ = [
     "export_onnx",
     "inference_session",
     "install_for_ort",
+    "is_exporting",
     "partitioned_embedding_export",
     "python_op_symbolic",
     "register_probe_function",

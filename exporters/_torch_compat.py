@@ -1,24 +1,49 @@
-"""Every difference between the torch versions exporters/ runs on (2.4 and 2.13), in one place.
+"""Every private torch call of the project, and every difference between the torch versions it runs on.
 
-torch 2.9 moved the TorchScript ONNX exporter's modules under ``torch.onnx._internal.torchscript_exporter``
-and made ``torch.onnx.export`` default to the dynamo exporter; the symbolic registry, the export
-globals and the graph context are otherwise the same objects in both.
+The probes, the exporters and the statistics kernel reach torch's private API only through here, so
+a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1 and 2.13.0).
+
+- The TorchScript ONNX exporter: torch 2.9 moved its modules under
+  ``torch.onnx._internal.torchscript_exporter`` and made ``torch.onnx.export`` default to the dynamo
+  exporter; the symbolic registry, the export globals and the graph context are otherwise the same.
+- The autograd engine: which backward pass (graph task) runs now, and a callback when it ends.
+- Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory.
 
     from exporters import _torch_compat as compat
     restore = compat.override_symbolic("prim::PythonOp", 17, my_symbolic)   # ...export...; restore()
     compat.onnx_export(model, args, buffer, opset_version=17, training=torch.onnx.TrainingMode.TRAINING)
+    task = compat.current_backward()          # None outside a backward pass
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 Symbolic = Callable[..., Any]
+
+SUPPORTED_TORCH = ((2, 1), (2, 15))
+
+
+class TorchInternalsError(RuntimeError):
+    """torch lacks a private call the project relies on; the message names it and what to do."""
+
+
+def torch_version() -> tuple[int, int]:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[return-value]
+
+
+def _missing(what: str) -> TorchInternalsError:
+    low, high = (".".join(map(str, bound)) for bound in SUPPORTED_TORCH)
+    return TorchInternalsError(
+        f"torch {torch.__version__} has no {what}; probes supports torch >= {low}, < {high}: install a "
+        "supported torch or update exporters/_torch_compat.py"
+    )
 
 
 @functools.cache
@@ -97,3 +122,61 @@ def onnx_export(model: torch.nn.Module, args: tuple, f: Any, **kwargs: Any) -> N
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.onnx.export(model, args, f, dynamo=False, **kwargs)
+
+
+# The autograd engine -------------------------------------------------------------------------------
+# A backward pass is one graph task of the engine (one ``backward()`` or ``torch.autograd.grad`` call;
+# a reentrant checkpoint runs a nested one). A module forward that runs while a graph task is running
+# is a recomputation (activation checkpointing), not a step of training.
+
+@functools.cache
+def _engine_api() -> tuple[Callable[[], int], Callable[[Callable[[], None]], None]]:
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    queue = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
+    if current is None or queue is None:
+        raise _missing("torch._C._current_graph_task_id or Variable._execution_engine.queue_callback")
+    return current, queue
+
+
+def current_backward() -> int | None:
+    """The id of the graph task the autograd engine runs on this thread, or None outside backward."""
+    task = _engine_api()[0]()
+    return None if task < 0 else task
+
+
+def call_when_backward_ends(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the current graph task has finished (call only inside a backward)."""
+    _engine_api()[1](callback)
+
+
+# Tracing, ONNX types, C++ extensions ---------------------------------------------------------------
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Pause a running TorchScript trace (ONNX export): what runs inside is executed, not recorded."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        yield
+        return
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def onnx_element_type(dtype: torch.dtype) -> int:
+    """The ONNX ``TensorProto`` element type of a torch dtype."""
+    try:  # torch >= 2.9
+        from torch.onnx._internal.torchscript_exporter import _type_utils
+    except ImportError:  # torch 2.4
+        from torch.onnx import _type_utils  # type: ignore[no-redef]
+    return int(_type_utils.JitScalarType.from_dtype(dtype).onnx_type())
+
+
+def extension_build_directory(name: str) -> str | None:
+    """Where ``cpp_extension.load_inline(name=...)`` builds, or None when this torch does not say."""
+    from torch.utils import cpp_extension
+
+    get = getattr(cpp_extension, "_get_build_directory", None)
+    return None if get is None else get(name, verbose=False)

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from probes import _ort
+from . import _ort_compat
 
 from . import _torch_compat as compat
 
@@ -108,7 +108,7 @@ def _embedding_symbolic(previous: compat.Symbolic | None, full_shapes: dict[str,
 
 def _export_time_forward(original: Any, module: torch.nn.Embedding, indices: torch.Tensor) -> torch.Tensor:
     weight = module._parameters.get("weight")  # not module.weight: ZeRO-3's module dict would gather it
-    if weight is None or not is_partitioned(weight) or not _ort.is_exporting():
+    if weight is None or not is_partitioned(weight) or not _ort_compat.is_exporting():
         return original(module, indices)
     return PartitionedEmbedding.apply(weight, indices, _embedding_dim(weight, module.embedding_dim),
                                       -1 if module.padding_idx is None else module.padding_idx,

@@ -12,7 +12,7 @@ Without onnxruntime installed this does nothing and imports nothing. If ORT is i
 - ORT's PythonOp kernels get each Function's class, ``infer_shape`` and ``alias_input``, so ORT keeps
   the shapes and returns the probes' outputs in their inputs' buffers instead of copying them.
 
-All ORT internals used here are behind probes/_ort.py.
+All ORT internals used here are behind probes/_ort_compat.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import warnings
 from typing import Any, Callable
 
-from probes import _ort
+from . import _ort_compat
 
 from .pythonop import emit_python_op, identity_alias_input, identity_infer_shape
 from .registry import ProbeFunctionSpec, on_register, registered_specs, spec_for
@@ -45,9 +45,9 @@ def _ort_handler(spec: ProbeFunctionSpec) -> Callable[..., Any]:
 
 
 def _install_spec(spec: ProbeFunctionSpec) -> None:
-    _ort.add_pythonop_export_handler(spec.name, _ort_handler(spec))
+    _ort_compat.add_pythonop_export_handler(spec.name, _ort_handler(spec))
     shape, alias = (identity_infer_shape, identity_alias_input) if spec.identity else (None, None)
-    _ort.register_pythonop_runtime(spec.name, spec.function, shape, alias)
+    _ort_compat.register_pythonop_runtime(spec.name, spec.function, shape, alias)
 
 
 def _install_now() -> None:
@@ -67,10 +67,10 @@ def install_for_ort() -> None:
     """Register the probe exporters with ORTModule now, or as soon as the program imports it."""
     if _STATE["installed"]:
         return
-    if _ort.is_ortmodule_imported():
+    if _ort_compat.is_ortmodule_imported():
         _install_now()
         return
-    if _STATE["waiting"] or importlib.util.find_spec("onnxruntime") is None:
+    if _STATE["waiting"] or not _ort_compat.is_onnxruntime_installed():
         return
     sys.meta_path.insert(0, _AfterImport(_ORTMODULE, _install_after_import))
     _STATE["waiting"] = True
@@ -138,7 +138,7 @@ def inference_session(model: Any, **session_options: Any) -> Any:
     """
     import onnxruntime
 
-    _ort.enable_pythonop_runners()
+    _ort_compat.enable_pythonop_runners()
     install_for_ort()
     if isinstance(model, (str, os.PathLike)):
         source = os.fspath(model)

@@ -16,9 +16,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from probes.functions import StepBoundary, TensorProbe
-from probes.subscriber import ProbeSite
-
 Describe = Callable[[Sequence[Any]], str]
 
 
@@ -86,18 +83,3 @@ def registered_specs() -> tuple[ProbeFunctionSpec, ...]:
 def on_register(listener: Callable[[ProbeFunctionSpec], None]) -> None:
     """Call ``listener(spec)`` for every Function registered from now on (ORT installs itself this way)."""
     _LISTENERS.append(listener)
-
-
-def _describe_site(non_tensor_args: Sequence[Any]) -> str:
-    site = non_tensor_args[0] if non_tensor_args else None
-    if not isinstance(site, ProbeSite):
-        return ""
-    return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"
-
-
-def _describe_step_boundary(non_tensor_args: Sequence[Any]) -> str:
-    return "step_boundary"
-
-
-register_probe_function(TensorProbe, describe=_describe_site)
-register_probe_function(StepBoundary, describe=_describe_step_boundary)

@@ -4,10 +4,10 @@
     SubscriberManager.subscribe(model, [StatisticsSubscriber("pt_out", override_output_dir=True)])
 """
 
+from .core import (GlobalSubscriberManager, ProbeEvent, ProbeSite, SubscriberBase, SubscriberManager, Subscription,
+                   inspect_activation)
 from .dump import load_dump
-from .manager import GlobalSubscriberManager, SubscriberManager, Subscription, inspect_activation
-from .statistics import StatisticsSubscriber
-from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+from .stats import StatisticsSubscriber
 from .zero3 import ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3
 
 __all__ = [

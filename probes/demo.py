@@ -26,12 +26,11 @@ os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # never 
 
 import torch
 
-from . import SubscriberManager
-from .compare import compare_dumps, format_report
+from .core import SubscriberManager
+from .compare import compare_dumps, format_report, write_html
 from .dump import list_steps
 from .models import TinyTransformer, TransformerConfig, make_batch
-from .report_html import write_html
-from .statistics import StatisticsSubscriber
+from .stats import StatisticsSubscriber
 from .testing import BugInjection, inject_bug
 
 CONFIG = TransformerConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=128, seq_len=32, dropout=0.0)

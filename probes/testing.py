@@ -66,7 +66,7 @@ def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 
         return report
     message = parity_message(report)
     if html is not None:
-        from .report_html import write_html
+        from .compare import write_html
         write_html(report, html)
         message += f"\nHTML report: {html}"
     raise AssertionError(message)

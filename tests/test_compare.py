@@ -22,7 +22,7 @@ from probes.__main__ import main as probes_main
 from probes.compare import Progress, compare_dumps, read_dump
 from probes.dump import DumpWriter, load_dump
 from probes.models import TinyTransformer, TransformerConfig
-from probes.statistics import tensor_record
+from probes.stats.subscriber import tensor_record
 from probes.testing import assert_parity, inject_bug, parity  # noqa: F401  (parity: fixture)
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
@@ -423,7 +423,7 @@ def test_html_report_is_self_contained_with_plots(base_run, tmp_path, capsys):
 
 
 def test_html_report_reduces_big_dumps_visibly(tmp_path):
-    from probes.report_html import HtmlConfig, render_html
+    from probes.compare import HtmlConfig, render_html
 
     write_dump(tmp_path / "base", 0, {s: synthetic_records(s, 0) for s in range(5)})
     write_dump(tmp_path / "other", 0, {s: synthetic_records(s, 0, bump={("forward", 0): 1.5} if s == 3 else None)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from probes.compare import compare_dumps
-from probes.report_html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, write_html
+from probes.compare.html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, write_html
 from test_compare import synthetic_records, write_dump
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -17,8 +17,9 @@ import exporters
 from exporters import _torch_compat as compat
 from exporters.pythonop import PythonOpExportError
 from helpers import Recorder, Square, called_by_ort_runtime, called_from
-from probes import SubscriberManager, _ort
-from probes.functions import TensorProbe
+from exporters import _ort_compat as _ort
+from probes import SubscriberManager
+from probes.core.functions import TensorProbe
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
@@ -180,8 +181,8 @@ def test_one_python_op_per_probe_with_func_name_and_site():
     onnx.checker.check_model(proto)
     nodes = python_ops(proto)
     assert len(nodes) == len(sites) + 1  # one TensorProbe per probed site, one StepBoundary
-    probes_ = [n for n in nodes if attr(n, "func_name") == "probes.functions.TensorProbe"]
-    boundaries = [n for n in nodes if attr(n, "func_name") == "probes.functions.StepBoundary"]
+    probes_ = [n for n in nodes if attr(n, "func_name") == "probes.core.functions.TensorProbe"]
+    boundaries = [n for n in nodes if attr(n, "func_name") == "probes.core.functions.StepBoundary"]
     assert len(boundaries) == 1 and attr(boundaries[0], "comment") == "step_boundary"
     assert sorted(attr(n, "comment") for n in probes_) == sorted(sites)
     for node in nodes:
@@ -229,7 +230,7 @@ def test_function_without_any_exporter_is_named_in_the_error(monkeypatch):
 
 def test_tensor_hidden_in_a_non_tensor_argument_names_the_probe_and_argument():
     model = CallsProbe(lambda x: TensorProbe.apply([x], x))
-    with pytest.raises(PythonOpExportError, match=r"probes\.functions\.TensorProbe: argument 0 \(list\) holds a torch\.Tensor"):
+    with pytest.raises(PythonOpExportError, match=r"probes\.core\.functions\.TensorProbe: argument 0 \(list\) holds a torch\.Tensor"):
         exporters.export_onnx(model, (torch.randn(2, 4),))
 
 
@@ -379,8 +380,8 @@ def test_unrelated_function_goes_to_orts_exporter_and_runs():
     x = torch.randn(2, 4)
     proto = exporters.export_onnx(model, (x,), training=False, input_names=["x"])
     func_names = sorted(attr(n, "func_name") for n in python_ops(proto))
-    assert func_names == ["helpers.Square", "probes.functions.StepBoundary", "probes.functions.TensorProbe",
-                          "probes.functions.TensorProbe"]
+    assert func_names == ["helpers.Square", "probes.core.functions.StepBoundary", "probes.core.functions.TensorProbe",
+                          "probes.core.functions.TensorProbe"]
     (result,) = exporters.inference_session(proto).run(None, {"x": x.numpy()})
     manager.unsubscribe()
     with torch.no_grad():
@@ -520,7 +521,7 @@ def test_install_waits_for_the_ortmodule_import():
         import onnxruntime.training.ortmodule
         assert exporters.ort.is_installed()
         from onnxruntime.training.ortmodule._custom_autograd_function_exporter import _SpecialCustomFunctionHandler
-        assert _SpecialCustomFunctionHandler.get_handler("probes.functions.TensorProbe") is not None
+        assert _SpecialCustomFunctionHandler.get_handler("probes.core.functions.TensorProbe") is not None
         print("ok")
         """
     )

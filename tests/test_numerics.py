@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from probes import numerics
-from probes.numerics import TensorSummary, sample_indices, summarize, take_samples
+from probes.stats import numerics
+from probes.stats.numerics import TensorSummary, sample_indices, summarize, take_samples
 
 BACKENDS = ["cpp", "torch"]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

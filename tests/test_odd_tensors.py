@@ -27,9 +27,9 @@ from torch.utils import _pytree as pytree
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
 from probes import dump as dump_module
 from probes.dump import DumpWriteError, list_steps
-from probes.numerics import summarize, take_samples
+from probes.stats.numerics import summarize, take_samples
 from probes.statistics import SubscriberClosedWarning, UnsupportedTensorWarning
-from probes.subscriber import ProbeEvent, ProbeSite
+from probes.core.subscriber import ProbeEvent, ProbeSite
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [  # torch's own notices about the kinds under test
@@ -526,7 +526,7 @@ def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path, one_rank_group):
 
 
 def test_a_failure_inside_the_statistics_never_stops_training(tmp_path, monkeypatch):
-    import probes.statistics as statistics
+    import probes.stats.subscriber as statistics
 
     real = statistics.summarize
 

@@ -21,9 +21,9 @@ from helpers import hook_count
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from probes import _deepspeed  # noqa: E402
+from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
 from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
-from probes.subscriber import ProbeSite  # noqa: E402
+from probes.core.subscriber import ProbeSite  # noqa: E402
 from probes.zero3 import (  # noqa: E402
     DeepCopiedModuleError,
     ZeROOffloadSubscriber,

@@ -27,14 +27,15 @@ import os
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _deepspeed, _ort, _wrappers
-from .manager import SubscriberManager
-from .subscriber import ProbeSite, SubscriberBase
+from exporters import _deepspeed_compat, _ort_compat, _torch_compat
+
+from ..core import wrappers
+from ..core import ProbeSite, SubscriberBase, SubscriberManager
 
 
 @dataclass(eq=False)
@@ -60,20 +61,6 @@ def _mark_non_differentiable(ctx: Any, outputs: Sequence[torch.Tensor], inputs: 
         ctx.mark_non_differentiable(*frozen)
 
 
-@contextlib.contextmanager
-def _untraced() -> Iterator[None]:
-    """Pause TorchScript tracing (ONNX export): DeepSpeed's collectives must run, not be traced."""
-    state = torch._C._get_tracing_state()
-    if state is None:
-        yield
-        return
-    torch._C._set_tracing_state(None)
-    try:
-        yield
-    finally:
-        torch._C._set_tracing_state(state)
-
-
 def _hand_off_gradients(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
     """Accumulate gradients computed outside PyTorch's graph (by ORT) into the parameters.
 
@@ -96,10 +83,10 @@ class ZeroPreForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, binding: ModuleBinding, input_count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _untraced():
+        with _torch_compat.untraced():
             if binding.is_root:
-                _deepspeed.start_forward(binding.offload)
-            _deepspeed.fetch_for_forward(binding.offload, binding.module)
+                _deepspeed_compat.start_forward(binding.offload)
+            _deepspeed_compat.fetch_for_forward(binding.offload, binding.module)
         inputs = tensors[:input_count]
         ctx.binding = binding
         ctx.input_count = input_count
@@ -115,7 +102,7 @@ class ZeroPreForward(torch.autograd.Function):
         _hand_off_gradients(binding.params, grads[count:])
         if binding.backward_fetches > 0:
             binding.backward_fetches -= 1
-            _deepspeed.release_after_backward(binding.offload, binding.module)
+            _deepspeed_compat.release_after_backward(binding.offload, binding.module)
         needs = ctx.needs_input_grad[2 + count:]
         placeholder_grads = (torch.zeros(shape, dtype=dtype, device=device) if need else None
                              for need, (shape, dtype, device) in zip(needs, ctx.placeholders))
@@ -132,8 +119,8 @@ class ZeroPostForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, binding: ModuleBinding, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _untraced():
-            _deepspeed.release_after_forward(binding.offload, binding.module, outputs)
+        with _torch_compat.untraced():
+            _deepspeed_compat.release_after_forward(binding.offload, binding.module, outputs)
         ctx.binding = binding
         _mark_non_differentiable(ctx, outputs, outputs)
         return outputs
@@ -141,7 +128,7 @@ class ZeroPostForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         binding: ModuleBinding = ctx.binding
-        _deepspeed.fetch_for_backward(binding.offload, binding.module)
+        _deepspeed_compat.fetch_for_backward(binding.offload, binding.module)
         binding.backward_fetches += 1
         return (None, *grads)
 
@@ -161,16 +148,16 @@ class ZeROOffloadSubscriber(SubscriberBase):
 
     def __init__(self, offloader: Any) -> None:
         super().__init__(None, None)
-        _deepspeed.require_deepspeed()
+        _deepspeed_compat.require_deepspeed()
         self.offloader = offloader
         # An ORTModule given to deepspeed.initialize reports its wrapped model's children as its own:
         # the wrapped model is the root whose forward the hooks see.
-        root = _wrappers.unwrap(_deepspeed.offload_root(offloader))
-        managed = _deepspeed.prepare_modules(offloader, root)
+        root = wrappers.unwrap(_deepspeed_compat.offload_root(offloader))
+        managed = _deepspeed_compat.prepare_modules(offloader, root)
         # Indexed like the manager's sites (the order of the manager's module walk); None inside a ZeRO-3 leaf module.
         self._bindings: list[ModuleBinding | None] = [
             ModuleBinding(offloader, module, name or "<root>", module is root) if id(module) in managed else None
-            for name, module in _wrappers.user_named_modules(root)
+            for name, module in wrappers.user_named_modules(root)
         ]
         self.closed = False
 
@@ -191,7 +178,7 @@ class ZeROOffloadSubscriber(SubscriberBase):
         binding = self.binding(site, module)
         if binding is None:
             return args, kwargs
-        binding.params = tuple(_deepspeed.module_params(binding.module))
+        binding.params = tuple(_deepspeed_compat.module_params(binding.module))
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         # The empty partitions become the Function's inputs so that an exported graph ties each
@@ -214,10 +201,10 @@ class ZeROOffloadSubscriber(SubscriberBase):
         leaves, spec = pytree.tree_flatten(outputs)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not positions:
-            if _ort.is_exporting():
+            if _ort_compat.is_exporting():
                 warnings.warn(f"{site.name!r} returns no tensor: under ORTModule its ZeRO-3 parameters are released "
                               "only at the end of backward", stacklevel=2)
-            _deepspeed.release_after_forward(binding.offload, binding.module, ())
+            _deepspeed_compat.release_after_forward(binding.offload, binding.module, ())
             return outputs
         released = ZeroPostForward.apply(binding, *(leaves[i] for i in positions))
         for position, tensor in zip(positions, released):
@@ -280,7 +267,7 @@ def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
     if not settings.debug:
         return []
     try:
-        from .statistics import StatisticsSubscriber
+        from ..stats import StatisticsSubscriber
     except ImportError as error:
         warnings.warn(f"debug=True: probes.statistics.StatisticsSubscriber is not available ({error}); "
                       "no statistics are dumped", RuntimeWarning, stacklevel=3)
@@ -303,14 +290,14 @@ def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
 def _setup_zero_stage3_hooks_with_probes(offload: Any) -> None:
     """Replacement for ``DeepSpeedZeRoOffload.setup_zero_stage3_hooks`` (called by its __init__)."""
     settings = _settings or Zero3Settings()
-    model = _deepspeed.offload_root(offload)
+    model = _deepspeed_compat.offload_root(offload)
     subscribers = [ZeROOffloadSubscriber(offload), *_debug_subscribers(settings)]
     manager = SubscriberManager()
     subscription = manager.subscribe(model, subscribers)
     offload.probes_manager = manager
-    _MANAGED_ROOTS.add(_ort.unwrap(model))
-    _deepspeed.finish_setup(offload, _DestroyHandle(offload, subscription))
-    if _ort.is_ortmodule(model):
+    _MANAGED_ROOTS.add(_ort_compat.unwrap(model))
+    _deepspeed_compat.finish_setup(offload, _DestroyHandle(offload, subscription))
+    if _ort_compat.is_ortmodule(model):
         _prepare_ortmodule_export()
 
 
@@ -333,7 +320,7 @@ def _export_context(model: torch.nn.Module) -> Any:
 
 def _prepare_ortmodule_export() -> None:
     """Let ORTModule export ZeRO-3 models with these hooks (see probes/_ort_zero3.py)."""
-    from . import _ort_zero3
+    from exporters import zero3 as _ort_zero3
 
     try:
         from exporters import register_probe_function
@@ -344,8 +331,8 @@ def _prepare_ortmodule_export() -> None:
         register_probe_function(ZeroPostForward, describe=_describe_binding)
     _ort_zero3.install(_ort_zero3.Zero3ExportSpec(
         is_managed=lambda model: model in _MANAGED_ROOTS,
-        is_partitioned=_deepspeed.is_partitioned,
-        full_shape=_deepspeed.full_shape,
+        is_partitioned=_deepspeed_compat.is_partitioned,
+        full_shape=_deepspeed_compat.full_shape,
         pre_forward=ZeroPreForward,
         binding_position=0,
         input_count_position=1,
@@ -377,7 +364,7 @@ class Zero3Patch:
 
     @property
     def active(self) -> bool:
-        return _settings is self.settings and _deepspeed.setup_hooks_replaced()
+        return _settings is self.settings and _deepspeed_compat.setup_hooks_replaced()
 
     def restore(self) -> None:
         if self.active:
@@ -399,12 +386,12 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
     Engines created before the call keep their hooks. Calling again replaces the settings.
 
     Raises ImportError when DeepSpeed is not installed, DeepSpeedVersionError when its version is
-    outside ``probes._deepspeed.SUPPORTED_RANGE``.
+    outside ``probes._deepspeed_compat.SUPPORTED_RANGE``.
     """
     global _settings
-    _deepspeed.require_deepspeed()
+    _deepspeed_compat.require_deepspeed()
     settings = Zero3Settings(bool(debug), os.fspath(stats_output_dir), bool(stats_overwrite))
-    _deepspeed.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
+    _deepspeed_compat.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
     _settings = settings
     return Zero3Patch(settings)
 
@@ -413,9 +400,9 @@ def restore_zero_stage3_hooks() -> bool:
     """Give DeepSpeed back its own ZeRO-3 hooks for engines created from now on; False if not patched."""
     global _settings
     _settings = None
-    return _deepspeed.restore_setup_hooks()
+    return _deepspeed_compat.restore_setup_hooks()
 
 
 def is_configured() -> bool:
     """True while DeepSpeed's ZeRO-3 hook setup is replaced by probes'."""
-    return _deepspeed.setup_hooks_replaced()
+    return _deepspeed_compat.setup_hooks_replaced()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .dump import MANIFEST_NAME, DumpFormatError, DumpLayout, _list_steps, _load_dump, flush_writers
+from ..dump import MANIFEST_NAME, DumpFormatError, DumpLayout, _list_steps, _load_dump, flush_writers
 
 __all__ = [
     "CompareConfig",
@@ -992,7 +992,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
             args.json.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
             print(f"JSON report: {args.json}")
         if args.html is not None:
-            from .report_html import write_html
+            from .html import write_html
             write_html(report, args.html)
             print(f"HTML report: {args.html}")
     except OSError as error:

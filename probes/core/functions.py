@@ -12,15 +12,16 @@ is therefore live state, not a constant frozen at export.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from . import _ort
+from exporters import _ort_compat, register_probe_function
+
+from .subscriber import ProbeSite
 
 if TYPE_CHECKING:
     from .manager import SubscriberManager
-    from .subscriber import ProbeSite
 
 
 def _keep_non_differentiable(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -51,7 +52,7 @@ class TensorProbe(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.event = None if _ort.is_exporting() else site.manager._dispatch_forward(site, tensors)
+        ctx.event = None if _ort_compat.is_exporting() else site.manager._dispatch_forward(site, tensors)
         _keep_non_differentiable(ctx, tensors)
         return tuple(_passes_through(tensor) for tensor in tensors)
 
@@ -67,7 +68,7 @@ class StepBoundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, manager: "SubscriberManager", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.manager = None if _ort.is_exporting() else manager
+        ctx.manager = None if _ort_compat.is_exporting() else manager
         if ctx.manager is not None:
             manager._end_forward()
         _keep_non_differentiable(ctx, tensors)
@@ -80,4 +81,19 @@ class StepBoundary(torch.autograd.Function):
         return (None, *grads)
 
 
-PROBE_FUNCTIONS: tuple[type[torch.autograd.Function], ...] = (TensorProbe, StepBoundary)
+
+def _describe_site(non_tensor_args: Sequence[Any]) -> str:
+    """A TensorProbe's site name, for its PythonOp's ``comment`` attribute."""
+    site = non_tensor_args[0] if non_tensor_args else None
+    if not isinstance(site, ProbeSite):
+        return ""
+    return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"
+
+
+def _describe_step_boundary(non_tensor_args: Sequence[Any]) -> str:
+    return "step_boundary"
+
+
+# The probe Functions tell the exporters how to export them; exporters/ knows nothing of probes.
+register_probe_function(TensorProbe, describe=_describe_site)
+register_probe_function(StepBoundary, describe=_describe_step_boundary)

@@ -19,7 +19,7 @@ sees the full-size parameters, as outputs. Two of ORT's static export steps are 
    a gradient so that ORT builds the backward through them. The gradients of the full-size outputs
    reach the parameters in that PythonOp's backward.
 
-Anything in ORT that differs from what this expects raises ``_ort.OrtInternalsError``.
+Anything in ORT that differs from what this expects raises ``_ort_compat.OrtInternalsError``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from . import _ort
+from . import _ort_compat, _torch_compat
 
 _GTM_MODULE = "onnxruntime.training.ortmodule._graph_transition_manager"
 _TRIGGER_MODULE = "onnxruntime.training.ortmodule._mem_efficient_grad_mgmt"
@@ -70,7 +70,7 @@ def _gtm_class() -> type:
     module = importlib.import_module(_GTM_MODULE)
     cls = getattr(module, "GraphTransitionManager", None)
     if cls is None or not all(isinstance(cls.__dict__.get(name), staticmethod) for name in _WRAPPED):
-        raise _ort.OrtInternalsError(
+        raise _ort_compat.OrtInternalsError(
             f"{_GTM_MODULE}.GraphTransitionManager no longer has the static methods {_WRAPPED}; "
             "probes cannot run ZeRO-3 models under this ORTModule (see probes/_ort_zero3.py)"
         )
@@ -86,15 +86,15 @@ def _trigger_spec() -> tuple[str, int, list[int]]:
         return (module.MEM_EFFICIENT_PARAM_TRIGGER_INPUT_NAME, int(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_DTYPE),
                 list(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_SHAPE))
     except AttributeError as error:
-        raise _ort.OrtInternalsError(
+        raise _ort_compat.OrtInternalsError(
             f"{_TRIGGER_MODULE} changed ({error}); probes/_ort_zero3.py must be updated") from error
 
 
 def install(spec: Zero3ExportSpec) -> None:
     """Wrap ORTModule's export steps for ZeRO-3 models (idempotent; the latest spec wins)."""
-    version = _ort.ort_version()
-    if version is not None and not (_ort.SUPPORTED_ORT[0] <= version < _ort.SUPPORTED_ORT[1]):
-        raise _ort.OrtInternalsError(
+    version = _ort_compat.ort_version()
+    if version is not None and not (_ort_compat.SUPPORTED_ORT[0] <= version < _ort_compat.SUPPORTED_ORT[1]):
+        raise _ort_compat.OrtInternalsError(
             f"onnxruntime {version[0]}.{version[1]} is not supported for ZeRO-3 under ORTModule "
             "(probes/_ort_zero3.py was written for 1.19)"
         )
@@ -102,7 +102,7 @@ def install(spec: Zero3ExportSpec) -> None:
     _trigger_spec()
     _state["spec"] = spec
     # ORT's shape inference would give the full-size outputs the shape of the first input.
-    _ort.register_pythonop_runtime(spec.pre_forward_name, spec.pre_forward,
+    _ort_compat.register_pythonop_runtime(spec.pre_forward_name, spec.pre_forward,
                                    functools.partial(_infer_pre_forward_shapes, spec),
                                    functools.partial(_pre_forward_alias_input, spec))
     if _state["originals"]:
@@ -176,7 +176,7 @@ def _post_export_process(**kwargs: Any) -> Any:
         graph_inputs = list(info.onnx_graph_input_names)
         require_grad = list(info.onnx_graph_input_names_require_grad)
     except AttributeError as error:
-        raise _ort.OrtInternalsError(f"ORT's PostExportProcessedModelInfo changed ({error})") from error
+        raise _ort_compat.OrtInternalsError(f"ORT's PostExportProcessedModelInfo changed ({error})") from error
     partitioned = [name for name, param in flattened_module.named_parameters()
                    if name in graph_inputs and spec.is_partitioned(param)]
     removed = replace_partitioned_inputs(model, spec, partitioned)
@@ -229,9 +229,7 @@ def _func_name(node: Any) -> str | None:
 
 
 def _onnx_type(dtype: torch.dtype) -> int:
-    from torch.onnx import _type_utils
-
-    return int(_type_utils.JitScalarType.from_dtype(dtype).onnx_type())
+    return _torch_compat.onnx_element_type(dtype)
 
 
 def _pointer_argument(node: Any, position: int) -> Any:
@@ -240,7 +238,7 @@ def _pointer_argument(node: Any, position: int) -> Any:
     positions = list(_attribute(node, "input_pointer_scalar_positions") or [])
     pointers = _attribute(node, "input_pointer_scalars") or []
     if position not in positions:
-        raise _ort.OrtInternalsError(f"PythonOp {node.name} has no pointer argument at position {position}")
+        raise _ort_compat.OrtInternalsError(f"PythonOp {node.name} has no pointer argument at position {position}")
     # The exporter keeps the object alive for the life of the process (so the id stays valid).
     return ctypes.cast(pointers[positions.index(position)], ctypes.py_object).value
 
@@ -280,7 +278,7 @@ def _input_count(node: Any, position: int) -> int:
     positions = _attribute(node, "input_int_scalar_positions") or []
     scalars = _attribute(node, "input_int_scalars") or []
     if position not in positions:
-        raise _ort.OrtInternalsError(f"PythonOp {node.name} has no int argument at position {position}")
+        raise _ort_compat.OrtInternalsError(f"PythonOp {node.name} has no int argument at position {position}")
     return int(scalars[list(positions).index(position)])
 
 
@@ -289,7 +287,7 @@ def _retype_inputs(node: Any, index_types: dict[int, tuple[int, int]]) -> None:
     ranks = list(_attribute(node, "input_tensor_ranks") or [])
     types = list(_attribute(node, "input_tensor_types") or [])
     if len(ranks) != len(node.input) or len(types) != len(node.input):
-        raise _ort.OrtInternalsError(f"PythonOp {node.name}: input_tensor_ranks/types do not match its inputs")
+        raise _ort_compat.OrtInternalsError(f"PythonOp {node.name}: input_tensor_ranks/types do not match its inputs")
     for index, (rank, elem_type) in index_types.items():
         ranks[index], types[index] = rank, elem_type
     _set_ints(node, "input_tensor_ranks", ranks)
@@ -325,7 +323,7 @@ def rewire_consumers(model: Any, spec: Zero3ExportSpec, partitioned: dict[str, t
         if not _is_pre_forward(node, spec):
             continue
         if len(node.output) != len(node.input):
-            raise _ort.OrtInternalsError(f"PythonOp {node.name}: expected one output per input before ORT's processing")
+            raise _ort_compat.OrtInternalsError(f"PythonOp {node.name}: expected one output per input before ORT's processing")
         for index in _placeholder_slots(node, spec):
             name = node.input[index]
             placeholder_slots.add((position, index))

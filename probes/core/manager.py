@@ -40,7 +40,10 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from . import _autograd, _ort, _wrappers
+import exporters
+from exporters import _ort_compat, _torch_compat
+
+from . import wrappers
 from .functions import StepBoundary, TensorProbe, can_probe
 from .subscriber import ProbeEvent, ProbeSite, Recomputed, RunState, SubscriberBase
 
@@ -136,8 +139,8 @@ class SubscriberManager:
                     f"end_step ({subscriber.end_step})"
                 )
 
-        root = _wrappers.unwrap(model)
-        _ort.install_probe_exporters()  # ORTModule exports the probes with exporters/ (no-op without ORT)
+        root = wrappers.unwrap(model)
+        exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
         previous = _HOLDERS.get(root)
         if previous is not None:
@@ -155,7 +158,7 @@ class SubscriberManager:
         atexit.unregister(_finish_at_exit)
         atexit.register(_finish_at_exit)
         self._wrapper_ref = weakref.ref(model) if model is not root else None
-        _ort.signal_model_changed(model)
+        _ort_compat.signal_model_changed(model)
         self._subscription = Subscription(self, root)
         return self._subscription
 
@@ -173,7 +176,7 @@ class SubscriberManager:
             del _HOLDERS[root]
         wrapper = self._wrapper_ref() if self._wrapper_ref is not None else None
         if wrapper is not None:
-            _ort.signal_model_changed(wrapper)
+            _ort_compat.signal_model_changed(wrapper)
         subscribers = self._subscribers
         self._subscription = None
         self._subscribers = self._observers = ()
@@ -222,7 +225,7 @@ class SubscriberManager:
     # Hooks ------------------------------------------------------------------------------------
 
     def _register_hooks(self, root: torch.nn.Module) -> None:
-        for index, (name, module) in enumerate(_wrappers.user_named_modules(root)):
+        for index, (name, module) in enumerate(wrappers.user_named_modules(root)):
             qualified = name or ROOT_NAME
             depth = 0 if not name else name.count(".") + 1
             sites = {kind: ProbeSite(qualified, kind, index, depth, type(module).__name__, self)
@@ -272,7 +275,7 @@ class SubscriberManager:
         if len(positions) < len(tensors) and isinstance(first_arg, ProbeSite):
             _warn_unobserved(first_arg, [leaves[i] for i in tensors if not can_probe(leaves[i])])
         if not positions:
-            if always and not _ort.is_exporting():
+            if always and not _ort_compat.is_exporting():
                 self._end_forward()  # no tensor to carry the step boundary: eager-only fallback
             return structure
         probed = function.apply(first_arg, *(leaves[i] for i in positions))
@@ -303,7 +306,7 @@ class SubscriberManager:
         return self._open()
 
     def _dispatch_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
-        if _autograd.current_backward() is not None:
+        if _torch_compat.current_backward() is not None:
             return self._recomputed_forward(site, tensors)
         state = self.run_state
         step = self._begin_forward_work()
@@ -389,7 +392,7 @@ class SubscriberManager:
 
     def _end_forward(self) -> None:
         """The root module's forward returned."""
-        if _autograd.current_backward() is not None:
+        if _torch_compat.current_backward() is not None:
             return  # the root itself recomputed by a checkpoint
         self._begin_forward_work()
         self.run_state.forward_done = True
@@ -400,12 +403,12 @@ class SubscriberManager:
         self._watch_backward()
 
     def _watch_backward(self) -> None:
-        task = _autograd.current_backward()
+        task = _torch_compat.current_backward()
         state = self.run_state
         if task is None or task in state.backward_tasks:
             return
         state.backward_tasks.add(task)
-        _autograd.call_when_backward_ends(functools.partial(self._backward_ended, task))
+        _torch_compat.call_when_backward_ends(functools.partial(self._backward_ended, task))
 
     def _backward_ended(self, task: int) -> None:
         state = self.run_state

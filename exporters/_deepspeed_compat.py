@@ -5,9 +5,9 @@ release that reorganises its private code breaks here, with a clear error, and n
 Importing this module does not import DeepSpeed; ``require_deepspeed()`` does, and checks the version.
 
     from probes import _deepspeed
-    _deepspeed.require_deepspeed()                    # ImportError / DeepSpeedVersionError
-    _deepspeed.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
-    _deepspeed.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
+    _deepspeed_compat.require_deepspeed()                    # ImportError / DeepSpeedVersionError
+    _deepspeed_compat.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
+    _deepspeed_compat.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def check_version(version_text: str) -> None:
     if not SUPPORTED_MIN <= (major, minor) < SUPPORTED_MAX:
         raise DeepSpeedVersionError(
             f"DeepSpeed {version_text} is not supported by probes.zero3 (supported: deepspeed{SUPPORTED_RANGE}, "
-            "tested with 0.19.8); install a supported release or update probes/_deepspeed.py"
+            "tested with 0.19.8); install a supported release or update probes/_deepspeed_compat.py"
         )
 
 
@@ -85,7 +85,7 @@ def require_deepspeed() -> ModuleType:
         if missing:
             raise DeepSpeedInternalsError(
                 f"{_OFFLOAD_MODULE}.{_OFFLOAD_CLASS} in DeepSpeed {deepspeed.__version__} lacks {missing}; "
-                "probes/_deepspeed.py must be updated for this release"
+                "probes/_deepspeed_compat.py must be updated for this release"
             )
         if not isinstance(getattr(_offload_module(), "FWD_MODULE_STACK", None), list):
             raise DeepSpeedInternalsError(f"{_OFFLOAD_MODULE}.FWD_MODULE_STACK is missing or no longer a list")

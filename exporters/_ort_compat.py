@@ -3,9 +3,9 @@
 Everything here works without onnxruntime installed: ORT state is looked up only when ORT has
 already been imported by the user's program, so importing probes never imports ORT.
 
-    from probes import _ort
-    if _ort.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
-    inner = _ort.unwrap(model)           # the user's nn.Module inside an ORTModule
+    from . import _ort_compat
+    if _ort_compat.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
+    inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _check_version() -> None:
         raise OrtInternalsError(
             f"onnxruntime {'.'.join(map(str, version))} is not supported by probes' ORT adapter "
             f"(supported: >= {SUPPORTED_ORT[0][0]}.{SUPPORTED_ORT[0][1]}, < {SUPPORTED_ORT[1][0]}.{SUPPORTED_ORT[1][1]}). "
-            "Install onnxruntime-training-cpu==1.19.2 or update probes/_ort.py."
+            "Install onnxruntime-training-cpu==1.19.2 or update probes/_ort_compat.py."
         )
 
 
@@ -115,6 +115,12 @@ def signal_model_changed(model: torch.nn.Module) -> None:
 
 _ORTMODULE_PACKAGE = "onnxruntime.training.ortmodule"
 _PYTHONOP_EXPORTER_MODULE = "onnxruntime.training.ortmodule._custom_autograd_function_exporter"
+
+
+@functools.cache
+def is_onnxruntime_installed() -> bool:
+    """True when onnxruntime can be imported (never imports it)."""
+    return importlib.util.find_spec("onnxruntime") is not None
 
 
 def is_ortmodule_imported() -> bool:
@@ -188,21 +194,3 @@ def enable_pythonop_runners() -> None:
     if enable is None:
         raise OrtInternalsError("onnxruntime.training.ortmodule._custom_autograd_function.enable_custom_autograd_support is missing")
     enable(True)
-
-
-@functools.cache
-def _onnxruntime_installed() -> bool:
-    return importlib.util.find_spec("onnxruntime") is not None
-
-
-def install_probe_exporters() -> None:
-    """Let ORTModule export the probe Functions with exporters/ (``SubscriberManager.subscribe`` calls this).
-
-    Without onnxruntime installed it returns at once and imports nothing; otherwise
-    ``exporters.install_for_ort`` registers now or when the program imports ORTModule.
-    """
-    if not _onnxruntime_installed():
-        return
-    from exporters import install_for_ort
-
-    install_for_ort()

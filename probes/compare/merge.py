@@ -1,0 +1,167 @@
+"""Per-step text summaries of two runs in the baseline's order, like onnxruntime's merge_activation_summary.
+
+    python -m probes.merge_activation_summary --pt_dir pt_out --ort_dir ort_out --output_dir merged [--overwrite]
+
+Command-line compatible with ``onnxruntime.training.utils.hooks.merge_activation_summary`` but reads
+probes dumps. It writes ``<output_dir>/merge_pt/step_<N>_.txt`` and ``<output_dir>/merge_ort/step_<N>_.txt``:
+for every step, one text block per record (the original's block layout, statistics from the dump),
+both files in the same order, the baseline (``--pt_dir``) run's execution order, so that a plain
+``diff`` of the two files lines up. Differences from the original, each deliberate:
+
+- the order of each step is the baseline's order in that step (the original reused step 0's order);
+- records of the ORT run missing from the baseline are appended at the end of its file, with a
+  warning (the original dropped them silently); missing records are warned about once per step;
+- ``--overwrite`` replaces ``merge_pt`` and ``merge_ort`` only: other files in ``--output_dir`` are
+  never deleted (the original deleted the whole directory);
+- one rank per run (``--rank``, default: the baseline's lowest rank); samples are those the dump kept,
+  labelled with their flat indices (the original printed the first 128 elements).
+For a numeric comparison with tolerances and the first divergence, use ``python -m probes compare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .engine import execution_order
+from ..dump import load_dump
+
+logger = logging.getLogger("probes.merge_activation_summary")
+
+OrderKey = tuple[str, str]  # name, phase
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    pt_dir: Path
+    ort_dir: Path
+    output_dir: Path
+    overwrite: bool = False
+    rank: int | None = None
+
+
+def _shape_text(shape: Any) -> str:
+    if isinstance(shape, list):
+        return f"torch.Size([{', '.join(str(size) for size in shape)}])"
+    return str(shape)
+
+
+def format_block(record: Mapping[str, Any]) -> str:
+    """One record as the original's text block (header, moments, counts, samples, signs, separator)."""
+    phase = record.get("phase", "")
+    legacy = record.get("legacy_name") or record["name"]
+    depth = record.get("depth")
+    indent = ">" * depth if isinstance(depth, int) and depth > 0 else ""
+    numel = record.get("numel")
+    return (
+        f"{indent}{legacy} {phase} run [{record['name']}] shape: {_shape_text(record.get('shape'))} "
+        f"dtype: torch.{record.get('dtype')} size: torch.Size([{numel}]) \n"
+        f"min: {record.get('min')} max: {record.get('max')}, mean: {record.get('mean')}, std: {record.get('std')} \n"
+        f"nan: {record.get('nan')}, inf: {record.get('inf')}\n"
+        f"samples(at flat indices {record.get('sample_indices', [])}): {record.get('samples', [])}\n"
+        f"neg: {record.get('neg')}, pos: {record.get('pos')}, zero: {record.get('zero')},\n"
+        f"{'=' * 16}\n"
+    )
+
+
+def _by_step(records: Sequence[dict[str, Any]], rank: int) -> dict[int, dict[OrderKey, dict[str, Any]]]:
+    steps: dict[int, dict[OrderKey, dict[str, Any]]] = {}
+    ordered = sorted((r for r in records if r["rank"] == rank),
+                     key=lambda r: execution_order(r["step"], r.get("phase", ""), r.get("seq"), r["rank"]))
+    for record in ordered:
+        steps.setdefault(record["step"], {})[(record["name"], record.get("phase", ""))] = record
+    return steps
+
+
+def _write_run(destination: Path, label: str, steps: Mapping[int, Mapping[OrderKey, dict[str, Any]]],
+               order_of: Mapping[int, list[OrderKey]], fallback: list[OrderKey]) -> None:
+    destination.mkdir(parents=True)
+    for step, records in sorted(steps.items()):
+        order = order_of.get(step, fallback)
+        missing = [key for key in order if key not in records]
+        extra = [key for key in records if key not in set(order)]
+        if missing:
+            logger.warning("%s step %d: %d records of the baseline's order are missing (first: %s_%s)",
+                           label, step, len(missing), *missing[0])
+        if extra:
+            logger.warning("%s step %d: %d records are not in the baseline's order; appended at the end (first: %s_%s)",
+                           label, step, len(extra), *extra[0])
+        with (destination / f"step_{step}_.txt").open("w", encoding="utf-8") as out:
+            for key in [*order, *extra]:
+                if key in records:
+                    out.write(format_block(records[key]))
+                    out.write("\n")
+
+
+def generate_summaries_per_step(config: MergeConfig, base_records: Sequence[dict[str, Any]],
+                                other_records: Sequence[dict[str, Any]]) -> None:
+    """Writes merge_pt/ and merge_ort/ under ``config.output_dir`` (prepared by ``prepare_output_dir``)."""
+    ranks = sorted({r["rank"] for r in base_records})
+    rank = config.rank if config.rank is not None else (ranks[0] if ranks else 0)
+    if len(ranks) > 1:
+        logger.warning("the baseline has ranks %s; merging rank %d (choose with --rank)", ranks, rank)
+    base = _by_step(base_records, rank)
+    other = _by_step(other_records, rank)
+    order_of = {step: list(records) for step, records in base.items()}
+    fallback = order_of[min(order_of)] if order_of else []
+    for label, steps, name in (("pt", base, "merge_pt"), ("ort", other, "merge_ort")):
+        destination = config.output_dir / name
+        logger.warning("writing per-step summaries of %s to %s", label, destination)
+        _write_run(destination, label, steps, order_of, fallback)
+
+
+def prepare_output_dir(config: MergeConfig) -> None:
+    """Refuses an existing output directory unless --overwrite, which replaces merge_pt/ and merge_ort/ only."""
+    output = config.output_dir
+    if os.path.lexists(output) and not output.is_dir():
+        raise FileExistsError(f"Output path {output} exists and is not a directory.")
+    if output.exists():
+        if not config.overwrite:
+            raise FileExistsError(
+                f"Output directory {output} already exists. Enable --overwrite to allow overwriting it.")
+        logger.warning("Output directory %s already exists, overwriting merge_pt and merge_ort in it.", output)
+        for name in ("merge_pt", "merge_ort"):
+            target = output / name
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            elif target.exists():
+                shutil.rmtree(target)
+    output.mkdir(parents=True, exist_ok=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status 0 on success, 1 when the output directory exists (without --overwrite), 2 for bad input."""
+    parser = argparse.ArgumentParser(prog="python -m probes.merge_activation_summary",
+                                     description="Merge per-step summaries of a baseline and an ORT run.")
+    parser.add_argument("--pt_dir", required=True, help="Root of the PyTorch (baseline) run's probes dump.")
+    parser.add_argument("--ort_dir", required=True, help="Root of the ORTModule run's probes dump.")
+    parser.add_argument("--output_dir", required=True, help="Where merge_pt/ and merge_ort/ are written.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace merge_pt/ and merge_ort/ if present.")
+    parser.add_argument("--rank", type=int, help="The rank to merge (default: the baseline's lowest rank).")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(levelname)s: %(message)s")
+    config = MergeConfig(Path(args.pt_dir), Path(args.ort_dir), Path(args.output_dir), args.overwrite, args.rank)
+    try:  # a bad dump fails before the output directory is touched
+        base_records = load_dump(config.pt_dir)
+        other_records = load_dump(config.ort_dir)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        prepare_output_dir(config)
+    except FileExistsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    generate_summaries_per_step(config, base_records, other_records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The core floor: probe sites and events, the subscriber interface, the probe Functions, the manager.
+
+    from probes.core import SubscriberManager, SubscriberBase
+"""
+
+from .manager import GlobalSubscriberManager, SubscriberManager, Subscription, inspect_activation
+from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+
+__all__ = ["GlobalSubscriberManager", "ProbeEvent", "ProbeSite", "SubscriberBase", "SubscriberManager",
+           "Subscription", "inspect_activation"]
