@@ -1,11 +1,18 @@
 """``python -m probes.merge_activation_summary``, the original onnxruntime tool's name (same flags).
 
-The tool lives in ``probes.compare.merge``; ``python -m probes merge`` runs it too.
+The tool is ``python -m probes merge`` (``probes.cli.merge``); this name is kept for existing scripts.
 """
 
 import sys
+from typing import Sequence
 
-from .compare.merge import MergeConfig, generate_summaries_per_step, main
+from .cli import merge
+from .compare.merge import MergeConfig, generate_summaries_per_step
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return merge(argv, prog="python -m probes.merge_activation_summary")
+
 
 __all__ = ["MergeConfig", "generate_summaries_per_step", "main"]
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from probes.compare.merge import main
+from probes.merge_activation_summary import main
 from test_compare import ROOT, synthetic_records, write_dump
 
 HEADER = re.compile(r"^>*(\S+) (forward|backward) run \[(\S+)\] shape: ")

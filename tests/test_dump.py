@@ -24,8 +24,8 @@ from probes.dump import (
     list_steps,
     load_dump,
     safe_component,
-    show_main,
 )
+from probes.cli import show as show_main
 
 DUMP_SOURCE = Path(dump.__file__).resolve()
 

@@ -41,7 +41,6 @@ __all__ = [
     "StepSummary",
     "compare_dumps",
     "compare_loaded",
-    "compare_main",
     "compare_records",
     "format_report",
     "is_zero_gradient",
@@ -948,54 +947,3 @@ def parse_steps(text: str) -> frozenset[int]:
             raise argparse.ArgumentTypeError(f"bad step range {part!r}")
         steps.update(range(start, end + 1))
     return frozenset(steps)
-
-
-def compare_main(argv: Sequence[str] | None = None) -> int:
-    """``compare BASE OTHER [options]``; ``argv`` excludes 'compare'. Exit 0 agree, 1 diverged, 2 bad input."""
-    parser = argparse.ArgumentParser(
-        prog="python -m probes compare",
-        description="Compare two statistics dumps record by record and report the first divergence. "
-                    "Exit status: 0 agree, 1 diverged (or records on one side only), 2 bad input.")
-    parser.add_argument("base", metavar="BASE", help="the reference dump (directory, rank_<r> directory or step file)")
-    parser.add_argument("other", metavar="OTHER", help="the dump to check against BASE")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help=f"relative tolerance (default {DEFAULT_RTOL:g})")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
-    parser.add_argument("--noise", metavar="BASE2",
-                        help="a second run of the baseline: per-record tolerance max(atol + rtol*|x|, k*noise)")
-    parser.add_argument("--noise-factor", type=float, default=DEFAULT_NOISE_FACTOR, metavar="K",
-                        help=f"k of the noise tolerance (default {DEFAULT_NOISE_FACTOR:g})")
-    parser.add_argument("--step", action="append", type=parse_steps, metavar="STEPS",
-                        help="only these steps: N, A-B or a comma list (repeatable)")
-    parser.add_argument("--name", action="append", default=[], metavar="GLOB",
-                        help="only records whose name matches this glob, e.g. 'blocks.1.*' (repeatable)")
-    parser.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report (docs/compare.md) here")
-    parser.add_argument("--html", type=Path, metavar="OUT", help="write the self-contained HTML report here")
-    parser.add_argument("--top", type=int, default=10, help="rows in the table of worst records (default 10)")
-    parser.add_argument("--strict-zero-grads", action="store_true",
-                        help="a gradient exactly zero in one run and absent in the other is a divergence "
-                             "(default: a note)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse exits on --help and on usage errors; report a code instead
-        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
-    steps = frozenset().union(*args.step) if args.step else None
-    try:
-        report = compare_dumps(args.base, args.other, rtol=args.rtol, atol=args.atol, noise=args.noise,
-                               noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True,
-                               strict_zero_grads=args.strict_zero_grads)
-    except (OSError, ValueError) as error:  # DumpFormatError is a ValueError naming file and line
-        print(f"probes compare: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(format_report(report, top=args.top))
-    try:
-        if args.json is not None:
-            args.json.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
-            print(f"JSON report: {args.json}")
-        if args.html is not None:
-            from .html import write_html
-            write_html(report, args.html)
-            print(f"HTML report: {args.html}")
-    except OSError as error:
-        print(f"probes compare: error: cannot write the report: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return EXIT_AGREE if report.agrees else EXIT_DIVERGED

@@ -20,11 +20,9 @@ For a numeric comparison with tolerances and the first divergence, use ``python 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,34 +132,3 @@ def prepare_output_dir(config: MergeConfig) -> None:
             elif target.exists():
                 shutil.rmtree(target)
     output.mkdir(parents=True, exist_ok=True)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status 0 on success, 1 when the output directory exists (without --overwrite), 2 for bad input."""
-    parser = argparse.ArgumentParser(prog="python -m probes.merge_activation_summary",
-                                     description="Merge per-step summaries of a baseline and an ORT run.")
-    parser.add_argument("--pt_dir", required=True, help="Root of the PyTorch (baseline) run's probes dump.")
-    parser.add_argument("--ort_dir", required=True, help="Root of the ORTModule run's probes dump.")
-    parser.add_argument("--output_dir", required=True, help="Where merge_pt/ and merge_ort/ are written.")
-    parser.add_argument("--overwrite", action="store_true", help="Replace merge_pt/ and merge_ort/ if present.")
-    parser.add_argument("--rank", type=int, help="The rank to merge (default: the baseline's lowest rank).")
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="%(levelname)s: %(message)s")
-    config = MergeConfig(Path(args.pt_dir), Path(args.ort_dir), Path(args.output_dir), args.overwrite, args.rank)
-    try:  # a bad dump fails before the output directory is touched
-        base_records = load_dump(config.pt_dir)
-        other_records = load_dump(config.ort_dir)
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        prepare_output_dir(config)
-    except FileExistsError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    generate_summaries_per_step(config, base_records, other_records)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,7 +44,6 @@ manager's own atexit hook makes on a closed or failed writer are dropped the sam
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import errno
 import hashlib
@@ -75,7 +74,6 @@ __all__ = [
     "list_steps",
     "load_dump",
     "safe_component",
-    "show_main",
 ]
 
 FORMAT_NAME = "probes-dump"
@@ -882,46 +880,3 @@ def format_records(records: Iterable[Mapping[str, Any]]) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
-
-
-def show_main(argv: Sequence[str] | None = None) -> int:
-    """``show DIR [--step N] [--rank R] [--include-partial]``: prints a dump as a table. ``argv`` excludes 'show'."""
-    parser = argparse.ArgumentParser(
-        prog="python -m probes show", description="Print the statistics records of a probes dump as a table."
-    )
-    parser.add_argument("path", metavar="DIR", help="a dump directory, one of its rank_<r> directories, or a step file")
-    parser.add_argument("--step", type=int, help="only this step")
-    parser.add_argument("--rank", type=int, help="only this rank")
-    parser.add_argument(
-        "--include-partial", action="store_true", help="also show the complete records of unfinished steps"
-    )
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse exits on --help and on usage errors; report a code instead
-        return exit_.code if isinstance(exit_.code, int) else 2
-    try:
-        records = load_dump(args.path, include_partial=args.include_partial)
-        steps = list_steps(args.path)
-    except (OSError, ValueError) as error:
-        print(f"probes show: error: {error}", file=sys.stderr)
-        return 1
-
-    def wanted(rank: int | None, step: int) -> bool:
-        return (args.rank is None or rank == args.rank) and (args.step is None or step == args.step)
-
-    if not args.include_partial:
-        for rank, by_state in steps.items():
-            for step in by_state["unfinished"]:
-                if wanted(rank, step):
-                    print(
-                        f"probes show: rank {rank} step {step} is unfinished (still being written, or a crash); "
-                        "--include-partial shows its complete records",
-                        file=sys.stderr,
-                    )
-    selected = [record for record in records if wanted(record["rank"], record["step"])]
-    if not selected:
-        available = {rank: by_state["finished"] for rank, by_state in steps.items()}
-        print(f"probes show: no records match; finished steps by rank: {available}", file=sys.stderr)
-        return 1
-    print(format_records(selected))
-    return 0
