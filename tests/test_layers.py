@@ -22,16 +22,17 @@ FLOORS: dict[str, int] = {
     "exporters._ort_compat": 0,
     "exporters._deepspeed_compat": 0,
     "exporters": 1,
-    "probes.core": 2,
-    "probes.dump": 2,
-    "probes.models": 2,
-    "probes.stats": 3,
-    "probes.compare": 3,
-    "probes.zero3": 4,
-    "probes.testing": 4,
-    "probes.cli": 5,
-    "probes.demo": 5,
-    "probes": 6,  # the package's front door, ``python -m probes`` and the kept old module names
+    "probes.utils": 2,
+    "probes.core": 3,
+    "probes.dump": 3,
+    "probes.models": 3,
+    "probes.stats": 4,
+    "probes.compare": 4,
+    "probes.zero3": 5,
+    "probes.testing": 5,
+    "probes.cli": 6,
+    "probes.demo": 6,
+    "probes": 7,  # the package's front door, ``python -m probes`` and the kept old module names
 }
 
 

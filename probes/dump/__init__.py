@@ -61,10 +61,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .record import Record, RecordKey, record_key
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "DumpFormatError",
+    "Record",
+    "RecordKey",
     "DumpLayout",
     "DumpWriteError",
     "DumpWriter",
@@ -73,6 +77,7 @@ __all__ = [
     "format_records",
     "list_steps",
     "load_dump",
+    "record_key",
     "safe_component",
 ]
 

@@ -1,0 +1,66 @@
+"""The statistics record: one tensor (or gradient) at one site, step and phase; one line of a dump.
+
+Writer, reader, compare, the HTML report and the merge tool all read and write this one type. On
+disk it is a JSON object with exactly these keys (dumps written by earlier versions have the same
+keys; a reader must not require the optional ones).
+
+    record: Record = {"step": 0, "rank": 0, "name": "fc1.output.0", "phase": "forward", "seq": 3, ...}
+    key = record_key(record)        # (rank, step, phase, name): unique within a dump
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict, Union
+
+Number = Union[int, float]
+Phase = Literal["forward", "backward", "recompute"]
+RecordKey = tuple[int, int, str, str]  # (rank, step, phase, name)
+
+IDENTITY_FIELDS = ("rank", "step", "phase", "name")  # a record's key, unique within a dump
+REQUIRED_FIELDS = ("step", "rank", "name", "phase", "seq")  # what the dump format itself relies on
+
+
+class _RecordBase(TypedDict):
+    # Where and when (written for every record).
+    step: int
+    rank: int
+    name: str  # e.g. "blocks.0.attn.output.0"; "#<k>" after the module name from its second call in a step
+    phase: Phase
+    seq: int  # execution order within the step, all phases on one counter
+
+
+class Record(_RecordBase, total=False):
+    """One statistics record (``total=False``: the keys below ``seq`` are present when known)."""
+
+    tensor_index: int
+    module: str  # the module's qualified name ("<root>" for the root), or the inspect name
+    module_class: str
+    kind: Literal["input", "output", "inspect"]
+    depth: int
+    legacy_name: str  # the original onnxruntime hooks' "<Class>_<index>_<i>th_output"
+    # What the tensor is.
+    shape: list[int | None] | None
+    dtype: str | None  # "float32", ...
+    layout: str | None  # only for tensors that are not strided, or not dense and real
+    stats_of: str | None  # what the statistics summarise when not the tensor itself ("real_imag", ...)
+    unsupported: str  # why there are no statistics (then the statistics keys are absent)
+    # Statistics (probes.stats.numerics.TensorSummary): moments over finite elements, counts over all.
+    numel: int
+    finite: int
+    mean: float | None
+    m2: float
+    std: float | None
+    min: Number | None
+    max: Number | None
+    nan: int
+    inf: int
+    neg: int
+    pos: int
+    zero: int
+    samples: list[Number]  # values at sample_indices (flat, row-major positions)
+    sample_indices: list[int]
+
+
+def record_key(record: Record) -> RecordKey:
+    """(rank, step, phase, name): what identifies a record within a dump, and across two runs."""
+    return record["rank"], record["step"], record["phase"], record["name"]

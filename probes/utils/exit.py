@@ -1,0 +1,46 @@
+"""One interpreter-exit sequence for all of probes, in a fixed order of stages.
+
+Several parts of probes have work to do at exit, and the order matters: ZeRO-3 must know the process
+is exiting before subscriptions close, the open step must be finished before the dump writers close.
+Instead of several ``atexit`` hooks whose order depends on who registered last, each part registers
+here under its stage and one ``atexit`` hook runs the stages in this order:
+
+1. ``"exiting"``: note that the process is exiting (nothing is torn down yet);
+2. ``"subscriptions"``: finish open steps and remove subscriptions;
+3. ``"writers"``: close dump writers (last: the steps just finished are written).
+
+    handle = at_exit("writers", writer.close)     # handle.remove() when the writer closes by itself
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Callable
+
+from exporters.handles import Handle
+
+STAGES = ("exiting", "subscriptions", "writers")
+
+_callbacks: dict[str, dict[int, Callable[[], None]]] = {stage: {} for stage in STAGES}
+_next_id = [0]
+
+
+def at_exit(stage: str, callback: Callable[[], None]) -> Handle:
+    """Run ``callback()`` at interpreter exit in ``stage`` (see the module doc); ``remove()`` cancels it."""
+    if stage not in _callbacks:
+        raise ValueError(f"unknown exit stage {stage!r}; expected one of {STAGES}")
+    key = _next_id[0]
+    _next_id[0] += 1
+    _callbacks[stage][key] = callback
+    return Handle(lambda: _callbacks[stage].pop(key, None))
+
+
+def _run() -> None:
+    for stage in STAGES:
+        callbacks = _callbacks[stage]
+        while callbacks:  # callbacks may register or remove others; each runs once
+            key = next(iter(callbacks))
+            callbacks.pop(key)()
+
+
+atexit.register(_run)

@@ -1,0 +1,45 @@
+"""The tensor leaves of a nested structure (torch's pytree), to pass through one autograd Function
+and put back in place.
+
+    leaves = TensorLeaves.of((args, kwargs))
+    outputs = MyFunction.apply(state, *leaves.tensors)
+    args, kwargs = leaves.rebuild(outputs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _any_tensor(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor)
+
+
+@dataclass
+class TensorLeaves:
+    """A flattened structure and the positions of its selected tensor leaves."""
+
+    leaves: list[Any]
+    spec: Any
+    positions: list[int]
+
+    @classmethod
+    def of(cls, structure: Any, select: Callable[[Any], bool] = _any_tensor) -> "TensorLeaves":
+        """Flattens ``structure``; ``select(leaf)`` picks the leaves to replace (default: every tensor)."""
+        leaves, spec = pytree.tree_flatten(structure)
+        return cls(leaves, spec, [i for i, leaf in enumerate(leaves) if select(leaf)])
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.positions]
+
+    def rebuild(self, replacements: Sequence[Any]) -> Any:
+        """The structure with the selected leaves replaced, in order, by ``replacements``."""
+        leaves = list(self.leaves)
+        for position, value in zip(self.positions, replacements):
+            leaves[position] = value
+        return pytree.tree_unflatten(leaves, self.spec)
