@@ -24,11 +24,12 @@ if TYPE_CHECKING:
     from .manager import SubscriberManager
 
 
-def _keep_non_differentiable(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> None:
-    # Outputs of a Function require grad when any input does; a tensor that did not must stay so.
-    # Gradients that never arrived stay None rather than being materialised as zeros.
+def mark_frozen(ctx: Any, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """For a Function whose output i passes its tensor input i: output i stays non-differentiable when
+    input i did not require grad (a Function's outputs otherwise require grad when any input does), and
+    gradients that never arrive stay None instead of being materialised as zeros."""
     ctx.set_materialize_grads(False)
-    frozen = [t for t in tensors if not t.requires_grad]
+    frozen = [output for output, tensor in zip(outputs, inputs) if not tensor.requires_grad]
     if frozen:
         ctx.mark_non_differentiable(*frozen)
 
@@ -53,8 +54,9 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None if _ort_compat.is_exporting() else site.manager._dispatch_forward(site, tensors)
-        _keep_non_differentiable(ctx, tensors)
-        return tuple(_passes_through(tensor) for tensor in tensors)
+        outputs = tuple(_passes_through(tensor) for tensor in tensors)
+        mark_frozen(ctx, outputs, tensors)
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -71,8 +73,9 @@ class StepBoundary(torch.autograd.Function):
         ctx.manager = None if _ort_compat.is_exporting() else manager
         if ctx.manager is not None:
             manager._end_forward()
-        _keep_non_differentiable(ctx, tensors)
-        return tuple(_passes_through(tensor) for tensor in tensors)
+        outputs = tuple(_passes_through(tensor) for tensor in tensors)
+        mark_frozen(ctx, outputs, tensors)
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
