@@ -5,9 +5,11 @@ ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the
 ``backward`` on every step that eager PyTorch calls. Their first argument is passed by pointer and
 is therefore live state, not a constant frozen at export.
 
-    outputs = TensorProbe.apply(site, *tensors)      # per-step on_forward / on_backward calls
-    outputs = StepBoundary.apply(manager, *tensors)  # end of the root module's forward; its backward
-                                                     # makes the step close when that backward pass ends
+    outputs = TensorProbe.apply(site, *tensors)        # per-step on_forward / on_backward calls
+    outputs = StepBoundary.apply(tracker, *tensors)    # end of the root module's forward; its backward
+                                                       # makes the step close when that backward pass ends
+
+Both report to the subscription's ``probes.core.steps.StepTracker`` through its public calls.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from exporters import _ort_compat, register_probe_function
 from .subscriber import ProbeSite
 
 if TYPE_CHECKING:
-    from .manager import SubscriberManager
+    from .steps import StepTracker
 
 
 def mark_frozen(ctx: Any, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
@@ -53,7 +55,7 @@ class TensorProbe(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.event = None if _ort_compat.is_exporting() else site.manager._dispatch_forward(site, tensors)
+        ctx.event = None if _ort_compat.is_exporting() else site.manager.steps.probe_forward(site, tensors)
         outputs = tuple(_passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
@@ -61,7 +63,7 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.event is not None:
-            ctx.event.site.manager._dispatch_backward(ctx.event, grads)
+            ctx.event.site.manager.steps.probe_backward(ctx.event, grads)
         return (None, *grads)
 
 
@@ -69,20 +71,19 @@ class StepBoundary(torch.autograd.Function):
     """Identity on the root module's outputs whose forward ends the step's forward pass."""
 
     @staticmethod
-    def forward(ctx: Any, manager: "SubscriberManager", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.manager = None if _ort_compat.is_exporting() else manager
-        if ctx.manager is not None:
-            manager._end_forward()
+    def forward(ctx: Any, tracker: "StepTracker", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.tracker = None if _ort_compat.is_exporting() else tracker
+        if ctx.tracker is not None:
+            tracker.forward_returned()
         outputs = tuple(_passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        if ctx.manager is not None:
-            ctx.manager._root_backward()
+        if ctx.tracker is not None:
+            ctx.tracker.backward_reached_root()
         return (None, *grads)
-
 
 
 def _describe_site(non_tensor_args: Sequence[Any]) -> str:

@@ -13,23 +13,12 @@ Each module gets a forward pre-hook and a forward hook. The hooks pass the modul
 root module's outputs through ``StepBoundary``; those Functions do the per-step work, so the same
 code runs when ORTModule executes the exported graph and the hooks no longer fire.
 
-Steps (docs/training.md says what each training set-up gives):
-
-- A step opens at the first probe of a forward. It closes when the backward pass that reaches it
-  ends (the autograd engine's graph task finishes), so its dump is complete when ``backward()``
-  returns. A forward that no backward follows (evaluation, ``torch.no_grad``) closes when the next
-  forward starts, or on ``flush()``/``unsubscribe()``.
-- A forward that runs inside a backward pass is a recomputation (activation checkpointing): not a
-  step, not a new call of its modules, not recorded (unless a subscriber sets ``observe_recompute``).
-- A backward pass that reaches a step already closed (``retain_graph=True`` and a second
-  ``backward()``, a second-order backward) opens a backward-only step of its own. A second backward
-  of the same forward within one step is recorded as a new call of the module (``name#k``).
+Steps are numbered and closed by ``probes.core.steps.StepTracker`` (its docstring has the rules).
 - Module names ignore wrappers (DDP, FSDP, torch.compile, DeepSpeed, checkpoint wrappers, ORTModule).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import types
 import warnings
@@ -37,15 +26,17 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 import exporters
-from exporters import _ort_compat, _torch_compat
+from exporters import _ort_compat
+from exporters.handles import Handle
 
 from . import wrappers
+from ..utils import TensorLeaves, at_exit
 from .functions import StepBoundary, TensorProbe, can_probe
-from .subscriber import ProbeEvent, ProbeSite, Recomputed, RunState, SubscriberBase
+from .steps import RunState, StepTracker
+from .subscriber import ProbeSite, SubscriberBase
 
 ROOT_NAME = "<root>"
 
@@ -61,10 +52,11 @@ class _BindsGlobalOnClass:
         return types.MethodType(self._method, GlobalSubscriberManager if instance is None else instance)
 
 
-class Subscription:
+class Subscription(Handle):
     """Handle returned by ``subscribe``: ``remove()`` (or leaving a ``with`` block) undoes it."""
 
     def __init__(self, manager: "SubscriberManager", model: torch.nn.Module) -> None:
+        super().__init__(self._unsubscribe)
         self.manager = manager
         self._model_ref = weakref.ref(model)
 
@@ -76,15 +68,9 @@ class Subscription:
     def active(self) -> bool:
         return self.manager._subscription is self
 
-    def remove(self) -> None:
+    def _unsubscribe(self) -> None:
         if self.active:
             self.manager.unsubscribe()
-
-    def __enter__(self) -> "Subscription":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.remove()
 
 
 # Which manager currently holds each model, so that subscribing again replaces the old subscription.
@@ -98,9 +84,7 @@ class SubscriberManager:
     """Registers subscribers on a model; see the module docstring."""
 
     def __init__(self) -> None:
-        self.run_state = RunState()
-        self._subscribers: tuple[SubscriberBase, ...] = ()
-        self._observers: tuple[SubscriberBase, ...] = ()
+        self.steps = StepTracker(forward_running=self._forward_running)
         self._probe_inputs = False
         self._handles: list[RemovableHandle] = []
         self._sites: list[ProbeSite] = []
@@ -146,17 +130,11 @@ class SubscriberManager:
         if previous is not None:
             previous.unsubscribe()
 
-        self.run_state = RunState()
-        self._subscribers = tuple(subscribers)
-        self._observers = tuple(s for s in subscribers if s.observes_tensors)
-        self._probe_inputs = any(s.observe_inputs for s in self._observers)
+        self.steps.reset(subscribers)
+        self._probe_inputs = any(s.observe_inputs for s in self.steps.observers)
         self._register_hooks(root)
         _HOLDERS[root] = self
         _LIVE.add(self)
-        # atexit runs hooks last-registered-first: re-registering here puts this one before the hooks
-        # of the subscribers just created (e.g. dump writers), so the open step is finished first.
-        atexit.unregister(_finish_at_exit)
-        atexit.register(_finish_at_exit)
         self._wrapper_ref = weakref.ref(model) if model is not root else None
         _ort_compat.signal_model_changed(model)
         self._subscription = Subscription(self, root)
@@ -167,7 +145,7 @@ class SubscriberManager:
         """Remove every hook this manager added, finish the open step and close the subscribers."""
         if self._subscription is None:
             return
-        self._close_open_step()
+        self.steps.close_open_step()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -177,9 +155,9 @@ class SubscriberManager:
         wrapper = self._wrapper_ref() if self._wrapper_ref is not None else None
         if wrapper is not None:
             _ort_compat.signal_model_changed(wrapper)
-        subscribers = self._subscribers
+        subscribers = self.steps.subscribers
         self._subscription = None
-        self._subscribers = self._observers = ()
+        self.steps.subscribers = self.steps.observers = ()
         self._sites.clear()
         self._inspect_sites.clear()
         for subscriber in subscribers:
@@ -189,16 +167,21 @@ class SubscriberManager:
     def flush(self) -> None:
         """Finish the open step now (a step closes by itself when its backward ends; this closes a
         forward-only one, e.g. after evaluation)."""
-        self._close_open_step()
+        self.steps.close_open_step()
 
     @property
     def step(self) -> int:
         """The number of steps begun so far (the number the next step will get)."""
-        return self.run_state.step
+        return self.steps.state.step
+
+    @property
+    def run_state(self) -> RunState:
+        """The step machine's state (read-only use: tests and debugging)."""
+        return self.steps.state
 
     @property
     def subscribers(self) -> tuple[SubscriberBase, ...]:
-        return self._subscribers
+        return self.steps.subscribers
 
     @property
     def sites(self) -> tuple[ProbeSite, ...]:
@@ -206,14 +189,14 @@ class SubscriberManager:
         return tuple(self._sites)
 
     def get_subscriber(self, subscriber_type: type) -> SubscriberBase:
-        for subscriber in self._subscribers:
+        for subscriber in self.steps.subscribers:
             if isinstance(subscriber, subscriber_type):
                 return subscriber
         raise LookupError(f"no {subscriber_type.__qualname__} is subscribed to this manager")
 
     def inspect(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Probe an intermediate tensor under ``name``; returns the tensor to use from then on."""
-        if not self._observers:
+        if not self.steps.observers:
             return tensor
         site = self._inspect_sites.get(name)
         if site is None:
@@ -238,13 +221,14 @@ class SubscriberManager:
 
     def _pre_forward_hook(self, site: ProbeSite, is_root: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        subscribers = self.steps.subscribers
         if is_root:
             if self in _RUNNING:  # a forward that raised never reached the post-hook
                 _RUNNING.remove(self)
             _RUNNING.append(self)
-            for subscriber in self._subscribers:
+            for subscriber in subscribers:
                 args, kwargs = subscriber.pre_forward_outmost_module_apply(site, module, args, kwargs)
-        for subscriber in self._subscribers:
+        for subscriber in subscribers:
             args, kwargs = subscriber.pre_forward_module_apply(site, module, args, kwargs)
         if self._probe_inputs:
             args, kwargs = self._apply_to_tensors(TensorProbe, site, (args, kwargs))
@@ -252,14 +236,15 @@ class SubscriberManager:
 
     def _post_forward_hook(self, site: ProbeSite, is_root: bool, module: torch.nn.Module,
                            args: tuple, outputs: Any) -> Any:
-        for subscriber in self._subscribers:
+        subscribers = self.steps.subscribers
+        for subscriber in subscribers:
             outputs = subscriber.post_forward_module_apply(site, module, args, outputs)
-        if self._observers:
+        if self.steps.observers:
             outputs = self._apply_to_tensors(TensorProbe, site, outputs)
         if is_root:
-            for subscriber in self._subscribers:
+            for subscriber in subscribers:
                 outputs = subscriber.post_forward_outmost_module_apply(site, module, args, outputs)
-            outputs = self._apply_to_tensors(StepBoundary, self, outputs, always=True)
+            outputs = self._apply_to_tensors(StepBoundary, self.steps, outputs, always=True)
             if _RUNNING and _RUNNING[-1] is self:
                 _RUNNING.pop()
         return outputs
@@ -269,170 +254,19 @@ class SubscriberManager:
         """Pass the tensors of a nested structure through ``function``; everything else is kept as is."""
         if isinstance(structure, torch.Tensor) and can_probe(structure):  # the common case, no pytree round trip
             return function.apply(first_arg, structure)[0]
-        leaves, spec = pytree.tree_flatten(structure)
-        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        positions = [i for i in tensors if can_probe(leaves[i])]
-        if len(positions) < len(tensors) and isinstance(first_arg, ProbeSite):
-            _warn_unobserved(first_arg, [leaves[i] for i in tensors if not can_probe(leaves[i])])
-        if not positions:
+        leaves = TensorLeaves.of(structure, select=_is_probeable)
+        if isinstance(first_arg, ProbeSite):
+            unobservable = [leaf for leaf in leaves.leaves if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
+            if unobservable:
+                _warn_unobserved(first_arg, unobservable)
+        if not leaves.positions:
             if always and not _ort_compat.is_exporting():
-                self._end_forward()  # no tensor to carry the step boundary: eager-only fallback
+                self.steps.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
             return structure
-        probed = function.apply(first_arg, *(leaves[i] for i in positions))
-        for position, tensor in zip(positions, probed):
-            leaves[position] = tensor
-        return pytree.tree_unflatten(leaves, spec)
+        return leaves.rebuild(function.apply(first_arg, *leaves.tensors))
 
-    # Per-step dispatch, called by the probe Functions -------------------------------------------
-
-    def _open(self) -> int:
-        """The open step, opening the next one if none is open."""
-        state = self.run_state
-        if state.open_step is not None:
-            return state.open_step
-        state.open_step = state.step
-        state.step += 1
-        return state.open_step
-
-    def _begin_forward_work(self) -> int:
-        # A probe after the root forward returned belongs to the next forward: the open step got no
-        # backward (evaluation, no_grad), so it is complete.
-        state = self.run_state
-        if state.open_step is not None and state.forward_done:
-            self._close_open_step()
-        # No backward runs now (a forward inside one is a recomputation and does not get here): a pass
-        # still listed raised before its end callbacks ran.
-        state.backward_tasks.clear()
-        return self._open()
-
-    def _dispatch_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
-        if _torch_compat.current_backward() is not None:
-            return self._recomputed_forward(site, tensors)
-        state = self.run_state
-        step = self._begin_forward_work()
-        if site.kind == "inspect":
-            if site.name in state.inspected:
-                raise ValueError(
-                    f"inspect_activation name {site.name!r} was used twice in step {step}; "
-                    "give every inspected tensor a unique name"
-                )
-            state.inspected.add(site.name)
-        call = state.calls.get(id(site), 0)
-        state.calls[id(site)] = call + 1
-        event = ProbeEvent(site, step, "forward", state.seq, call)
-        state.seq += 1
-        state.unmatched.setdefault(id(site), []).append(event)
-        for subscriber in self._receivers(site, step):
-            subscriber.on_forward(event, tensors)
-        return event
-
-    def _receivers(self, site: ProbeSite, step: int | None, *, recompute: bool = False) -> list[SubscriberBase]:
-        """The observers that get this site's calls in ``step``."""
-        if step is None:
-            return []
-        return [s for s in self._observers if s.is_active(step) and (site.kind != "input" or s.observe_inputs)
-                and (s.observe_recompute or not recompute)]
-
-    def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:
-        """A forward run inside backward (activation checkpointing): matched to its original later."""
-        state = self.run_state
-        token = Recomputed(site)
-        state.recomputing.append((id(site), token))
-        step = state.open_step
-        wanted = self._receivers(site, step, recompute=True)
-        if wanted:
-            count = state.recomputes.get(id(site), 0)
-            state.recomputes[id(site)] = count + 1
-            event = ProbeEvent(site, step, "recompute", state.seq, count)
-            state.seq += 1
-            for subscriber in wanted:
-                subscriber.on_forward(event, tensors)
-        return token
-
-    def _match_recomputed(self) -> None:
-        """Pairs the probes recomputed since the last backward call with their original forward events.
-
-        A checkpointed segment is recomputed in one go, in forward order, and segments are recomputed
-        last first; so the k recomputed calls of a site are its last k forward calls not matched yet.
-        Only a reentrant checkpoint runs backward through recomputed probes; the others leave them unused.
-        """
-        state = self.run_state
-        if not state.recomputing:
-            return
-        by_site: dict[int, list[Recomputed]] = {}
-        for site_id, token in state.recomputing:
-            by_site.setdefault(site_id, []).append(token)
-        state.recomputing.clear()
-        for site_id, tokens in by_site.items():
-            originals = state.unmatched.get(site_id, [])
-            matched = originals[-len(tokens):]
-            del originals[len(originals) - len(matched):]
-            for token, event in zip(tokens[len(tokens) - len(matched):], matched):
-                token.event = event
-
-    def _dispatch_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
-        self._match_recomputed()
-        forward = token.event if isinstance(token, Recomputed) else token
-        if forward is None:
-            return
-        self._watch_backward()
-        state = self.run_state
-        step = self._open()
-        site = forward.site
-        if forward.step == step and id(forward) not in state.backward_done:
-            state.backward_done.add(id(forward))
-            event = ProbeEvent(site, step, "backward", state.seq, forward.call)
-        else:  # another backward of a forward already differentiated: a new call in this step
-            call = state.calls.get(id(site), 0)
-            state.calls[id(site)] = call + 1
-            event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
-        state.seq += 1
-        for subscriber in self._receivers(site, step):
-            subscriber.on_backward(event, grads)
-
-    def _end_forward(self) -> None:
-        """The root module's forward returned."""
-        if _torch_compat.current_backward() is not None:
-            return  # the root itself recomputed by a checkpoint
-        self._begin_forward_work()
-        self.run_state.forward_done = True
-
-    def _root_backward(self) -> None:
-        """The backward pass reached the root's outputs: the step closes when that pass ends."""
-        self._match_recomputed()
-        self._watch_backward()
-
-    def _watch_backward(self) -> None:
-        task = _torch_compat.current_backward()
-        state = self.run_state
-        if task is None or task in state.backward_tasks:
-            return
-        state.backward_tasks.add(task)
-        _torch_compat.call_when_backward_ends(functools.partial(self._backward_ended, task))
-
-    def _backward_ended(self, task: int) -> None:
-        state = self.run_state
-        state.backward_tasks.discard(task)
-        # Wait for the enclosing pass when a reentrant checkpoint's nested backward ends, and for the
-        # forward when a backward runs inside it (torch.autograd.grad in a module's forward).
-        if state.backward_tasks or self in _RUNNING:
-            return
-        self._close_open_step()
-
-    def _close_open_step(self) -> None:
-        state = self.run_state
-        step, state.open_step = state.open_step, None
-        state.forward_done = False
-        state.seq = 0
-        for per_step in (state.calls, state.inspected, state.unmatched, state.recomputing, state.recomputes,
-                         state.backward_done):
-            per_step.clear()
-        if step is None:
-            return
-        for subscriber in self._subscribers:
-            if subscriber.is_active(step):
-                subscriber.on_step_end(step)
-
+    def _forward_running(self) -> bool:
+        return self in _RUNNING
 
 GlobalSubscriberManager = SubscriberManager()
 
@@ -456,6 +290,10 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 _UNOBSERVED_WARNED: "weakref.WeakSet[ProbeSite]" = weakref.WeakSet()
 
 
+def _is_probeable(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and can_probe(leaf)
+
+
 def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:
     if site in _UNOBSERVED_WARNED:
         return
@@ -468,3 +306,6 @@ def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:
 def _finish_at_exit() -> None:
     for manager in list(_LIVE):
         manager.unsubscribe()
+
+
+at_exit("subscriptions", _finish_at_exit)

@@ -34,48 +34,18 @@ Usage::
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
+
+from ..utils import check_int
 
 if TYPE_CHECKING:
     from .manager import SubscriberManager
 
 SiteKind = Literal["input", "output", "inspect"]
 Phase = Literal["forward", "backward", "recompute"]
-
-
-@dataclass(eq=False)
-class RunState:
-    """Mutable run state of one subscription, shared by its hooks and probe Functions.
-
-    ORT freezes a PythonOp's non-tensor arguments at export; the probes reach this object through a
-    pointer, so the exported graph sees its updates. See ``probes.manager`` for the step rules.
-    """
-
-    step: int = 0  # the number the next step gets: the count of steps begun so far
-    open_step: int | None = None  # the step collecting records
-    forward_done: bool = False  # the open step's root forward has returned
-    seq: int = 0  # execution sequence number within the open step
-    calls: dict[int, int] = field(default_factory=dict)  # per-site call count in the open step
-    inspected: set[str] = field(default_factory=set)
-    # Activation checkpointing: forward events of the open step per site, those not yet matched by a
-    # recomputation, and the recomputed probes waiting for their match (see manager._match_recomputed).
-    unmatched: dict[int, list["ProbeEvent"]] = field(default_factory=dict)
-    recomputing: list[tuple[int, "Recomputed"]] = field(default_factory=list)
-    recomputes: dict[int, int] = field(default_factory=dict)  # per-site recomputations in the open step
-    backward_done: set[int] = field(default_factory=set)  # ids of forward events whose backward was recorded
-    backward_tasks: set[int] = field(default_factory=set)  # running graph tasks that end the open step
-
-
-@dataclass(eq=False)
-class Recomputed:
-    """A probe recomputed by activation checkpointing; ``event`` is the original forward event it
-    stands for (None when it could not be matched), so its backward is recorded under that event."""
-
-    site: "ProbeSite"
-    event: "ProbeEvent | None" = None
 
 
 @dataclass(eq=False)
@@ -137,11 +107,8 @@ class SubscriberBase:
     observe_recompute: bool = False  # also get forwards recomputed by activation checkpointing (phase "recompute")
 
     def __init__(self, start_step: int | None = None, end_step: int | None = None) -> None:
-        start = 0 if start_step is None else start_step
-        end = sys.maxsize if end_step is None else end_step
-        for label, value in (("start_step", start), ("end_step", end)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{label} must be a non-negative int or None, got {value!r}")
+        start = 0 if start_step is None else check_int(start_step, "start_step (or None)")
+        end = sys.maxsize if end_step is None else check_int(end_step, "end_step (or None)")
         if start > end:
             raise ValueError(f"start_step ({start}) must not be greater than end_step ({end})")
         self.start_step = start

@@ -1,0 +1,251 @@
+"""The step machine of one subscription: which step a probe firing belongs to, and when a step ends.
+
+The probe Functions (``probes.core.functions``) are its only callers, in eager PyTorch and inside
+ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on_step_end``).
+
+    steps = StepTracker(forward_running=lambda: False)
+    steps.reset(subscribers)
+    event = steps.probe_forward(site, tensors)       # TensorProbe.forward
+    steps.probe_backward(event, grads)               # TensorProbe.backward
+    steps.forward_returned()                         # StepBoundary.forward: the root forward returned
+    steps.backward_reached_root()                    # StepBoundary.backward
+
+The rules (docs/training.md says what each training set-up gives):
+
+- A step opens at the first probe of a forward. It closes when the backward pass that reaches it
+  ends (the autograd engine's graph task finishes), so its dump is complete when ``backward()``
+  returns. A forward that no backward follows (evaluation, ``torch.no_grad``) closes when the next
+  forward starts, or on ``close_open_step()`` (the manager's ``flush()``/``unsubscribe()``).
+- A forward that runs inside a backward pass is a recomputation (activation checkpointing): not a
+  step, not a new call of its modules, not recorded (unless a subscriber sets ``observe_recompute``).
+- A backward pass that reaches a step already closed (``retain_graph=True`` and a second
+  ``backward()``, a second-order backward) opens a backward-only step of its own. A second backward
+  of the same forward within one step is recorded as a new call of the module (``name#k``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from exporters import _torch_compat
+
+from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+
+
+@dataclass(eq=False)
+class RunState:
+    """Mutable run state of one subscription, shared by its hooks and probe Functions.
+
+    ORT freezes a PythonOp's non-tensor arguments at export; the probes reach this object through a
+    pointer, so the exported graph sees its updates.
+    """
+
+    step: int = 0  # the number the next step gets: the count of steps begun so far
+    open_step: int | None = None  # the step collecting records
+    forward_done: bool = False  # the open step's root forward has returned
+    seq: int = 0  # execution sequence number within the open step
+    calls: dict[int, int] = field(default_factory=dict)  # per-site call count in the open step
+    inspected: set[str] = field(default_factory=set)
+    # Activation checkpointing: forward events of the open step per site, those not yet matched by a
+    # recomputation, and the recomputed probes waiting for their match (see StepTracker._match_recomputed).
+    unmatched: dict[int, list[ProbeEvent]] = field(default_factory=dict)
+    recomputing: list[tuple[int, "Recomputed"]] = field(default_factory=list)
+    recomputes: dict[int, int] = field(default_factory=dict)  # per-site recomputations in the open step
+    backward_done: set[int] = field(default_factory=set)  # ids of forward events whose backward was recorded
+    backward_tasks: set[int] = field(default_factory=set)  # running graph tasks that end the open step
+
+    def end_step(self) -> int | None:
+        """Forget the open step's bookkeeping; returns the step that was open (None if none was)."""
+        step, self.open_step = self.open_step, None
+        self.forward_done = False
+        self.seq = 0
+        for per_step in (self.calls, self.inspected, self.unmatched, self.recomputing, self.recomputes,
+                         self.backward_done):
+            per_step.clear()
+        return step
+
+
+@dataclass(eq=False)
+class Recomputed:
+    """A probe recomputed by activation checkpointing; ``event`` is the original forward event it
+    stands for (None when it could not be matched), so its backward is recorded under that event."""
+
+    site: ProbeSite
+    event: ProbeEvent | None = None
+
+
+class StepTracker:
+    """Numbers probe firings into steps and reports them to the subscribers (see the module doc).
+
+    ``forward_running()`` tells whether the subscription's root forward is running now (a backward
+    that ends inside it, ``torch.autograd.grad`` in a forward, does not end the step).
+    """
+
+    def __init__(self, *, forward_running: Callable[[], bool]) -> None:
+        self.state = RunState()
+        self.subscribers: tuple[SubscriberBase, ...] = ()
+        self.observers: tuple[SubscriberBase, ...] = ()  # the subscribers that get tensors
+        self._forward_running = forward_running
+
+    def __deepcopy__(self, memo: dict) -> "StepTracker":
+        # ORT deep-copies the model (hooks and their Function arguments included) before exporting.
+        return self
+
+    def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
+        """Start counting from step 0 for a new set of subscribers."""
+        self.state = RunState()
+        self.subscribers = tuple(subscribers)
+        self.observers = tuple(s for s in subscribers if s.observes_tensors)
+
+    # Called by the probe Functions ------------------------------------------------------------
+
+    def probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
+        """A probe's forward fired: its event (kept by the probe for its backward)."""
+        if _torch_compat.current_backward() is not None:
+            return self._recomputed_forward(site, tensors)
+        state = self.state
+        step = self._begin_forward_work()
+        if site.kind == "inspect":
+            if site.name in state.inspected:
+                raise ValueError(
+                    f"inspect_activation name {site.name!r} was used twice in step {step}; "
+                    "give every inspected tensor a unique name"
+                )
+            state.inspected.add(site.name)
+        call = state.calls.get(id(site), 0)
+        state.calls[id(site)] = call + 1
+        event = ProbeEvent(site, step, "forward", state.seq, call)
+        state.seq += 1
+        state.unmatched.setdefault(id(site), []).append(event)
+        for subscriber in self._receivers(site, step):
+            subscriber.on_forward(event, tensors)
+        return event
+
+    def probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
+        """A probe's backward fired with the gradients of its outputs; ``token`` is what its forward returned."""
+        self._match_recomputed()
+        forward = token.event if isinstance(token, Recomputed) else token
+        if forward is None:
+            return
+        self._watch_backward()
+        state = self.state
+        step = self._open()
+        site = forward.site
+        if forward.step == step and id(forward) not in state.backward_done:
+            state.backward_done.add(id(forward))
+            event = ProbeEvent(site, step, "backward", state.seq, forward.call)
+        else:  # another backward of a forward already differentiated: a new call in this step
+            call = state.calls.get(id(site), 0)
+            state.calls[id(site)] = call + 1
+            event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
+        state.seq += 1
+        for subscriber in self._receivers(site, step):
+            subscriber.on_backward(event, grads)
+
+    def forward_returned(self) -> None:
+        """The root module's forward returned."""
+        if _torch_compat.current_backward() is not None:
+            return  # the root itself recomputed by a checkpoint
+        self._begin_forward_work()
+        self.state.forward_done = True
+
+    def backward_reached_root(self) -> None:
+        """The backward pass reached the root's outputs: the step closes when that pass ends."""
+        self._match_recomputed()
+        self._watch_backward()
+
+    def close_open_step(self) -> None:
+        """Finish the open step now (``on_step_end`` to the subscribers active in it)."""
+        step = self.state.end_step()
+        if step is None:
+            return
+        for subscriber in self.subscribers:
+            if subscriber.is_active(step):
+                subscriber.on_step_end(step)
+
+    # The machine ------------------------------------------------------------------------------
+
+    def _open(self) -> int:
+        """The open step, opening the next one if none is open."""
+        state = self.state
+        if state.open_step is not None:
+            return state.open_step
+        state.open_step = state.step
+        state.step += 1
+        return state.open_step
+
+    def _begin_forward_work(self) -> int:
+        # A probe after the root forward returned belongs to the next forward: the open step got no
+        # backward (evaluation, no_grad), so it is complete.
+        state = self.state
+        if state.open_step is not None and state.forward_done:
+            self.close_open_step()
+        # No backward runs now (a forward inside one is a recomputation and does not get here): a pass
+        # still listed raised before its end callbacks ran.
+        state.backward_tasks.clear()
+        return self._open()
+
+    def _receivers(self, site: ProbeSite, step: int | None, *, recompute: bool = False) -> list[SubscriberBase]:
+        """The observers that get this site's calls in ``step``."""
+        if step is None:
+            return []
+        return [s for s in self.observers if s.is_active(step) and (site.kind != "input" or s.observe_inputs)
+                and (s.observe_recompute or not recompute)]
+
+    def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:
+        """A forward run inside backward (activation checkpointing): matched to its original later."""
+        state = self.state
+        token = Recomputed(site)
+        state.recomputing.append((id(site), token))
+        step = state.open_step
+        wanted = self._receivers(site, step, recompute=True)
+        if wanted:
+            count = state.recomputes.get(id(site), 0)
+            state.recomputes[id(site)] = count + 1
+            event = ProbeEvent(site, step, "recompute", state.seq, count)
+            state.seq += 1
+            for subscriber in wanted:
+                subscriber.on_forward(event, tensors)
+        return token
+
+    def _match_recomputed(self) -> None:
+        """Pairs the probes recomputed since the last backward call with their original forward events.
+
+        A checkpointed segment is recomputed in one go, in forward order, and segments are recomputed
+        last first; so the k recomputed calls of a site are its last k forward calls not matched yet.
+        Only a reentrant checkpoint runs backward through recomputed probes; the others leave them unused.
+        """
+        state = self.state
+        if not state.recomputing:
+            return
+        by_site: dict[int, list[Recomputed]] = {}
+        for site_id, token in state.recomputing:
+            by_site.setdefault(site_id, []).append(token)
+        state.recomputing.clear()
+        for site_id, tokens in by_site.items():
+            originals = state.unmatched.get(site_id, [])
+            matched = originals[-len(tokens):]
+            del originals[len(originals) - len(matched):]
+            for token, event in zip(tokens[len(tokens) - len(matched):], matched):
+                token.event = event
+
+    def _watch_backward(self) -> None:
+        task = _torch_compat.current_backward()
+        state = self.state
+        if task is None or task in state.backward_tasks:
+            return
+        state.backward_tasks.add(task)
+        _torch_compat.call_when_backward_ends(functools.partial(self._backward_ended, task))
+
+    def _backward_ended(self, task: int) -> None:
+        state = self.state
+        state.backward_tasks.discard(task)
+        # Wait for the enclosing pass when a reentrant checkpoint's nested backward ends, and for the
+        # forward when a backward runs inside it (torch.autograd.grad in a module's forward).
+        if state.backward_tasks or self._forward_running():
+            return
+        self.close_open_step()
