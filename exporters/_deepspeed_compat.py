@@ -272,6 +272,7 @@ def full_shape(param: torch.Tensor) -> torch.Size:
     return param.ds_shape if is_zero_param(param) else param.shape
 
 
-def shard_numel(param: torch.Tensor) -> int:
-    """Elements of this rank's shard (``numel / world_size``, rounded up, padded)."""
-    return param.ds_tensor.numel()
+def declared_full_shape(tensor: Any) -> tuple[int, ...] | None:
+    """The full shape DeepSpeed recorded on a (possibly partitioned) tensor (``ds_shape``), or None."""
+    shape = getattr(tensor, "ds_shape", None)
+    return tuple(shape) if shape else None

@@ -15,7 +15,8 @@ import functools
 import importlib
 import importlib.util
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -38,7 +39,7 @@ def ort_version() -> tuple[int, int] | None:
     return major, minor
 
 
-def _check_version() -> None:
+def check_version() -> None:
     version = ort_version()
     if version is not None and not (SUPPORTED_ORT[0] <= version < SUPPORTED_ORT[1]):
         raise OrtInternalsError(
@@ -60,7 +61,7 @@ def is_ort_exporting() -> bool:
         return False
     flag = getattr(manager_module, "ORT_NO_INCREASE_GLOBAL_STEP", None)
     if not isinstance(flag, list) or not flag:
-        _check_version()
+        check_version()
         raise OrtInternalsError(
             f"{_SUBSCRIBER_MANAGER_MODULE}.ORT_NO_INCREASE_GLOBAL_STEP is missing or changed shape; "
             "probes cannot tell ORTModule's export runs from training steps"
@@ -87,7 +88,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module: `model` itself, or the module an ORTModule wraps."""
     if not is_ortmodule(model):
         return model
-    _check_version()
+    check_version()
     inner = getattr(model, "module", None)
     if not isinstance(inner, torch.nn.Module):
         raise OrtInternalsError("ORTModule.module is not an nn.Module; cannot find the wrapped model")
@@ -98,7 +99,7 @@ def signal_model_changed(model: torch.nn.Module) -> None:
     """Make an ORTModule re-export on its next forward (hooks were added or removed)."""
     if not is_ortmodule(model):
         return
-    _check_version()
+    check_version()
     try:
         torch_module = model._torch_module
         managers = [torch_module._execution_manager(training) for training in (False, True)]
@@ -134,7 +135,7 @@ def add_pythonop_export_handler(func_name: str, handler: Any) -> None:
     ``func_name`` is the Function's fully qualified class name (ORT's key). ORT 1.19 looks this map up
     before its default export; a handler returning None falls back to the default.
     """
-    _check_version()
+    check_version()
     module = importlib.import_module(_PYTHONOP_EXPORTER_MODULE)
     handlers = getattr(getattr(module, "_SpecialCustomFunctionHandler", None), "_HIGH_PRIORITY_EXPORT_HANDLER_MAP", None)
     register = getattr(module, "register_high_priority_handler", None)
@@ -156,7 +157,7 @@ def register_pythonop_runtime(func_name: str, function: type, infer_shape: Any, 
     through the op; ``alias_input(node_proto_bytes) -> (forward_map, backward_map)`` lets ORT reuse
     input buffers for outputs instead of copying them (see exporters/pythonop.py for the maps).
     """
-    _check_version()
+    check_version()
     try:
         from onnxruntime.capi._pybind_state import (
             register_input_alias_function,
@@ -187,10 +188,150 @@ def enable_pythonop_runners() -> None:
 
     Needed to run PythonOp nodes in a plain InferenceSession; imports ORTModule (seconds, once).
     """
-    _check_version()
+    check_version()
     from onnxruntime.training.ortmodule import _custom_autograd_function
 
     enable = getattr(_custom_autograd_function, "enable_custom_autograd_support", None)
     if enable is None:
         raise OrtInternalsError("onnxruntime.training.ortmodule._custom_autograd_function.enable_custom_autograd_support is missing")
     enable(True)
+
+
+# Rewriting ORTModule's export (ZeRO-3 models, see exporters/zero3.py) ----------------------------
+
+_GTM_MODULE = "onnxruntime.training.ortmodule._graph_transition_manager"
+_TRIGGER_MODULE = "onnxruntime.training.ortmodule._mem_efficient_grad_mgmt"
+_EXPORT_STEPS = ("_export_model", "_post_export_process")
+
+
+class Zero3ExportError(RuntimeError):
+    """A ZeRO-3 model cannot be exported for ORTModule as it is configured."""
+
+
+@dataclass(frozen=True)
+class ExportRewrite:
+    """How ORTModule exports the models ``is_managed`` accepts (the others export as ORT does).
+
+    ``export_context(model)`` is entered around the export (of the model itself: no deep copy);
+    ``rewrite_exported(model_proto, module)`` runs on the exported graph before ORT processes it;
+    ``drop_inputs(model_proto, module, graph_input_names)`` runs on ORT's processed training graph and
+    returns the graph inputs it removed, whose consumers now read ``pull_weight_trigger()``'s input.
+    """
+
+    is_managed: Callable[[Any], bool]
+    export_context: Callable[[Any], ContextManager[Any]]
+    rewrite_exported: Callable[[Any, Any], None]
+    drop_inputs: Callable[[Any, Any, list[str]], list[str]]
+
+
+_rewrite: dict[str, Any] = {"current": None, "originals": {}}
+
+
+def _gtm_class() -> type:
+    module = importlib.import_module(_GTM_MODULE)
+    cls = getattr(module, "GraphTransitionManager", None)
+    if cls is None or not all(isinstance(cls.__dict__.get(name), staticmethod) for name in _EXPORT_STEPS):
+        raise OrtInternalsError(
+            f"{_GTM_MODULE}.GraphTransitionManager no longer has the static methods {_EXPORT_STEPS}; "
+            "probes cannot run ZeRO-3 models under this ORTModule (see exporters/_ort_compat.py)"
+        )
+    return cls
+
+
+def pull_weight_trigger() -> tuple[str, int, list[int]]:
+    """ORT's memory-efficient "pull weight trigger" input: name, ONNX element type, shape."""
+    module = importlib.import_module(_TRIGGER_MODULE)
+    try:
+        return (module.MEM_EFFICIENT_PARAM_TRIGGER_INPUT_NAME, int(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_DTYPE),
+                list(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_SHAPE))
+    except AttributeError as error:
+        raise OrtInternalsError(f"{_TRIGGER_MODULE} changed ({error}); exporters/_ort_compat.py must be updated") from error
+
+
+def install_export_rewrite(rewrite: ExportRewrite) -> None:
+    """Wrap ORTModule's two export steps with ``rewrite`` (idempotent; the latest rewrite wins)."""
+    version = ort_version()
+    if version is None or not (SUPPORTED_ORT[0] <= version < SUPPORTED_ORT[1]):
+        raise OrtInternalsError(
+            f"onnxruntime {'.'.join(map(str, version)) if version else '(not imported)'} cannot run ZeRO-3 models "
+            f"under ORTModule with probes (exporters/_ort_compat.py supports {SUPPORTED_ORT[0][0]}.{SUPPORTED_ORT[0][1]})"
+        )
+    cls = _gtm_class()
+    pull_weight_trigger()
+    _rewrite["current"] = rewrite
+    originals = _rewrite["originals"]
+    if originals:
+        return
+    for name in _EXPORT_STEPS:
+        originals[name] = cls.__dict__[name].__func__
+    cls._export_model = staticmethod(functools.wraps(originals["_export_model"])(_export_model))
+    cls._post_export_process = staticmethod(functools.wraps(originals["_post_export_process"])(_post_export_process))
+
+
+def _managed(flattened_module: Any) -> tuple[ExportRewrite, torch.nn.Module] | None:
+    rewrite: ExportRewrite | None = _rewrite["current"]
+    model = getattr(flattened_module, "_original_module", None)
+    if rewrite is None or not isinstance(model, torch.nn.Module) or not rewrite.is_managed(model):
+        return None
+    return rewrite, model
+
+
+def _export_model(**kwargs: Any) -> Any:
+    original = _rewrite["originals"]["_export_model"]
+    managed = _managed(kwargs.get("flattened_module"))
+    if managed is None:
+        return original(**kwargs)
+    rewrite, model = managed
+    if kwargs.get("enable_zero_stage3_support"):
+        raise Zero3ExportError(
+            "ORTMODULE_ENABLE_ZERO_STAGE3=1 turns on ORT's own ZeRO-3 support, which conflicts with probes' "
+            "ZeRO-3 hooks (probes.zero3.configure_ort_compatible_zero_stage3); unset it"
+        )
+    # A deep copy's parameters are bare partitions without DeepSpeed's bookkeeping.
+    kwargs["deepcopy_before_model_export"] = False
+    with rewrite.export_context(model):
+        exported_model, *rest = original(**kwargs)
+    rewrite.rewrite_exported(exported_model, kwargs["flattened_module"])
+    return (exported_model, *rest)
+
+
+def _post_export_process(**kwargs: Any) -> Any:
+    info = _rewrite["originals"]["_post_export_process"](**kwargs)
+    flattened_module = kwargs.get("flatten_module")
+    managed = _managed(flattened_module)
+    if managed is None or kwargs.get("export_mode") != torch.onnx.TrainingMode.TRAINING:
+        return info
+    rewrite, _ = managed
+    if getattr(info, "is_mem_efficient_grad_management_enabled", False):
+        raise Zero3ExportError(
+            "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=1 pulls parameters from PyTorch by itself, which cannot "
+            "work with ZeRO-3 partitioned parameters; unset it"
+        )
+    try:
+        model = info._post_export_processed_model
+        graph_inputs = list(info.onnx_graph_input_names)
+        require_grad = list(info.onnx_graph_input_names_require_grad)
+    except AttributeError as error:
+        raise OrtInternalsError(f"ORT's PostExportProcessedModelInfo changed ({error})") from error
+    removed = rewrite.drop_inputs(model, flattened_module, graph_inputs)
+    if not removed:
+        return info
+    trigger, _, _ = pull_weight_trigger()
+    info.onnx_graph_input_names = _replace_first(graph_inputs, removed, trigger)
+    info.onnx_graph_input_names_require_grad = _replace_first(require_grad, removed, trigger)
+    info.onnx_graph_input_names_user_defined = [*info.onnx_graph_input_names_user_defined, trigger]
+    info.onnx_graph_input_names_require_grad_user_defined = [*info.onnx_graph_input_names_require_grad_user_defined,
+                                                             trigger]
+    # Makes ORT feed the trigger (a fresh (1,) zeros tensor requiring grad) on every run.
+    info.is_mem_efficient_grad_management_enabled = True
+    return info
+
+
+def _replace_first(names: list[str], removed: list[str], replacement: str) -> list[str]:
+    """``names`` without ``removed``; ``replacement`` where the first removed name was."""
+    gone = set(removed)
+    positions = [i for i, name in enumerate(names) if name in gone]
+    kept = [name for name in names if name not in gone]
+    if positions:
+        kept.insert(positions[0], replacement)
+    return kept

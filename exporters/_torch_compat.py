@@ -10,7 +10,7 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
 - Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory.
 
     from exporters import _torch_compat as compat
-    restore = compat.override_symbolic("prim::PythonOp", 17, my_symbolic)   # ...export...; restore()
+    with compat.override_symbolic("prim::PythonOp", 17, my_symbolic): ...   # or keep the Handle, .remove()
     compat.onnx_export(model, args, buffer, opset_version=17, training=torch.onnx.TrainingMode.TRAINING)
     task = compat.current_backward()          # None outside a backward pass
 """
@@ -24,6 +24,8 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import torch
+
+from .handles import Handle
 
 Symbolic = Callable[..., Any]
 
@@ -89,8 +91,8 @@ def _custom_override(name: str, opset: int) -> Symbolic | None:
     return group._functions[opset]
 
 
-def override_symbolic(name: str, opset: int, symbolic: Symbolic) -> Callable[[], None]:
-    """Make ``symbolic`` the custom symbolic of ``name`` at ``opset``; returns the undo function.
+def override_symbolic(name: str, opset: int, symbolic: Symbolic) -> Handle:
+    """Make ``symbolic`` the custom symbolic of ``name`` at ``opset``; ``remove()`` on the handle undoes it.
 
     The undo puts back what was registered at that opset before (or nothing), and leaves the
     registry alone if someone replaced ``symbolic`` in the meantime.
@@ -107,7 +109,7 @@ def override_symbolic(name: str, opset: int, symbolic: Symbolic) -> Callable[[],
         else:
             registry.register(name, opset, previous, custom=True)
 
-    return restore
+    return Handle(restore)
 
 
 def python_op_class(node: torch._C.Node) -> type:

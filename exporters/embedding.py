@@ -28,7 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _ort_compat
+from . import _deepspeed_compat, _ort_compat
+from .handles import Handle
 
 from . import _torch_compat as compat
 
@@ -43,7 +44,7 @@ def is_partitioned(weight: torch.Tensor) -> bool:
 
 
 def _embedding_dim(weight: Any, fallback: int | None = None) -> int | None:
-    full_shape = getattr(weight, "ds_shape", None)
+    full_shape = _deepspeed_compat.declared_full_shape(weight)
     return int(full_shape[-1]) if full_shape else fallback
 
 
@@ -127,14 +128,14 @@ def partitioned_embedding_export(model: torch.nn.Module | None = None, opsets: t
     ORTModule: ORT re-registers its own embedding symbolic when an ORTModule is constructed.
     """
     original_forward = torch.nn.Embedding.forward
-    full_shapes = {name: tuple(parameter.ds_shape) for name, parameter in (model.named_parameters() if model else ())
-                   if is_partitioned(parameter) and getattr(parameter, "ds_shape", None)}
-    restores = [
+    full_shapes = {name: shape for name, parameter in (model.named_parameters() if model else ())
+                   if is_partitioned(parameter) and (shape := _deepspeed_compat.declared_full_shape(parameter))}
+    overrides = Handle.chain([
         compat.override_symbolic(
             EMBEDDING_SYMBOLIC, opset,
             functools.partial(_embedding_symbolic, compat.active_symbolic(EMBEDDING_SYMBOLIC, opset), full_shapes))
         for opset in opsets
-    ]
+    ])
 
     def forward(module: torch.nn.Embedding, indices: torch.Tensor) -> torch.Tensor:
         return _export_time_forward(original_forward, module, indices)
@@ -144,5 +145,4 @@ def partitioned_embedding_export(model: torch.nn.Module | None = None, opsets: t
         yield
     finally:
         torch.nn.Embedding.forward = original_forward  # type: ignore[method-assign]
-        for restore in reversed(restores):
-            restore()
+        overrides.remove()

@@ -42,8 +42,5 @@ def _dispatch(previous: compat.Symbolic | None, g: Any, *args: Any, **kwargs: An
 def python_op_symbolic(opset: int) -> Iterator[None]:
     """Install the dispatching ``prim::PythonOp`` symbolic for exports at ``opset``, for the block only."""
     previous = compat.active_symbolic(PYTHON_OP_SYMBOLIC, opset)
-    restore = compat.override_symbolic(PYTHON_OP_SYMBOLIC, opset, functools.partial(_dispatch, previous))
-    try:
+    with compat.override_symbolic(PYTHON_OP_SYMBOLIC, opset, functools.partial(_dispatch, previous)):
         yield
-    finally:
-        restore()

@@ -1,25 +1,27 @@
-"""The one adapter between probes' ZeRO-3 hooks and ORTModule's export pipeline (onnxruntime-training 1.19).
+"""ORTModule export of DeepSpeed ZeRO-3 models whose parameter hooks are probe Functions: the graph rewrite.
 
-    from probes import _ort_zero3
-    _ort_zero3.install(spec)      # once ORTModule is imported; probes.zero3 calls it
+    from exporters import zero3
+    zero3.install(spec)      # once ORTModule is imported; probes.zero3 calls it
 
 ORTModule exports the model once and then runs the exported graph. Under ZeRO-3 the graph's
 parameter inputs are the empty ``(0,)`` partitions; only the pre-forward PythonOp (``spec.pre_forward_name``)
 sees the full-size parameters, as outputs. Two of ORT's static export steps are wrapped, for models
 ``spec.is_managed`` accepts only:
 
-1. ``GraphTransitionManager._export_model``: exports the model itself, not a deep copy (a copy's
+1. After the export (``GraphTransitionManager._export_model``): ORT exports the model itself, not a deep copy (a copy's
    parameters are bare partitions without DeepSpeed's bookkeeping), inside ``spec.export_context``;
    then every consumer of a partitioned parameter's graph input is rewired to the full-size output
    of the pre-forward PythonOp of the module owning it (before ORT infers shapes, which the empty
    partitions would make inconsistent).
-2. ``GraphTransitionManager._post_export_process``: after ORT's own processing, the partitioned
+2. After ORT's own processing (``GraphTransitionManager._post_export_process``): the partitioned
    inputs leave the graph (ORT then neither feeds them nor returns gradients for them) and the
    pre-forward PythonOps read ORT's one-element "pull weight trigger" input instead, which requires
    a gradient so that ORT builds the backward through them. The gradients of the full-size outputs
    reach the parameters in that PythonOp's backward.
 
-Anything in ORT that differs from what this expects raises ``_ort_compat.OrtInternalsError``.
+Hooking into those steps is ORT-internal and lives in exporters/_ort_compat.py (``install_export_rewrite``);
+this module only rewrites ONNX graphs (ORT's PythonOp attribute schema). Anything in ORT that differs from
+what this expects raises ``_ort_compat.OrtInternalsError``.
 """
 
 from __future__ import annotations
@@ -31,21 +33,15 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from . import _ort_compat, _torch_compat
+from ._ort_compat import Zero3ExportError
 
-_GTM_MODULE = "onnxruntime.training.ortmodule._graph_transition_manager"
-_TRIGGER_MODULE = "onnxruntime.training.ortmodule._mem_efficient_grad_mgmt"
-_WRAPPED = ("_export_model", "_post_export_process")
 PYTHON_OP = "PythonOp"
 MS_DOMAIN = "com.microsoft"
 
 
-class Zero3ExportError(RuntimeError):
-    """A ZeRO-3 model cannot be exported for ORTModule as it is configured."""
-
-
 @dataclass(frozen=True)
 class Zero3ExportSpec:
-    """What the adapter needs to know about the ZeRO-3 hooks (given by probes.zero3)."""
+    """What the rewrite needs to know about the ZeRO-3 hooks (given by probes.zero3)."""
 
     is_managed: Callable[[torch.nn.Module], bool]  # the model's ZeRO-3 hooks are probes'
     is_partitioned: Callable[[torch.Tensor], bool]
@@ -61,146 +57,34 @@ class Zero3ExportSpec:
         return f"{self.pre_forward.__module__}.{self.pre_forward.__qualname__}"
 
 
-_state: dict[str, Any] = {"spec": None, "originals": {}}
-
-
-def _gtm_class() -> type:
-    import importlib
-
-    module = importlib.import_module(_GTM_MODULE)
-    cls = getattr(module, "GraphTransitionManager", None)
-    if cls is None or not all(isinstance(cls.__dict__.get(name), staticmethod) for name in _WRAPPED):
-        raise _ort_compat.OrtInternalsError(
-            f"{_GTM_MODULE}.GraphTransitionManager no longer has the static methods {_WRAPPED}; "
-            "probes cannot run ZeRO-3 models under this ORTModule (see probes/_ort_zero3.py)"
-        )
-    return cls
-
-
-def _trigger_spec() -> tuple[str, int, list[int]]:
-    """ORT's memory-efficient "pull weight trigger" input: name, ONNX element type, shape."""
-    import importlib
-
-    module = importlib.import_module(_TRIGGER_MODULE)
-    try:
-        return (module.MEM_EFFICIENT_PARAM_TRIGGER_INPUT_NAME, int(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_DTYPE),
-                list(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_SHAPE))
-    except AttributeError as error:
-        raise _ort_compat.OrtInternalsError(
-            f"{_TRIGGER_MODULE} changed ({error}); probes/_ort_zero3.py must be updated") from error
-
-
 def install(spec: Zero3ExportSpec) -> None:
-    """Wrap ORTModule's export steps for ZeRO-3 models (idempotent; the latest spec wins)."""
-    version = _ort_compat.ort_version()
-    if version is not None and not (_ort_compat.SUPPORTED_ORT[0] <= version < _ort_compat.SUPPORTED_ORT[1]):
-        raise _ort_compat.OrtInternalsError(
-            f"onnxruntime {version[0]}.{version[1]} is not supported for ZeRO-3 under ORTModule "
-            "(probes/_ort_zero3.py was written for 1.19)"
-        )
-    cls = _gtm_class()
-    _trigger_spec()
-    _state["spec"] = spec
+    """Make ORTModule export the models ``spec.is_managed`` accepts with this rewrite (idempotent; the latest
+    spec wins). Needs ORTModule imported."""
     # ORT's shape inference would give the full-size outputs the shape of the first input.
     _ort_compat.register_pythonop_runtime(spec.pre_forward_name, spec.pre_forward,
-                                   functools.partial(_infer_pre_forward_shapes, spec),
-                                   functools.partial(_pre_forward_alias_input, spec))
-    if _state["originals"]:
-        return
-    for name in _WRAPPED:
-        _state["originals"][name] = cls.__dict__[name].__func__
-    cls._export_model = staticmethod(functools.wraps(_state["originals"]["_export_model"])(_export_model))
-    cls._post_export_process = staticmethod(
-        functools.wraps(_state["originals"]["_post_export_process"])(_post_export_process))
+                                          functools.partial(_infer_pre_forward_shapes, spec),
+                                          functools.partial(_pre_forward_alias_input, spec))
+    _ort_compat.install_export_rewrite(_ort_compat.ExportRewrite(
+        is_managed=spec.is_managed,
+        export_context=spec.export_context,
+        rewrite_exported=functools.partial(_rewire_exported, spec),
+        drop_inputs=functools.partial(_drop_partitioned_inputs, spec),
+    ))
 
 
-def uninstall() -> None:
-    """Put ORT's export steps back."""
-    originals = _state["originals"]
-    if originals:
-        cls = _gtm_class()
-        for name, function in originals.items():
-            setattr(cls, name, staticmethod(function))
-        originals.clear()
-    _state["spec"] = None
-
-
-def is_installed() -> bool:
-    return bool(_state["originals"])
-
-
-def _managed(flattened_module: Any) -> tuple[Zero3ExportSpec, torch.nn.Module] | None:
-    spec: Zero3ExportSpec | None = _state["spec"]
-    model = getattr(flattened_module, "_original_module", None)
-    if spec is None or not isinstance(model, torch.nn.Module) or not spec.is_managed(model):
-        return None
-    return spec, model
-
-
-def _export_model(**kwargs: Any) -> Any:
-    managed = _managed(kwargs.get("flattened_module"))
-    if managed is None:
-        return _state["originals"]["_export_model"](**kwargs)
-    spec, model = managed
-    if kwargs.get("enable_zero_stage3_support"):
-        raise Zero3ExportError(
-            "ORTMODULE_ENABLE_ZERO_STAGE3=1 turns on ORT's own ZeRO-3 support, which conflicts with probes' "
-            "ZeRO-3 hooks (probes.zero3.configure_ort_compatible_zero_stage3); unset it"
-        )
-    kwargs["deepcopy_before_model_export"] = False
-    with spec.export_context(model):
-        exported_model, *rest = _state["originals"]["_export_model"](**kwargs)
-    flattened_module = kwargs["flattened_module"]
+def _rewire_exported(spec: Zero3ExportSpec, exported_model: Any, module: torch.nn.Module) -> None:
     graph_inputs = {graph_input.name for graph_input in exported_model.graph.input}
-    partitioned = {name: param for name, param in flattened_module.named_parameters()
+    partitioned = {name: param for name, param in module.named_parameters()
                    if name in graph_inputs and spec.is_partitioned(param)}
     if partitioned:
         rewire_consumers(exported_model, spec, partitioned)
-    return (exported_model, *rest)
 
 
-def _post_export_process(**kwargs: Any) -> Any:
-    info = _state["originals"]["_post_export_process"](**kwargs)
-    flattened_module = kwargs.get("flatten_module")
-    managed = _managed(flattened_module)
-    if managed is None or kwargs.get("export_mode") != torch.onnx.TrainingMode.TRAINING:
-        return info
-    spec, _ = managed
-    if getattr(info, "is_mem_efficient_grad_management_enabled", False):
-        raise Zero3ExportError(
-            "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=1 pulls parameters from PyTorch by itself, which cannot "
-            "work with ZeRO-3 partitioned parameters; unset it"
-        )
-    try:
-        model = info._post_export_processed_model
-        graph_inputs = list(info.onnx_graph_input_names)
-        require_grad = list(info.onnx_graph_input_names_require_grad)
-    except AttributeError as error:
-        raise _ort_compat.OrtInternalsError(f"ORT's PostExportProcessedModelInfo changed ({error})") from error
-    partitioned = [name for name, param in flattened_module.named_parameters()
+def _drop_partitioned_inputs(spec: Zero3ExportSpec, model: Any, module: torch.nn.Module,
+                             graph_inputs: Sequence[str]) -> list[str]:
+    partitioned = [name for name, param in module.named_parameters()
                    if name in graph_inputs and spec.is_partitioned(param)]
-    removed = replace_partitioned_inputs(model, spec, partitioned)
-    if not removed:
-        return info
-    trigger, _, _ = _trigger_spec()
-    info.onnx_graph_input_names = _replace_first(graph_inputs, removed, trigger)
-    info.onnx_graph_input_names_require_grad = _replace_first(require_grad, removed, trigger)
-    info.onnx_graph_input_names_user_defined = [*info.onnx_graph_input_names_user_defined, trigger]
-    info.onnx_graph_input_names_require_grad_user_defined = [*info.onnx_graph_input_names_require_grad_user_defined,
-                                                             trigger]
-    # Makes ORT feed the trigger (a fresh (1,) zeros tensor requiring grad) on every run.
-    info.is_mem_efficient_grad_management_enabled = True
-    return info
-
-
-def _replace_first(names: list[str], removed: list[str], replacement: str) -> list[str]:
-    """``names`` without ``removed``; ``replacement`` where the first removed name was."""
-    gone = set(removed)
-    positions = [i for i, name in enumerate(names) if name in gone]
-    kept = [name for name in names if name not in gone]
-    if positions:
-        kept.insert(positions[0], replacement)
-    return kept
+    return replace_partitioned_inputs(model, spec, partitioned)
 
 
 # The graph rewrite (ORT's PythonOp attribute schema; no ORT call) ------------------------------------
@@ -357,7 +241,7 @@ def replace_partitioned_inputs(model: Any, spec: Zero3ExportSpec, partitioned: S
 
     graph = model.graph
     names = set(partitioned)
-    trigger, trigger_type, trigger_shape = _trigger_spec()
+    trigger, trigger_type, trigger_shape = _ort_compat.pull_weight_trigger()
     for node in _pre_forward_nodes(graph, spec):
         retype = {}
         for index in _placeholder_slots(node, spec):

@@ -18,21 +18,22 @@ PACKAGES = ("probes", "exporters")
 # Room -> floor. A module may import its own room and rooms on lower floors, nothing else.
 # The longest matching prefix names a module's room. Kept in step with docs/design.md's diagram.
 FLOORS: dict[str, int] = {
-    "exporters._torch_compat": 0,
-    "exporters._ort_compat": 0,
-    "exporters._deepspeed_compat": 0,
-    "exporters": 1,
-    "probes.utils": 2,
-    "probes.core": 3,
-    "probes.dump": 3,
-    "probes.models": 3,
-    "probes.stats": 4,
-    "probes.compare": 4,
-    "probes.zero3": 5,
-    "probes.testing": 5,
-    "probes.cli": 6,
-    "probes.demo": 6,
-    "probes": 7,  # the package's front door, ``python -m probes`` and the kept old module names
+    "exporters.handles": 0,
+    "exporters._torch_compat": 1,
+    "exporters._ort_compat": 1,
+    "exporters._deepspeed_compat": 1,
+    "exporters": 2,
+    "probes.utils": 3,
+    "probes.core": 4,
+    "probes.dump": 4,
+    "probes.models": 4,
+    "probes.stats": 5,
+    "probes.compare": 5,
+    "probes.zero3": 6,
+    "probes.testing": 6,
+    "probes.cli": 7,
+    "probes.demo": 7,
+    "probes": 8,  # the package's front door, ``python -m probes`` and the kept old module names
 }
 
 

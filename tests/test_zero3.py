@@ -184,7 +184,7 @@ def _train(mode: str, rank: int, world_size: int, stats_dir: Path, adam_eps: flo
         engine.step()
         record["losses"].append(loss.item())
         record["partitioned"].append(all(param.data.numel() == 0 for param in model.parameters()))
-    record["shards"] = {name: (_deepspeed.shard_numel(p), p.ds_numel) for name, p in model.named_parameters()}
+    record["shards"] = {name: (p.ds_tensor.numel(), p.ds_numel) for name, p in model.named_parameters()}
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         record["params"] = {name: param.detach().clone() for name, param in model.named_parameters()}
     record["fetches_by_ort"] = spy.by_ort
@@ -252,3 +252,42 @@ def check_dumps(stats_dir: Path, world_size: int) -> None:
         steps = sorted((stats_dir / f"rank_{rank}").glob("step_*.jsonl"))
         assert len(steps) == STEPS, (rank, steps)
         assert all(step.stat().st_size > 0 for step in steps)
+
+
+_CLOSE_SCRIPT = """
+import os, sys, warnings
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+import torch, deepspeed
+from exporters import _deepspeed_compat
+from probes import SubscriberBase, SubscriberManager
+from probes.zero3 import configure_ort_compatible_zero_stage3
+_deepspeed_compat.skip_shm_comm_build()
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+with configure_ort_compatible_zero_stage3():
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+loss = engine(torch.randn(2, 4)).sum()
+engine.backward(loss)
+engine.step()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    if sys.argv[1] == "replace":
+        SubscriberManager().subscribe(model, [SubscriberBase()])
+    elif sys.argv[1] == "destroy":
+        engine.destroy()
+print("WARNINGS", sum("were unsubscribed" in str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, expected", [("replace", 1), ("destroy", 0), ("exit", 0)])
+def test_unsubscribing_a_live_engines_hooks_warns_but_destroy_and_exit_do_not(case, expected):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", _CLOSE_SCRIPT, case, str(_free_port())], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"WARNINGS {expected}" in result.stdout, (result.stdout[-2000:], result.stderr[-2000:])
+    assert "were unsubscribed" not in result.stderr  # nothing more at exit
+    assert "Traceback" not in result.stderr

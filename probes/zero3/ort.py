@@ -1,0 +1,37 @@
+"""ORTModule export of models whose ZeRO-3 hooks are probes': the glue to ``exporters.zero3``.
+
+    prepare_ortmodule_export(ort_model)     # the patch calls this when an engine wraps an ORTModule
+
+ORTModule then exports the model itself (not a copy) inside ``partitioned_embedding_export``, and the
+exported graph reads the full-size parameters from ``ZeroPreForward``'s outputs (see exporters/zero3.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+import torch
+
+from exporters import _deepspeed_compat, _ort_compat, partitioned_embedding_export, register_probe_function
+from exporters import zero3 as zero3_export
+
+from .functions import ZeroPostForward, ZeroPreForward, describe_binding
+
+# Models (the roots the hooks see) whose ZeRO-3 hooks are probes'.
+_MANAGED_ROOTS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def prepare_ortmodule_export(model: torch.nn.Module) -> None:
+    """Let ORTModule export ``model`` (an ORTModule whose ZeRO-3 hooks are probes') and its like."""
+    _MANAGED_ROOTS.add(_ort_compat.unwrap(model))
+    register_probe_function(ZeroPreForward, describe=describe_binding, identity=False)
+    register_probe_function(ZeroPostForward, describe=describe_binding)
+    zero3_export.install(zero3_export.Zero3ExportSpec(
+        is_managed=lambda model: model in _MANAGED_ROOTS,
+        is_partitioned=_deepspeed_compat.is_partitioned,
+        full_shape=_deepspeed_compat.full_shape,
+        pre_forward=ZeroPreForward,
+        binding_position=0,
+        input_count_position=1,
+        params_of=lambda binding: binding.params,
+        export_context=partitioned_embedding_export,
+    ))

@@ -1,0 +1,136 @@
+"""Make DeepSpeed's ZeRO-3 engines use probes' parameter hooks.
+
+    from probes.zero3 import configure_ort_compatible_zero_stage3
+    configure_ort_compatible_zero_stage3()            # before deepspeed.initialize(...)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+After the call, every ZeRO-3 engine DeepSpeed creates installs its parameter hooks through a
+``SubscriberManager`` holding a ``ZeROOffloadSubscriber`` (``DeepSpeedZeRoOffload.setup_zero_stage3_hooks``
+is replaced; DeepSpeed's code is not modified). ``restore_zero_stage3_hooks()``, the returned
+handle's ``remove()``/``restore()`` or leaving ``with configure_ort_compatible_zero_stage3():`` undoes
+that for engines created afterwards. Everything that touches DeepSpeed's internals is in
+``exporters/_deepspeed_compat.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from exporters import _deepspeed_compat, _ort_compat
+from exporters.handles import Handle
+
+from ..core import SubscriberBase, SubscriberManager
+from ..stats import StatisticsSubscriber
+from .ort import prepare_ortmodule_export
+from .subscriber import ZeROOffloadSubscriber
+
+# The manager holding each engine's hooks (by its DeepSpeedZeRoOffload), for tests and debugging.
+_MANAGERS: "weakref.WeakKeyDictionary[Any, SubscriberManager]" = weakref.WeakKeyDictionary()
+
+
+def manager_of(offload: Any) -> SubscriberManager | None:
+    """The SubscriberManager holding the ZeRO-3 hooks of ``offload`` (``engine.optimizer.parameter_offload``)."""
+    return _MANAGERS.get(offload)
+
+
+@dataclass
+class Zero3Settings:
+    """What ``configure_ort_compatible_zero_stage3`` asked for; read when an engine is created."""
+
+    debug: bool = False
+    stats_output_dir: str = "./"
+    stats_overwrite: bool = False
+
+
+_settings: Zero3Settings | None = None
+
+
+def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
+    if not settings.debug:
+        return []
+    def create() -> SubscriberBase:
+        return StatisticsSubscriber(output_dir=settings.stats_output_dir, override_output_dir=settings.stats_overwrite)
+
+    # Every rank dumps under the same directory: rank 0 creates it before the others look at it.
+    # (Engine creation is collective, so every rank reaches this barrier.)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return [create()]
+    rank = torch.distributed.get_rank()
+    subscriber = create() if rank == 0 else None
+    torch.distributed.barrier()
+    return [subscriber if subscriber is not None else create()]
+
+
+def _setup_zero_stage3_hooks_with_probes(offload: Any) -> None:
+    """Replacement for ``DeepSpeedZeRoOffload.setup_zero_stage3_hooks`` (called by its __init__)."""
+    settings = _settings or Zero3Settings()
+    model = _deepspeed_compat.offload_root(offload)
+    hooks = ZeROOffloadSubscriber(offload)
+    manager = SubscriberManager()
+    subscription = manager.subscribe(model, [hooks, *_debug_subscribers(settings)])
+    _MANAGERS[offload] = manager
+
+    def destroy() -> None:  # DeepSpeed removes this handle where it removes its own hooks
+        hooks.expect_close()
+        subscription.remove()
+
+    _deepspeed_compat.finish_setup(offload, Handle(destroy))
+    if _ort_compat.is_ortmodule(model):
+        prepare_ortmodule_export(model)
+
+
+class Zero3Patch(Handle):
+    """Handle returned by ``configure_ort_compatible_zero_stage3``: ``remove()`` (or ``restore()``, its
+    documented name, or leaving a ``with`` block) gives DeepSpeed its own hooks back."""
+
+    def __init__(self, settings: Zero3Settings) -> None:
+        super().__init__(self._restore)
+        self.settings = settings
+
+    @property
+    def active(self) -> bool:
+        return _settings is self.settings and _deepspeed_compat.setup_hooks_replaced()
+
+    def restore(self) -> None:
+        self.remove()
+
+    def _restore(self) -> None:
+        if self.active:
+            restore_zero_stage3_hooks()
+
+
+def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: str | os.PathLike = "./",
+                                         stats_overwrite: bool = False) -> Zero3Patch:
+    """Make every DeepSpeed ZeRO-3 engine created from now on use probes' parameter hooks.
+
+    ``debug=True`` also subscribes a ``StatisticsSubscriber`` writing to ``stats_output_dir``
+    (each rank under ``rank_<r>/``; ``stats_overwrite`` replaces an earlier dump of the rank).
+    Engines created before the call keep their hooks. Calling again replaces the settings.
+
+    Raises ImportError when DeepSpeed is not installed, DeepSpeedVersionError when its version is
+    outside ``probes._deepspeed_compat.SUPPORTED_RANGE``.
+    """
+    global _settings
+    _deepspeed_compat.require_deepspeed()
+    settings = Zero3Settings(bool(debug), os.fspath(stats_output_dir), bool(stats_overwrite))
+    _deepspeed_compat.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
+    _settings = settings
+    return Zero3Patch(settings)
+
+
+def restore_zero_stage3_hooks() -> bool:
+    """Give DeepSpeed back its own ZeRO-3 hooks for engines created from now on; False if not patched."""
+    global _settings
+    _settings = None
+    return _deepspeed_compat.restore_setup_hooks()
+
+
+def is_configured() -> bool:
+    """True while DeepSpeed's ZeRO-3 hook setup is replaced by probes'."""
+    return _deepspeed_compat.setup_hooks_replaced()

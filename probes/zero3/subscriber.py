@@ -1,0 +1,120 @@
+"""``ZeROOffloadSubscriber``: DeepSpeed ZeRO-3's per-module parameter hooks as a probes subscriber.
+
+    subscriber = ZeROOffloadSubscriber(engine.optimizer.parameter_offload)   # usually made by the patch
+
+Its graph-building calls wrap every module DeepSpeed manages in ``ZeroPreForward``/``ZeroPostForward``
+(``probes.zero3.functions``), which do the gathering and releasing on every step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from exporters import _deepspeed_compat, _ort_compat
+
+from ..core import ProbeSite, SubscriberBase, wrappers
+from ..utils import TensorLeaves, at_exit
+from .functions import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
+
+
+_exiting = False  # set in the first exit stage, before the subscriptions close
+
+
+def _mark_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+at_exit("exiting", _mark_exiting)
+
+
+class DeepCopiedModuleError(RuntimeError):
+    """A ZeRO-3 hook ran on a copy of the model (ORTModule's deep copy before export)."""
+
+
+class ZeROOffloadSubscriber(SubscriberBase):
+    """Does DeepSpeed ZeRO-3's parameter gather/release around every module, as probe Functions.
+
+        subscriber = ZeROOffloadSubscriber(engine.optimizer.parameter_offload)
+
+    Usually created by ``configure_ort_compatible_zero_stage3``; pass it to a ``SubscriberManager``
+    only for an offload whose own hooks were not installed.
+    """
+
+    def __init__(self, offloader: Any) -> None:
+        super().__init__(None, None)
+        _deepspeed_compat.require_deepspeed()
+        self.offloader = offloader
+        # An ORTModule given to deepspeed.initialize reports its wrapped model's children as its own:
+        # the wrapped model is the root whose forward the hooks see.
+        root = wrappers.unwrap(_deepspeed_compat.offload_root(offloader))
+        managed = _deepspeed_compat.prepare_modules(offloader, root)
+        # Indexed like the manager's sites (the order of the manager's module walk); None inside a ZeRO-3 leaf module.
+        self._bindings: list[ModuleBinding | None] = [
+            ModuleBinding(offloader, module, name or "<root>", module is root) if id(module) in managed else None
+            for name, module in wrappers.user_named_modules(root)
+        ]
+        self.closed = False
+        self._close_expected = False
+
+    def binding(self, site: ProbeSite, module: torch.nn.Module) -> ModuleBinding | None:
+        if site.module_index >= len(self._bindings):
+            return None
+        binding = self._bindings[site.module_index]
+        if binding is not None and module is not binding.module:
+            raise DeepCopiedModuleError(
+                f"ZeRO-3 hook for {site.name!r} ran on a copy of the model, whose parameters are empty "
+                "partitions without DeepSpeed's bookkeeping. ORTModule deep-copies the model before export "
+                "unless ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0; set it (probes' ORT adapter does so for "
+                "ZeRO-3 models it knows about)."
+            )
+        return binding
+
+    def pre_forward_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, kwargs: dict):
+        binding = self.binding(site, module)
+        if binding is None:
+            return args, kwargs
+        binding.params = tuple(_deepspeed_compat.module_params(binding.module))
+        leaves = TensorLeaves.of((args, kwargs))
+        # The empty partitions become the Function's inputs so that an exported graph ties each
+        # full-size output to its parameter's graph input. Detached: no gradient edge to the
+        # parameter is made while it is empty (its full-size gradient would not match).
+        placeholders = [param.detach() for param in binding.params]
+        if not leaves.positions and not placeholders:
+            # Nothing to carry a Function (eager-only): gather directly.
+            ZeroPreForward.forward(NoContext(), binding, 0)
+            return args, kwargs
+        return leaves.rebuild(ZeroPreForward.apply(binding, len(leaves.positions), *leaves.tensors, *placeholders))
+
+    def post_forward_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, outputs: Any):
+        binding = self.binding(site, module)
+        if binding is None:
+            return outputs
+        leaves = TensorLeaves.of(outputs)
+        if not leaves.positions:
+            if _ort_compat.is_exporting():
+                warnings.warn(f"{site.name!r} returns no tensor: under ORTModule its ZeRO-3 parameters are released "
+                              "only at the end of backward", stacklevel=2)
+            _deepspeed_compat.release_after_forward(binding.offload, binding.module, ())
+            return outputs
+        return leaves.rebuild(ZeroPostForward.apply(binding, *leaves.tensors))
+
+    def expect_close(self) -> None:
+        """The engine itself is removing its hooks (``engine.destroy()``): closing is no surprise."""
+        self._close_expected = True
+
+    def close(self) -> None:
+        # Closed by anything but the engine or the exit (subscribing the model again replaced this
+        # subscription, or unsubscribe() by hand): the live engine has lost its parameter hooks.
+        if not self.closed and not self._close_expected and not _exiting:
+            warnings.warn(
+                "the ZeRO-3 parameter hooks of a live DeepSpeed engine were unsubscribed (was the model subscribed "
+                "again? that replaces the subscription); pass extra subscribers with "
+                "configure_ort_compatible_zero_stage3(debug=True) instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.closed = True
