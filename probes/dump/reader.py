@@ -157,7 +157,8 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
 def _check_manifest(root: Path) -> None:
     manifest = read_manifest(root)
     if manifest is None:
-        raise DumpFormatError(root / MANIFEST_NAME, None, f"not a probes dump manifest (expected format {FORMAT_NAME!r})")
+        raise DumpFormatError(root / MANIFEST_NAME, None,
+                              f"not a probes dump manifest (expected format {FORMAT_NAME!r})")
     if manifest.get("version") != FORMAT_VERSION:
         raise DumpFormatError(root / MANIFEST_NAME, None,
                               f"format version {manifest.get('version')!r}; this reader reads {FORMAT_VERSION}")
@@ -205,7 +206,8 @@ def _check_complete(step_file: StepFile, count: int) -> None:
                               f"truncated: {order_file.name} lists {expected} records, the step file has {count}")
 
 
-# Without waiting for live writers: kept for probes.compare until it reads through DumpReader.
+# Readers that do not wait for live writers: probes.compare's until it reads through DumpReader, and
+# tests that show the race the wait prevents.
 def _unflushed(path: str | Path) -> DumpReader:
     reader = DumpReader.__new__(DumpReader)
     reader._list(Path(path))
