@@ -1,4 +1,7 @@
-"""Dump I/O: the background writer, atomic steps, crash and disk-full safety, the reader, the table."""
+"""Dump I/O: the background writer, atomic steps, crash and disk-full safety, the reader, the table.
+
+Over 400 lines: one page for the whole dump format, its writer and reader sharing the helpers below.
+"""
 
 from __future__ import annotations
 
