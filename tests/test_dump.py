@@ -1,4 +1,7 @@
-"""Dump I/O: the background writer, atomic steps, crash and disk-full safety, the reader, the table."""
+"""Dump I/O: the background writer, atomic steps, crash and disk-full safety, the reader, the table.
+
+Over 400 lines: one page for the whole dump format, its writer and reader sharing the helpers below.
+"""
 
 from __future__ import annotations
 
@@ -18,16 +21,32 @@ import pytest
 from probes import dump
 from probes.dump import (
     DumpFormatError,
+    DumpReader,
     DumpWriteError,
     DumpWriter,
+    StepFile,
     format_records,
     list_steps,
     load_dump,
     safe_component,
+    stepfiles,
 )
 from probes.cli import show as show_main
 
-DUMP_SOURCE = Path(dump.__file__).resolve()
+DUMP_SOURCE = Path(dump.__file__).resolve().parent  # the package probes/dump
+ROOT = DUMP_SOURCE.parents[1]
+
+# Source for a fresh interpreter: imports probes.dump as ``dump`` without torch (fast). The __init__ of
+# probes, probes.utils and exporters import torch, so they are skipped: empty packages with their paths.
+IMPORT_DUMP_WITHOUT_TORCH = f"""
+import os, sys, types
+for _name in ("exporters", "probes", "probes.utils"):
+    _package = types.ModuleType(_name)
+    _package.__path__ = [os.path.join({str(ROOT)!r}, *_name.split("."))]
+    sys.modules[_name] = _package
+from probes import dump
+assert "torch" not in sys.modules
+"""
 
 
 def record(step: int, index: int, phase: str = "forward", **extra) -> dict:
@@ -115,7 +134,7 @@ def test_two_ranks_share_a_directory_and_load_sorted(tmp_path):
 
 def test_backpressure_blocks_and_never_drops(tmp_path, monkeypatch):
     gate = threading.Event()
-    real_open = dump._open_step_file
+    real_open = stepfiles._open_step_file
 
     class GatedFile:
         def __init__(self, file):
@@ -128,7 +147,7 @@ def test_backpressure_blocks_and_never_drops(tmp_path, monkeypatch):
         def __getattr__(self, name):
             return getattr(self._file, name)
 
-    monkeypatch.setattr(dump, "_open_step_file", lambda path: GatedFile(real_open(path)))
+    monkeypatch.setattr(stepfiles, "_open_step_file", lambda path: GatedFile(real_open(path)))
     writer = DumpWriter(tmp_path / "dump", queue_size=2)
     done = threading.Event()
 
@@ -190,14 +209,10 @@ def test_close_finishes_open_steps_but_an_exception_leaves_them_unfinished(tmp_p
     assert list_steps(tmp_path / "b") == {0: {"finished": [], "unfinished": [0]}}
 
 
-CRASHING_CHILD = r"""
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("probes_dump_under_test", sys.argv[1])
-dump = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = dump
-spec.loader.exec_module(dump)
+CRASHING_CHILD = IMPORT_DUMP_WITHOUT_TORCH + r"""
+import time
 
-writer = dump.DumpWriter(sys.argv[2])
+writer = dump.DumpWriter(sys.argv[1])
 pad = "x" * 200
 for step in (0, 1):
     for index in range(50):
@@ -218,7 +233,7 @@ while True:  # keeps writing step 2 until killed
 
 def test_sigkill_mid_write_keeps_finished_steps(tmp_path):
     out = tmp_path / "dump"
-    command = [sys.executable, "-c", CRASHING_CHILD, str(DUMP_SOURCE), str(out)]
+    command = [sys.executable, "-c", CRASHING_CHILD, str(out)]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
         try:
             assert child.stdout.readline().strip() == "ready"
@@ -263,8 +278,8 @@ class FaultyFile:
 def disk_full_on(monkeypatch):
     def install(fail_on: int) -> None:
         FaultyFile.calls = 0
-        real_open = dump._open_step_file
-        monkeypatch.setattr(dump, "_open_step_file", lambda path: FaultyFile(real_open(path), fail_on))
+        real_open = stepfiles._open_step_file
+        monkeypatch.setattr(stepfiles, "_open_step_file", lambda path: FaultyFile(real_open(path), fail_on))
 
     return install
 
@@ -443,7 +458,8 @@ def test_safe_component():
 
 
 def test_records_are_json_not_pickle(tmp_path, monkeypatch):
-    source = DUMP_SOURCE.read_text()
+    source = "\n".join(module.read_text() for module in sorted(DUMP_SOURCE.glob("*.py")))
+    assert "def _open_step_file" in source  # the writer's modules are all read
     assert not re.search(r"^\s*(import|from)\s+(pickle|cPickle|dill|marshal|shelve)\b", source, re.MULTILINE)
     import pickle
 
@@ -521,6 +537,58 @@ def test_truncated_finished_file_is_corruption_but_a_truncated_partial_is_expect
     assert [r["step"] for r in load_dump(finished_dump)] == [0, 0, 0]
     loaded = load_dump(finished_dump, include_partial=True)
     assert [(r["step"], r["name"]) for r in loaded[3:]] == [(1, "layer0"), (1, "layer1")]
+
+
+def test_a_finished_step_that_lost_whole_lines_is_truncated(finished_dump, tmp_path):
+    rank_dir = finished_dump / "rank_0"
+    step_file = rank_dir / "step_000001.jsonl"
+    step_file.write_text("".join(step_file.read_text().splitlines(keepends=True)[:2]))  # cut at a line boundary
+    problem = "truncated: step_000001.order.txt lists 3 records, the step file has 2"
+    for path in (finished_dump, rank_dir, step_file):
+        with pytest.raises(DumpFormatError, match=re.escape(problem)) as raised:
+            load_dump(path)
+        assert raised.value.path == step_file and raised.value.line == 3
+    assert list_steps(finished_dump) == {0: {"finished": [0, 1], "unfinished": []}}  # listing reads no records
+
+    # Without an order file to count against (a lone copy, or an order file gone) there is nothing to check.
+    lone = tmp_path / "step_000001.jsonl"
+    lone.write_text("".join(json.dumps({**json.loads(line), "rank": 0, "step": 1}) + "\n"
+                            for line in step_file.read_text().splitlines()))
+    assert [r["name"] for r in load_dump(lone)] == ["layer0", "layer1"]
+    (rank_dir / "step_000001.order.txt").unlink()
+    assert len(load_dump(finished_dump)) == 5
+
+
+def test_dump_reader(tmp_path):
+    out = tmp_path / "dump"
+    writer = DumpWriter(out)
+    write_steps(writer, [0, 1])
+    writer.write(2, record(2, 0))
+    writer.flush()
+    rank_dir = out / "rank_0"
+    reader = DumpReader(out)  # the live writer is waited for
+    assert reader.path == out
+    assert reader.step_files() == [StepFile(rank_dir / f"step_00000{step}.jsonl", 0, step, True) for step in (0, 1)]
+    assert reader.step_files(include_partial=True)[-1] == StepFile(rank_dir / "step_000002.jsonl.partial", 0, 2, False)
+    assert reader.steps() == list_steps(out) == {0: {"finished": [0, 1], "unfinished": [2]}}
+    assert reader.read(reader.step_files()[1]) == load_dump(rank_dir / "step_000001.jsonl")
+    assert reader.records() == load_dump(out)
+    assert reader.records(include_partial=True) == load_dump(out, include_partial=True)
+    assert len(reader.records(include_partial=True)) == 7
+
+    lone = DumpReader(rank_dir / "step_000002.jsonl.partial")  # a lone step file: listed finished or not
+    assert lone.step_files() == [StepFile(rank_dir / "step_000002.jsonl.partial", 0, 2, False)]
+    assert lone.steps() == {0: {"finished": [], "unfinished": [2]}}
+    with pytest.raises(ValueError, match="include_partial=True"):
+        lone.records()
+    assert [r["name"] for r in lone.records(include_partial=True)] == ["layer0"]
+    writer.close()
+    assert DumpReader(out).steps() == {0: {"finished": [0, 1, 2], "unfinished": []}}
+    assert reader.steps() == {0: {"finished": [0, 1], "unfinished": [2]}}  # listed once, when opened
+
+    for bad, error in ((tmp_path / "missing", FileNotFoundError), (tmp_path, DumpFormatError)):
+        with pytest.raises(error):
+            DumpReader(bad)
 
 
 def test_not_a_dump(tmp_path):

@@ -1,6 +1,6 @@
 """Reading a dump this process is still writing, and exiting with a dump directory that is gone.
 
-Readers (load_dump, list_steps, compare, assert_parity) wait for the live writer of the directory
+Readers (DumpReader, load_dump, list_steps, compare, assert_parity) wait for the live writer of the directory
 they read, so every finished step is visible without a sleep; at interpreter exit, what could not be
 written is one warning line, never a traceback.
 """
@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from probes import StatisticsSubscriber, SubscriberManager, dump
+from probes import StatisticsSubscriber, SubscriberManager
 from probes.compare import compare_dumps, read_dump
-from probes.dump import DumpWriteError, DumpWriter, flush_writers, list_steps, load_dump
+from probes.dump import DumpReader, DumpWriteError, DumpWriter, flush_writers, list_steps, load_dump
+from probes.dump import reader as dump_reader
+from probes.dump import stepfiles
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.testing import assert_parity
+from test_dump import IMPORT_DUMP_WITHOUT_TORCH
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -45,13 +48,13 @@ def write_steps(writer: DumpWriter, steps, per_step: int = 3) -> None:
 @pytest.fixture
 def slow_writer(monkeypatch):
     """Makes finishing a step take 50 ms on the writer thread, so a reader that does not wait misses steps."""
-    real = dump._fsync_dir
+    real = stepfiles.fsync_dir
 
     def slow(path):
         time.sleep(0.05)
         real(path)
 
-    monkeypatch.setattr(dump, "_fsync_dir", slow)
+    monkeypatch.setattr(stepfiles, "fsync_dir", slow)
 
 
 def finished(path) -> list[int]:
@@ -64,7 +67,7 @@ def finished(path) -> list[int]:
 def test_the_race_is_real_without_waiting(tmp_path, slow_writer):
     writer = DumpWriter(tmp_path / "d")
     write_steps(writer, range(STEPS))
-    assert len(dump._list_steps(tmp_path / "d")[0]["finished"]) < STEPS  # what readers saw before the fix
+    assert len(dump_reader._list_steps(tmp_path / "d")[0]["finished"]) < STEPS  # what readers saw before the fix
     writer.close()
 
 
@@ -88,6 +91,8 @@ def test_every_reader_sees_every_finished_step_without_a_sleep(tmp_path, slow_wr
     for writer in writers:
         write_steps(writer, [STEPS + 2])
     assert_parity(out, tmp_path / "e")
+    write_steps(writers[0], [STEPS + 3])
+    assert [step_file.step for step_file in DumpReader(out).step_files()] == list(range(STEPS + 4))
     for writer in writers:
         writer.close()
 
@@ -121,14 +126,14 @@ def test_open_steps_show_their_lines_to_include_partial(tmp_path):
 
 def test_readers_wait_only_for_writers_of_the_directory_they_read(tmp_path, monkeypatch):
     release = threading.Event()
-    real = dump._fsync_dir
+    real = stepfiles.fsync_dir
 
     def blocking(path):
         if "blocked" in str(path) and threading.current_thread().name.startswith("probes-dump-writer"):
             release.wait(30)
         real(path)
 
-    monkeypatch.setattr(dump, "_fsync_dir", blocking)
+    monkeypatch.setattr(stepfiles, "fsync_dir", blocking)
     free, blocked = DumpWriter(tmp_path / "free"), DumpWriter(tmp_path / "blocked")
     try:
         write_steps(blocked, [0])
@@ -161,8 +166,8 @@ def test_a_reader_never_raises_the_error_of_a_failed_writer(tmp_path, monkeypatc
     writer = DumpWriter(out)
     write_steps(writer, [0, 1])
     writer.flush()
-    real_open = dump._open_step_file
-    monkeypatch.setattr(dump, "_open_step_file", lambda path: FailingFile(real_open(path)))
+    real_open = stepfiles._open_step_file
+    monkeypatch.setattr(stepfiles, "_open_step_file", lambda path: FailingFile(real_open(path)))
     writer.write(2, record(0))
     deadline = time.monotonic() + 10
     while writer.error is None and time.monotonic() < deadline:
@@ -246,9 +251,9 @@ def test_close_after_the_directory_was_removed_says_so_once(tmp_path):
 
 
 def run_script(source: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """Runs ``source`` in a fresh interpreter: argv[1] is the dump directory, argv[2] probes/dump.py."""
+    """Runs ``source`` in a fresh interpreter: argv[1] is the dump directory."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-c", textwrap.dedent(source), str(tmp_path / "dump"), str(Path(dump.__file__))]
+    command = [sys.executable, "-c", textwrap.dedent(source), str(tmp_path / "dump")]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -264,12 +269,8 @@ def assert_one_clean_warning(result: subprocess.CompletedProcess, directory: Pat
     assert str(directory) in lines[0] and "was removed" in lines[0] and steps in lines[0], lines[0]
 
 
-WRITER_SCRIPT = """
-import importlib.util, shutil, sys
-spec = importlib.util.spec_from_file_location("probes_dump_under_test", sys.argv[2])  # without torch: fast
-dump = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = dump
-spec.loader.exec_module(dump)
+WRITER_SCRIPT = IMPORT_DUMP_WITHOUT_TORCH + """
+import shutil
 writer = dump.DumpWriter(sys.argv[1])
 for step in (0, 1):
     writer.write(step, {"name": "a", "phase": "forward", "seq": 0})

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
-from probes import dump as dump_module
+from probes.dump import stepfiles as dump_module
 from probes.dump import DumpWriteError, list_steps
 from probes.stats.numerics import summarize, take_samples
 from probes.statistics import SubscriberClosedWarning, UnsupportedTensorWarning

@@ -1,0 +1,43 @@
+"""Records as a text table for the terminal (``python -m probes show``).
+
+    print(format_records(load_dump("pt_out")))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..utils.text import printable, text_table
+from .record import Record
+
+__all__ = ["format_records"]
+
+_COLUMNS = ("step", "phase", "seq", "name", "shape", "dtype", "min", "max", "mean", "std", "nan", "inf")
+_LEFT_ALIGNED = frozenset({"phase", "name", "shape", "dtype"})
+
+
+def _cell(record: Record, key: str) -> str:
+    if key not in record:
+        return ""
+    value = record[key]  # type: ignore[literal-required]
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if key == "shape" and isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(size) for size in value) + "]"
+    return printable(value)  # names come from the model: no control characters to the terminal
+
+
+def format_records(records: Iterable[Record]) -> str:
+    """A text table, one line per record: step, phase, seq, name, shape, dtype, min, max, mean, std, nan, inf.
+
+    A rank column comes first when the records span several ranks. No trailing newline.
+    """
+    records = list(records)
+    columns = list(_COLUMNS)
+    if len({record.get("rank") for record in records}) > 1:
+        columns.insert(0, "rank")
+    rows = [[_cell(record, column) for column in columns] for record in records]
+    right = {index for index, column in enumerate(columns) if column not in _LEFT_ALIGNED}
+    return "\n".join(text_table(columns, rows, right=right))
