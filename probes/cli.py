@@ -19,9 +19,10 @@ from typing import Sequence
 
 from .compare import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, compare_dumps, format_report, parse_steps,
                       write_html)
-from .compare.engine import EXIT_AGREE, EXIT_BAD_INPUT, EXIT_DIVERGED
 from .compare.merge import MergeConfig, generate_summaries_per_step, prepare_output_dir
 from .dump import format_records, list_steps, load_dump
+
+EXIT_AGREE, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2  # compare's exit status (docs/compare.md)
 
 
 def show(argv: Sequence[str] | None = None) -> int:
@@ -75,8 +76,10 @@ def compare(argv: Sequence[str] | None = None) -> int:
                     "Exit status: 0 agree, 1 diverged (or records on one side only), 2 bad input.")
     parser.add_argument("base", metavar="BASE", help="the reference dump (directory, rank_<r> directory or step file)")
     parser.add_argument("other", metavar="OTHER", help="the dump to check against BASE")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help=f"relative tolerance (default {DEFAULT_RTOL:g})")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+                        help=f"relative tolerance (default {DEFAULT_RTOL:g})")
+    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                        help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
     parser.add_argument("--noise", metavar="BASE2",
                         help="a second run of the baseline: per-record tolerance max(atol + rtol*|x|, k*noise)")
     parser.add_argument("--noise-factor", type=float, default=DEFAULT_NOISE_FACTOR, metavar="K",
@@ -128,7 +131,8 @@ def merge(argv: Sequence[str] | None = None, prog: str = "python -m probes merge
     parser.add_argument("--rank", type=int, help="The rank to merge (default: the baseline's lowest rank).")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(levelname)s: %(message)s")
-    config = MergeConfig(Path(args.pt_dir), Path(args.ort_dir), Path(args.output_dir), args.overwrite, args.rank)
+    config = MergeConfig(pt_dir=Path(args.pt_dir), ort_dir=Path(args.ort_dir), output_dir=Path(args.output_dir),
+                         overwrite=args.overwrite, rank=args.rank)
     try:  # a bad dump fails before the output directory is touched
         base_records = load_dump(config.pt_dir)
         other_records = load_dump(config.ort_dir)

@@ -7,6 +7,7 @@
     for step in range(steps):
         bug.step = step                                              # the bug reads the current step from here
         ...train...
+    bug.remove()                                                     # or: with inject_bug(...) as bug: ...
 
 Under pytest, the ``parity`` fixture is ``assert_parity`` that also writes an HTML report into the
 test's tmp_path when the runs diverge (``from probes.testing import parity`` in a test module or conftest).
@@ -21,19 +22,20 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from exporters.handles import Handle
+
 from .compare import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, Report, compare_dumps
+from .compare.text import counts_line, verdict
 
 __all__ = ["BugInjection", "assert_parity", "inject_bug", "parity_message"]
 
 
 def parity_message(report: Report, limit: int = 5) -> str:
     """A few lines saying where two runs differ: the first divergence, then missing records and steps."""
-    lines = [f"runs differ: {report.base} (base) vs {report.other} (other)"]
+    lines = [f"runs differ: {report.base} (base) vs {report.other} (other)", f"verdict: {verdict(report)}"]
     if report.first_divergence is not None:
         lines.append(f"first divergence: {report.first_divergence}")
-    diverged = sum(record.diverged for record in report.records)
-    lines.append(f"{report.matched} records matched, {diverged} diverged, "
-                 f"{len(report.only_in_base)} only in base, {len(report.only_in_other)} only in other")
+    lines.append(counts_line(report))
     for label, steps in (("only in base", report.steps_only_in_base), ("only in other", report.steps_only_in_other)):
         if steps:
             lines.append(f"steps {label}: {steps}")
@@ -76,12 +78,14 @@ def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 
 
 
 @dataclass(eq=False)
-class BugInjection:
+class BugInjection(Handle):
     """Live state of an injected bug; the exported graph reaches it by pointer, so updates are seen under ORT.
 
     ``step`` is the current training step, set by the training loop; the bug acts while
-    ``step >= from_step``. Phase "forward": the layer's output is multiplied by ``factor`` (and, as
-    the derivative of that, its gradient too). Phase "backward": only the gradient is.
+    ``step >= from_step`` and it is not removed. Phase "forward": the layer's output is multiplied by
+    ``factor`` (and, as the derivative of that, its gradient too). Phase "backward": only the gradient
+    is. A ``Handle``: ``remove()`` (idempotent, or the end of a ``with`` block) removes the module hook
+    and ends the bug, also in a graph ORT already exported with it.
     """
 
     layer: str
@@ -89,18 +93,22 @@ class BugInjection:
     factor: float
     phase: Literal["forward", "backward"]
     step: int = 0
-    handle: Any = None
+    handle: Any = None  # the module hook's handle
+
+    def __post_init__(self) -> None:
+        Handle.__init__(self, self._unhook)
 
     @property
     def active(self) -> bool:
-        return self.step >= self.from_step
+        """Whether the bug acts now: not removed, and ``step >= from_step``."""
+        return super().active and self.step >= self.from_step
 
     @property
     def record_name(self) -> str:
         """The statistics record the bug shows up in first (the layer's first output)."""
         return f"{self.layer}.output.0"
 
-    def remove(self) -> None:
+    def _unhook(self) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None

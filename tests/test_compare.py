@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
+import html
 import json
 import os
 import subprocess
 import sys
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,15 @@ import torch
 from torch import nn
 
 import helpers
+from exporters.handles import Handle
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.__main__ import main as probes_main
-from probes.compare import Progress, compare_dumps, read_dump
+from probes.compare import compare_dumps, format_report, render_html
+from probes.compare.text import verdict
 from probes.dump import DumpWriter, load_dump
 from probes.models import TinyTransformer, TransformerConfig
 from probes.stats.subscriber import tensor_record
-from probes.testing import assert_parity, inject_bug, parity  # noqa: F401  (parity: fixture)
+from probes.testing import assert_parity, inject_bug, parity, parity_message  # noqa: F401  (parity: fixture)
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 STEPS = 3
@@ -297,76 +298,6 @@ def test_samples_catch_a_permutation_that_the_moments_miss(tmp_path):
     assert record.samples_max_abs == pytest.approx(4.0)
 
 
-# --------------------------------------------------------------------------------------------- bad input
-
-
-def step_file(root: Path, step: int = 1) -> Path:
-    return root / "rank_0" / f"step_{step:06d}.jsonl"
-
-
-@pytest.fixture
-def two_dumps(tmp_path) -> tuple[Path, Path]:
-    for name in ("base", "other"):
-        write_dump(tmp_path / name, 0, {s: synthetic_records(s, 0) for s in range(3)})
-    return tmp_path / "base", tmp_path / "other"
-
-
-def test_corrupted_line_gives_exit_2_naming_file_and_line(two_dumps, capsys):
-    base, other = two_dumps
-    path = step_file(other)
-    lines = path.read_bytes().split(b"\n")
-    lines[2] = lines[2].replace(b"\"phase\": ", b"\"phase\" ", 1)  # a lost colon
-    path.write_bytes(b"\n".join(lines))
-    code, out, err = run_cli(base, other, capsys=capsys)
-    assert code == 2 and out == ""
-    assert f"{path}, line 3: invalid JSON" in err
-
-
-def test_truncated_dump_gives_exit_2(two_dumps, capsys):
-    base, other = two_dumps
-    path = step_file(other, 2)
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) - 30])  # cut inside the last line
-    code, _, err = run_cli(base, other, capsys=capsys)
-    assert code == 2 and f"{path}, line 8: truncated last line" in err
-
-    lines = data.split(b"\n")
-    path.write_bytes(b"\n".join(lines[:5]) + b"\n")  # cut at a line boundary: caught by the order file
-    code, _, err = run_cli(other, base, capsys=capsys)
-    assert code == 2 and f"{path}, line 6: truncated: step_000002.order.txt lists 8 records" in err
-
-
-def test_missing_and_non_dump_inputs_give_exit_2(two_dumps, tmp_path, capsys):
-    base, _ = two_dumps
-    code, _, err = run_cli(base, tmp_path / "nowhere", capsys=capsys)
-    assert code == 2 and str(tmp_path / "nowhere") in err
-    (tmp_path / "plain").mkdir()
-    code, _, err = run_cli(tmp_path / "plain", base, capsys=capsys)
-    assert code == 2 and "not a probes dump" in err
-    assert run_cli(base, capsys=capsys)[0] == 2  # usage error
-
-
-def test_duplicate_and_incomplete_records_are_bad_input(tmp_path, capsys):
-    records = synthetic_records(0, 0)
-    write_dump(tmp_path / "dup", 0, {0: records + [dict(records[1], seq=50)]})
-    code, _, err = run_cli(tmp_path / "dup", tmp_path / "dup", capsys=capsys)
-    assert code == 2 and f"{step_file(tmp_path / 'dup', 0)}, line 9: duplicate record" in err
-    write_dump(tmp_path / "nophase", 0, {0: [{k: v for k, v in records[0].items() if k != "phase"}]})
-    code, _, err = run_cli(tmp_path / "nophase", tmp_path / "nophase", capsys=capsys)
-    assert code == 2 and "line 1: record 'l0.output.0' has no 'phase'" in err
-
-
-def test_progress_goes_to_the_given_stream(two_dumps):
-    stream = io.StringIO()
-    meter = Progress("reading x", 10, stream, delay=0)
-    meter.update(4)
-    meter.close()
-    assert stream.getvalue().splitlines() == ["reading x: 4/10", "reading x: 10/10 done"]
-    quiet = io.StringIO()
-    read_dump(two_dumps[0], progress=quiet)  # small and fast: nothing printed
-    assert quiet.getvalue() == ""
-
-
 # --------------------------------------------------------------------------------------------- assert_parity
 
 
@@ -385,58 +316,40 @@ def test_assert_parity_names_the_first_divergence(base_run, tmp_path, parity):
     assert (tmp_path / "parity.html").stat().st_size > 0
 
 
-# --------------------------------------------------------------------------------------------- HTML
+def test_the_verdict_is_one_sentence_in_every_report(tmp_path):
+    write_dump(tmp_path / "base", 0, {s: synthetic_records(s, 0) for s in range(2)})
+    write_dump(tmp_path / "same", 0, {s: synthetic_records(s, 0) for s in range(2)})
+    write_dump(tmp_path / "bumped", 0, {0: synthetic_records(0, 0),
+                                        1: synthetic_records(1, 0, bump={("forward", 2): 1.5})})
+    write_dump(tmp_path / "shorter", 0, {0: synthetic_records(0, 0)})  # a run stopped after step 0
+    agree = compare_dumps(tmp_path / "base", tmp_path / "same")
+    diverged = compare_dumps(tmp_path / "base", tmp_path / "bumped")
+    different = compare_dumps(tmp_path / "base", tmp_path / "shorter")
+    assert verdict(agree) == "AGREE (16 records within tolerance)"
+    assert verdict(diverged).startswith("DIVERGED at rank 0, step 1, forward, l2.output.0 (")
+    assert verdict(different) == "DIFFERENT RECORDS (8 only in base, 0 only in other; matched records agree)"
+    for report in (agree, diverged, different):
+        sentence = verdict(report)
+        assert format_report(report).endswith(f"\nverdict: {sentence}")
+        assert f">{html.escape(sentence)}</p>" in render_html(report)
+    for report in (diverged, different):
+        assert f"\nverdict: {verdict(report)}\n" in parity_message(report)
 
 
-class SvgCounter(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tags: dict[str, int] = {}
-        self.classes: dict[str, int] = {}
-        self.external: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags[tag] = self.tags.get(tag, 0) + 1
-        for key, value in attrs:
-            if key == "class":
-                for name in (value or "").split():
-                    self.classes[name] = self.classes.get(name, 0) + 1
-            if key in ("src", "href") or (key == "style" and "url(" in (value or "")):
-                self.external.append(f"{tag} {key}={value}")
-
-
-def test_html_report_is_self_contained_with_plots(base_run, tmp_path, capsys):
-    train_run(tmp_path / "other", bug=("blocks.0.mlp.0", 1, "forward"))
-    code, out, _ = run_cli(base_run, tmp_path / "other", "--html", tmp_path / "r.html", capsys=capsys)
-    assert code == 1 and f"HTML report: {tmp_path / 'r.html'}" in out
-    text = (tmp_path / "r.html").read_text()
-    counter = SvgCounter()
-    counter.feed(text)
-    records_per_step = len(load_dump(base_run)) // STEPS
-    assert counter.tags.get("script", 0) == 0 and counter.external == []
-    assert counter.classes["heatmap"] == 2  # forward and backward
-    assert counter.classes["cell"] == records_per_step * STEPS
-    assert counter.classes["first-divergence"] == 1
-    assert counter.classes["chart"] == 6 * 4  # six layers x (min, max, mean, std)
-    assert counter.classes["divergence-step"] == 4  # the first divergence's layer marks its step
-    assert "DIVERGED at rank 0, step 1, forward, blocks.0.mlp.0.output.0" in text
-
-
-def test_html_report_reduces_big_dumps_visibly(tmp_path):
-    from probes.compare import HtmlConfig, render_html
-
-    write_dump(tmp_path / "base", 0, {s: synthetic_records(s, 0) for s in range(5)})
-    write_dump(tmp_path / "other", 0, {s: synthetic_records(s, 0, bump={("forward", 0): 1.5} if s == 3 else None)
-                                       for s in range(5)})
-    report = compare_dumps(tmp_path / "base", tmp_path / "other")
-    text = render_html(report, HtmlConfig(max_rows=2, max_columns=2, trajectories=1))
-    counter = SvgCounter()
-    counter.feed(text)
-    assert counter.classes["cell"] == 2 * 2 * 2  # per phase: 2 rows x 2 columns (steps 0-2, 3-4)
-    assert text.count("rows with the smallest errors are not shown (limit 2)") == 2
-    assert text.count("Each column covers 3 steps") == 2
-    assert counter.classes["first-divergence"] == 1 and counter.classes["chart"] == 4
-    assert "rank 0 step 3-4 forward l0.output.0: relative error 0.5" in text
+def test_an_injected_bug_is_a_handle():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.ones(1, 3)
+    clean = model(x).detach()
+    with inject_bug(model, "0", step=1, factor=2.0) as bug:
+        assert isinstance(bug, Handle) and bug.handle is not None
+        assert not bug.active and torch.equal(model(x), clean)  # before its step
+        bug.step = 1
+        assert bug.active and torch.allclose(model(x), clean * 2)
+    assert not bug.active and bug.handle is None and torch.equal(model(x), clean)
+    bug.remove()  # a second remove does nothing
+    assert (bug.layer, bug.from_step, bug.factor, bug.phase, bug.record_name) == ("0", 1, 2.0, "forward",
+                                                                                 "0.output.0")
 
 
 # --------------------------------------------------------------------------------------------- ORT and demo

@@ -1,4 +1,5 @@
-"""The HTML comparison report renders in headless Chromium with its plots visible (skips without chromium)."""
+"""The HTML comparison report: self-contained with its plots, reduced visibly for big dumps, and rendered
+in headless Chromium with its plots visible (that test skips without chromium)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,72 @@ import shutil
 import struct
 import subprocess
 import zlib
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from probes.compare import compare_dumps
+from probes.compare import HtmlConfig, compare_dumps, render_html
 from probes.compare.html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, write_html
-from test_compare import synthetic_records, write_dump
+from probes.dump import load_dump
+from test_compare import STEPS, base_run, run_cli, synthetic_records, train_run, write_dump  # noqa: F401 (fixture)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
+
+
+class SvgCounter(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[str, int] = {}
+        self.classes: dict[str, int] = {}
+        self.external: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        for key, value in attrs:
+            if key == "class":
+                for name in (value or "").split():
+                    self.classes[name] = self.classes.get(name, 0) + 1
+            if key in ("src", "href") or (key == "style" and "url(" in (value or "")):
+                self.external.append(f"{tag} {key}={value}")
+
+
+def test_html_report_is_self_contained_with_plots(base_run, tmp_path, capsys):
+    train_run(tmp_path / "other", bug=("blocks.0.mlp.0", 1, "forward"))
+    code, out, _ = run_cli(base_run, tmp_path / "other", "--html", tmp_path / "r.html", capsys=capsys)
+    assert code == 1 and f"HTML report: {tmp_path / 'r.html'}" in out
+    text = (tmp_path / "r.html").read_text()
+    counter = SvgCounter()
+    counter.feed(text)
+    records_per_step = len(load_dump(base_run)) // STEPS
+    assert counter.tags.get("script", 0) == 0 and counter.external == []
+    assert counter.classes["heatmap"] == 2  # forward and backward
+    assert counter.classes["cell"] == records_per_step * STEPS
+    assert counter.classes["first-divergence"] == 1
+    assert counter.classes["chart"] == 6 * 4  # six layers x (min, max, mean, std)
+    assert counter.classes["divergence-step"] == 4  # the first divergence's layer marks its step
+    assert "DIVERGED at rank 0, step 1, forward, blocks.0.mlp.0.output.0" in text
+
+
+def test_html_report_reduces_big_dumps_visibly(tmp_path):
+    write_dump(tmp_path / "base", 0, {s: synthetic_records(s, 0) for s in range(5)})
+    write_dump(tmp_path / "other", 0, {s: synthetic_records(s, 0, bump={("forward", 0): 1.5} if s == 3 else None)
+                                       for s in range(5)})
+    report = compare_dumps(tmp_path / "base", tmp_path / "other")
+    text = render_html(report, HtmlConfig(max_rows=2, max_columns=2, trajectories=1))
+    counter = SvgCounter()
+    counter.feed(text)
+    assert counter.classes["cell"] == 2 * 2 * 2  # per phase: 2 rows x 2 columns (steps 0-2, 3-4)
+    assert text.count("rows with the smallest errors are not shown (limit 2)") == 2
+    assert text.count("Each column covers 3 steps") == 2
+    assert counter.classes["first-divergence"] == 1 and counter.classes["chart"] == 4
+    assert "rank 0 step 3-4 forward l0.output.0: relative error 0.5" in text
+
+
+# --------------------------------------------------------------------------------------------- in a browser
 
 
 def read_png(path: Path) -> np.ndarray:

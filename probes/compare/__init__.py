@@ -3,13 +3,19 @@
     from probes.compare import compare_dumps, format_report, write_html
     report = compare_dumps("eager", "ort")
     print(format_report(report)); write_html(report, "report.html")
+
+Rooms: ``model`` (the result model and the default tolerances), ``reading`` (a dump as keyed records),
+``engine`` (matching, tolerances, the first divergence), ``text`` (the terminal summary and the
+shared sentences), ``html`` and ``plots`` (the HTML page), ``merge`` (the original's merged summaries).
 """
 
-from .engine import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, CompareConfig, Divergence,
-                     LoadedDump, MetricDiff, Progress, RecordDiff, Report, StepSummary, compare_dumps, compare_loaded,
-                     compare_records, execution_order, format_report, is_zero_gradient, parse_steps,
-                     read_dump, record_noise)
+from ..utils.progress import Progress
+from .engine import compare_dumps, compare_loaded, compare_records, is_zero_gradient, record_noise
 from .html import HtmlConfig, render_html, write_html
+from .model import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, CompareConfig, Divergence,
+                    MetricDiff, RecordDiff, Report, StepSummary, execution_order)
+from .reading import LoadedDump, read_dump
+from .text import format_report, parse_steps
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "ZERO_GRAD_NOTE", "CompareConfig", "Divergence",
            "HtmlConfig", "LoadedDump", "MetricDiff", "Progress", "RecordDiff", "Report", "StepSummary", "compare_dumps",

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import execution_order
-from ..dump import load_dump
+from ..dump import Record
+from .model import execution_order
 
 logger = logging.getLogger("probes.merge_activation_summary")
 
@@ -51,7 +51,7 @@ def _shape_text(shape: Any) -> str:
     return str(shape)
 
 
-def format_block(record: Mapping[str, Any]) -> str:
+def format_block(record: Record) -> str:
     """One record as the original's text block (header, moments, counts, samples, signs, separator)."""
     phase = record.get("phase", "")
     legacy = record.get("legacy_name") or record["name"]
@@ -69,8 +69,8 @@ def format_block(record: Mapping[str, Any]) -> str:
     )
 
 
-def _by_step(records: Sequence[dict[str, Any]], rank: int) -> dict[int, dict[OrderKey, dict[str, Any]]]:
-    steps: dict[int, dict[OrderKey, dict[str, Any]]] = {}
+def _by_step(records: Sequence[Record], rank: int) -> dict[int, dict[OrderKey, Record]]:
+    steps: dict[int, dict[OrderKey, Record]] = {}
     ordered = sorted((r for r in records if r["rank"] == rank),
                      key=lambda r: execution_order(r["step"], r.get("phase", ""), r.get("seq"), r["rank"]))
     for record in ordered:
@@ -78,7 +78,7 @@ def _by_step(records: Sequence[dict[str, Any]], rank: int) -> dict[int, dict[Ord
     return steps
 
 
-def _write_run(destination: Path, label: str, steps: Mapping[int, Mapping[OrderKey, dict[str, Any]]],
+def _write_run(destination: Path, label: str, steps: Mapping[int, Mapping[OrderKey, Record]],
                order_of: Mapping[int, list[OrderKey]], fallback: list[OrderKey]) -> None:
     destination.mkdir(parents=True)
     for step, records in sorted(steps.items()):
@@ -98,8 +98,8 @@ def _write_run(destination: Path, label: str, steps: Mapping[int, Mapping[OrderK
                     out.write("\n")
 
 
-def generate_summaries_per_step(config: MergeConfig, base_records: Sequence[dict[str, Any]],
-                                other_records: Sequence[dict[str, Any]]) -> None:
+def generate_summaries_per_step(config: MergeConfig, base_records: Sequence[Record],
+                                other_records: Sequence[Record]) -> None:
     """Writes merge_pt/ and merge_ort/ under ``config.output_dir`` (prepared by ``prepare_output_dir``)."""
     ranks = sorted({r["rank"] for r in base_records})
     rank = config.rank if config.rank is not None else (ranks[0] if ranks else 0)

@@ -1,0 +1,225 @@
+"""The terminal summary of a comparison, and the sentences every report form shares.
+
+    print(format_report(report, top=10))        # what python -m probes compare prints
+    verdict(report)                             # "AGREE (...)", "DIVERGED at ...", "DIFFERENT RECORDS (...)"
+    parse_steps("1,3,5-7")                      # the --step syntax; ranges() writes steps back that way
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping, Sequence
+
+from ..dump import RecordKey
+from ..utils.text import text_table
+from .model import ZERO_GRAD_NOTE, RecordDiff, Report, format_value
+
+__all__ = ["clip", "counts_line", "format_report", "parse_steps", "plural", "ranges", "verdict"]
+
+
+# --------------------------------------------------------------------------------------------- shared sentences
+
+
+def verdict(report: Report) -> str:
+    """The verdict in one sentence; the terminal, the HTML page and ``assert_parity`` all say it this way."""
+    first = report.first_divergence
+    if report.agrees:
+        noted = f"; {len(report.zero_grads)} {plural(len(report.zero_grads), 'materialised zero gradient')} noted" \
+            if report.zero_grads else ""
+        return f"AGREE ({report.matched} records within tolerance{noted})"
+    if first is not None:
+        return (f"DIVERGED at rank {first.rank}, step {first.step}, {first.phase}, {format_value(first.name)} "
+                f"({first.metric})")
+    return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
+            f"{len(report.only_in_other)} only in other; matched records agree)")
+
+
+def counts_line(report: Report) -> str:
+    """"N records matched, D diverged, B only in base, O only in other"."""
+    return (f"{report.matched} records matched, {report.diverged_count} diverged, "
+            f"{len(report.only_in_base)} only in base, {len(report.only_in_other)} only in other")
+
+
+def plural(count: int, note: str) -> str:
+    """``note`` ("materialised zero gradient, ...") with its noun in the plural when ``count`` != 1."""
+    noun, comma, rest = note.partition(",")
+    return note if count == 1 else f"{noun}s{comma}{rest}"
+
+
+def clip(name: str, width: int, ellipsis: str = "...") -> str:
+    """``name`` cut to ``width`` characters, keeping its end (the distinctive part of a module path)."""
+    return name if len(name) <= width else ellipsis + name[-(width - len(ellipsis)):]
+
+
+def ranges(values: Iterable[int]) -> str:
+    """Steps as "0-4,7 (6)": the --step syntax, then how many."""
+    values = sorted(values)
+    if not values:
+        return "none"
+    spans, start, prev = [], values[0], values[0]
+    for value in [*values[1:], None]:
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return f"{','.join(spans)} ({len(values)})"
+
+
+def parse_steps(text: str) -> frozenset[int]:
+    """``"3"``, ``"0-4"`` or ``"1,3,5-7"`` as a set of steps."""
+    steps: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            start, end = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a step, range or list of steps: {text!r}") from None
+        if start < 0 or end < start:
+            raise argparse.ArgumentTypeError(f"bad step range {part!r}")
+        steps.update(range(start, end + 1))
+    return frozenset(steps)
+
+
+# --------------------------------------------------------------------------------------------- terminal
+
+
+def _short(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2g}" if value != 0 else "0"
+
+
+def _name(name: str, width: int = 48) -> str:
+    return clip(format_value(name), width)
+
+
+def _record_rows(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool) -> list[list[str]]:
+    rows = []
+    for record in records:
+        worst = record.worst
+        row = [">>" if record.key == mark else ("x" if record.diverged else "")]
+        if with_rank:
+            row.append(str(record.rank))
+        row += [str(record.step), record.phase, str(record.seq), _name(record.name)]
+        if worst is None:
+            row += ["-"] * 5
+        else:
+            row += [worst.metric if record.ratio > 0 else "equal", format_value(worst.base),
+                    format_value(worst.other), _short(worst.abs_diff), _short(worst.rel_diff)]
+        row += [_short(record.ratio), f"{record.samples_cosine:.6f}" if record.samples_cosine is not None else "-"]
+        rows.append(row)
+    return rows
+
+
+def _record_table(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool) -> list[str]:
+    header = ["", *(["rank"] if with_rank else []), "step", "phase", "seq", "name", "worst", "base", "other",
+              "|diff|", "rel", "ratio", "cos"]
+    offset = 1 if with_rank else 0
+    right = {1 + offset, 3 + offset, *range(6 + offset, 12 + offset)}
+    return text_table(header, _record_rows(records, mark, with_rank), right=right, indent="  ")
+
+
+def _steps_text(steps: Mapping[int, list[int]]) -> str:
+    parts = [f"rank {rank}: {ranges(by_rank)}" for rank, by_rank in sorted(steps.items())]
+    return "; ".join(parts) if parts else "no finished steps"
+
+
+def _header(report: Report) -> list[str]:
+    """Runs, tolerance, filters, counts and notes."""
+    config = report.config
+    lines = ["probes compare",
+             f"  base   {report.base}   {_steps_text(report.base_steps)}",
+             f"  other  {report.other}   {_steps_text(report.other_steps)}"]
+    rule = f"|diff| <= atol + rtol*|base|  (rtol {config.rtol:g}, atol {config.atol:g})"
+    if report.noise is not None:
+        lines.append(f"  noise  {report.noise}   ({report.noise_unmatched} compared records had no noise counterpart)")
+        rule = (f"|diff| <= max(atol + rtol*|base|, k*noise)  (rtol {config.rtol:g}, atol {config.atol:g}, "
+                f"k {config.noise_factor:g})")
+    lines.append(f"  tolerance  {rule}")
+    if config.steps is not None or config.names:
+        lines.append(f"  filters  steps {ranges(config.steps) if config.steps is not None else 'all'}; "
+                     f"names {' '.join(config.names) or '*'}")
+    for side, ranks in report.unfinished.items():
+        for rank, steps in ranks.items():
+            lines.append(f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)")
+    lines.append(f"  {counts_line(report)}")
+    if report.steps_only_in_base or report.steps_only_in_other:
+        lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
+                     f"only in other {ranges(report.steps_only_in_other)}")
+    if report.zero_grads:
+        lines.append(f"  note: {len(report.zero_grads)} {plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
+                     "(not counted as divergences; --strict-zero-grads counts them)")
+    return lines
+
+
+def _first_divergence(report: Report, with_rank: bool) -> list[str]:
+    """The first divergence and the matched records around it in execution order."""
+    first = report.first_divergence
+    if first is None:
+        return []
+    lines = ["", f"FIRST DIVERGENCE  rank {first.rank}  step {first.step}  {first.phase}  "
+                 f"{format_value(first.name)}  (seq {first.seq})",
+             f"  {first.metric}: base {format_value(first.base)}  other {format_value(first.other)}"
+             + (f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
+                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")]
+    neighbours = [r for r in report.records if (r.rank, r.step, r.phase) == (first.rank, first.step, first.phase)]
+    at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)
+    if at is None:  # a missing record: show the matched records that precede it
+        at = sum(1 for r in neighbours if (r.seq or 0) < (first.seq or 0))
+    window = neighbours[max(0, at - 3): at + 8]
+    if window:
+        lines += ["", f"Around the first divergence (rank {first.rank}, step {first.step}, {first.phase}, "
+                      "in execution order; x = diverged):"]
+        lines += _record_table(window, (first.rank, first.step, first.phase, first.name), with_rank)
+    return lines
+
+
+def _per_step(report: Report) -> list[str]:
+    summaries = report.per_step()
+    shown = [s for s in summaries if s.diverged or s.only_in_base or s.only_in_other][:20] \
+        if len(summaries) > 20 else summaries
+    if not shown:
+        return []
+    rows = [[str(s.step), str(s.matched), str(s.diverged), str(s.only_in_base), str(s.only_in_other),
+             _short(s.worst.ratio) if s.worst else "-",
+             f"{s.worst.phase} {_name(s.worst.name, 40)}" if s.worst and s.worst.ratio > 0 else "-"]
+            for s in shown]
+    return ["", "Per step" + (" (steps with differences only)" if len(shown) < len(summaries) else "") + ":",
+            *text_table(["step", "matched", "diverged", "only base", "only other", "worst ratio", "worst record"],
+                        rows, right={0, 1, 2, 3, 4, 5}, indent="  ")]
+
+
+def _key_text(key: RecordKey, with_rank: bool, width: int) -> str:
+    return f"{'r%d ' % key[0] if with_rank else ''}s{key[1]} {key[2]} {_name(key[3], width)}"
+
+
+def _zero_grad_lines(zero_grads: Sequence[tuple[RecordKey, str]], with_rank: bool, limit: int = 10) -> list[str]:
+    lines = [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {'other' if side == 'base' else 'base'}"
+             for key, side in zero_grads[:limit]]
+    if len(zero_grads) > limit:
+        lines.append(f"  ... {len(zero_grads) - limit} more (see --json)")
+    return lines
+
+
+def format_report(report: Report, top: int = 10) -> str:
+    """The terminal summary: runs, tolerance, first divergence, records around it, worst records, steps."""
+    with_rank = len(set(report.base_steps) | set(report.other_steps)) > 1
+    first = report.first_divergence
+    lines = _header(report) + _first_divergence(report, with_rank)
+    worst = sorted((r for r in report.records if r.ratio > 0), key=lambda r: r.ratio, reverse=True)[:top]
+    if worst:
+        lines += ["", "Worst records (ratio = |diff| / tolerance):"]
+        lines += _record_table(worst, (first.rank, first.step, first.phase, first.name) if first else None,
+                               with_rank)
+    for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
+        if keys:
+            shown = ", ".join(_key_text(key, with_rank, 40) for key in keys[:5])
+            lines += ["", f"{len(keys)} records {label}: {shown}{' ...' if len(keys) > 5 else ''}"]
+    if report.zero_grads:
+        lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
+        lines += _zero_grad_lines(report.zero_grads, with_rank)
+    lines += _per_step(report)
+    lines += ["", f"verdict: {verdict(report)}"]
+    return "\n".join(lines)
