@@ -123,10 +123,7 @@ def imported_names(path: Path) -> set[str]:
 
 def test_compare_reads_dumps_through_the_dump_readers_public_api():
     # The dump reader owns parsing, the order files and waiting for writers; compare uses its public names.
-    # (_reader_shim.py is the temporary stand-in for that reader until it lands in probes.dump.)
     for path in sorted(COMPARE.glob("*.py")):
-        if path.name == "_reader_shim.py":
-            continue
         private = sorted(name for name in imported_names(path)
                          if name.startswith("probes.dump.") and name.rpartition(".")[2].startswith("_"))
         assert private == [], f"{path.name} imports private names of probes.dump: {private}"
