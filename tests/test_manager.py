@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from torch import nn
 
+from exporters.handles import Handle
 from helpers import Recorder, Square, hook_count
-from probes import GlobalSubscriberManager, SubscriberBase, SubscriberManager, inspect_activation
+from probes import GlobalSubscriberManager, ProbeSite, SubscriberBase, SubscriberManager, inspect_activation
+from probes.core.steps import StepTracker
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
@@ -131,6 +137,104 @@ def test_subscribing_again_replaces_the_earlier_subscription():
     assert second.closed and hook_count(model) == 2 * len(list(model.modules()))
     other.unsubscribe()
     assert hook_count(model) == 0
+
+
+def test_a_subscription_is_a_handle_and_a_replaced_one_leaves_its_successor_alone():
+    model = TinyTransformer(CONFIG)
+    first, second = Recorder(), Recorder()
+    manager = SubscriberManager()
+    old = manager.subscribe(model, [first])
+    new = manager.subscribe(model, [second])
+    assert isinstance(old, Handle) and isinstance(new, Handle)
+    assert first.closed and not old.active and new.active
+    old.remove()
+    with old:
+        pass
+    assert new.active and manager.subscribers == (second,) and not second.closed
+    with new:
+        train_steps(model, 1)
+    assert not new.active and second.closed and second.step_ends == [0] and hook_count(model) == 0
+
+
+class _PublicCallsOnly:
+    """Stands in for a manager's StepTracker and notes every attribute the others reach for."""
+
+    def __init__(self, tracker: StepTracker) -> None:
+        self._tracker = tracker
+        self.used: set[str] = set()
+
+    def __getattr__(self, name: str):
+        self.used.add(name)
+        return getattr(self._tracker, name)
+
+
+def test_hooks_and_probe_functions_use_only_the_step_trackers_public_calls():
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    manager = SubscriberManager()
+    spy = _PublicCallsOnly(manager.steps)
+    manager.steps = spy
+    recorder = Recorder()
+    with manager.subscribe(model, [recorder]):
+        train_steps(model, 2)
+        with torch.no_grad():
+            model(make_batch(CONFIG, batch_size=1)["tokens"])
+        manager.flush()
+        assert manager.step == 3
+    assert recorder.step_ends == [0, 1, 2]
+    assert {"probe_forward", "probe_backward", "forward_returned", "backward_reached_root", "reset", "stop",
+            "close_open_step"} <= spy.used
+    assert not [name for name in spy.used if name.startswith("_")], spy.used
+
+
+def test_the_step_tracker_alone_numbers_and_closes_steps():
+    recorder = Recorder()
+    tracker = StepTracker(forward_running=lambda: False)
+    tracker.reset([recorder])
+    site = ProbeSite("layer", "output", 1, 1, "Linear", SubscriberManager())
+    x = torch.ones(2)
+    event = tracker.probe_forward(site, [x])
+    tracker.forward_returned()
+    tracker.probe_backward(event, [x])
+    assert (event.step, event.phase, tracker.step, recorder.step_ends) == (0, "forward", 1, [])
+    tracker.probe_forward(site, [x])  # the next forward: step 0 is complete
+    assert recorder.step_ends == [0] and tracker.step == 2
+    assert [(c.step, c.phase, c.name) for c in recorder.calls] == [
+        (0, "forward", "layer.output.0"), (0, "backward", "layer.output.0"), (1, "forward", "layer.output.0")]
+    tracker.stop()
+    assert recorder.step_ends == [0, 1] and tracker.subscribers == tracker.observers == () and tracker.step == 2
+    tracker.probe_forward(site, [x])
+    assert len(recorder.calls) == 3 and recorder.step_ends == [0, 1]
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import torch
+    from probes import SubscriberBase, SubscriberManager
+    from probes.utils import at_exit
+
+    class Ends(SubscriberBase):
+        def on_step_end(self, step):
+            print("step_end", step, flush=True)
+
+        def close(self):
+            print("close", flush=True)
+
+    at_exit("writers", lambda: print("writers", flush=True))  # where the dump writers close
+    model = torch.nn.Linear(2, 2)
+    SubscriberManager.subscribe(model, [Ends()])
+    model(torch.randn(1, 2)).sum().backward()
+    with torch.no_grad():
+        model(torch.randn(1, 2))  # evaluation: its step stays open until exit
+    print("script ends", flush=True)
+""")
+
+
+def test_at_exit_the_open_step_finishes_before_the_writers_close():
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.splitlines() == ["step_end 0", "script ends", "step_end 1", "close", "writers"]
 
 
 def test_original_usage_on_the_class_uses_the_global_manager():

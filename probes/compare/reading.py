@@ -17,7 +17,7 @@ from typing import TextIO
 
 from ..dump import DumpFormatError, Record, RecordKey, record_key
 from ..utils.progress import progress_meter
-from ._reader_shim import DumpReader, StepFile
+from ..dump import DumpReader, StepFile
 from .model import CompareConfig
 
 __all__ = ["LoadedDump", "read_dump"]

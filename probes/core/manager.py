@@ -13,8 +13,10 @@ Each module gets a forward pre-hook and a forward hook. The hooks pass the modul
 root module's outputs through ``StepBoundary``; those Functions do the per-step work, so the same
 code runs when ORTModule executes the exported graph and the hooks no longer fire.
 
-Steps are numbered and closed by ``probes.core.steps.StepTracker`` (its docstring has the rules).
-- Module names ignore wrappers (DDP, FSDP, torch.compile, DeepSpeed, checkpoint wrappers, ORTModule).
+Those Functions report to the manager's ``StepTracker`` (``manager.steps``, ``probes.core.steps``),
+which numbers the steps, closes them and makes the per-step calls; its docstring has the step rules.
+
+Module names ignore wrappers (DDP, FSDP, torch.compile, DeepSpeed, checkpoint wrappers, ORTModule).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -32,8 +34,8 @@ import exporters
 from exporters import _ort_compat
 from exporters.handles import Handle
 
-from . import wrappers
 from ..utils import TensorLeaves, at_exit
+from . import wrappers
 from .functions import StepBoundary, TensorProbe, can_probe
 from .steps import RunState, StepTracker
 from .subscriber import ProbeSite, SubscriberBase
@@ -145,7 +147,8 @@ class SubscriberManager:
         """Remove every hook this manager added, finish the open step and close the subscribers."""
         if self._subscription is None:
             return
-        self.steps.close_open_step()
+        subscribers = self.steps.subscribers
+        self.steps.stop()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -155,9 +158,7 @@ class SubscriberManager:
         wrapper = self._wrapper_ref() if self._wrapper_ref is not None else None
         if wrapper is not None:
             _ort_compat.signal_model_changed(wrapper)
-        subscribers = self.steps.subscribers
         self._subscription = None
-        self.steps.subscribers = self.steps.observers = ()
         self._sites.clear()
         self._inspect_sites.clear()
         for subscriber in subscribers:
@@ -172,7 +173,7 @@ class SubscriberManager:
     @property
     def step(self) -> int:
         """The number of steps begun so far (the number the next step will get)."""
-        return self.steps.state.step
+        return self.steps.step
 
     @property
     def run_state(self) -> RunState:
@@ -267,6 +268,7 @@ class SubscriberManager:
 
     def _forward_running(self) -> bool:
         return self in _RUNNING
+
 
 GlobalSubscriberManager = SubscriberManager()
 

@@ -4,11 +4,13 @@ The probe Functions (``probes.core.functions``) are its only callers, in eager P
 ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on_step_end``).
 
     steps = StepTracker(forward_running=lambda: False)
-    steps.reset(subscribers)
+    steps.reset(subscribers)                         # a new subscription: counting starts at step 0
     event = steps.probe_forward(site, tensors)       # TensorProbe.forward
     steps.probe_backward(event, grads)               # TensorProbe.backward
     steps.forward_returned()                         # StepBoundary.forward: the root forward returned
     steps.backward_reached_root()                    # StepBoundary.backward
+    steps.close_open_step()                          # the manager's flush()
+    steps.stop()                                     # the manager's unsubscribe(): no more calls
 
 The rules (docs/training.md says what each training set-up gives):
 
@@ -87,8 +89,8 @@ class StepTracker:
 
     def __init__(self, *, forward_running: Callable[[], bool]) -> None:
         self.state = RunState()
-        self.subscribers: tuple[SubscriberBase, ...] = ()
-        self.observers: tuple[SubscriberBase, ...] = ()  # the subscribers that get tensors
+        self._subscribers: tuple[SubscriberBase, ...] = ()
+        self._observers: tuple[SubscriberBase, ...] = ()
         self._forward_running = forward_running
 
     def __deepcopy__(self, memo: dict) -> "StepTracker":
@@ -98,8 +100,28 @@ class StepTracker:
     def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
         """Start counting from step 0 for a new set of subscribers."""
         self.state = RunState()
-        self.subscribers = tuple(subscribers)
-        self.observers = tuple(s for s in subscribers if s.observes_tensors)
+        self._subscribers = tuple(subscribers)
+        self._observers = tuple(s for s in subscribers if s.observes_tensors)
+
+    def stop(self) -> None:
+        """The subscription ended: the open step closes, and no subscriber gets another call (the
+        count of steps begun stays until the next ``reset``)."""
+        self.close_open_step()
+        self._subscribers = self._observers = ()
+
+    @property
+    def step(self) -> int:
+        """The number of steps begun so far (the number the next step will get)."""
+        return self.state.step
+
+    @property
+    def subscribers(self) -> tuple[SubscriberBase, ...]:
+        return self._subscribers
+
+    @property
+    def observers(self) -> tuple[SubscriberBase, ...]:
+        """The subscribers that get tensors (``on_forward``/``on_backward``), so probes are inserted."""
+        return self._observers
 
     # Called by the probe Functions ------------------------------------------------------------
 
@@ -163,7 +185,7 @@ class StepTracker:
         step = self.state.end_step()
         if step is None:
             return
-        for subscriber in self.subscribers:
+        for subscriber in self._subscribers:
             if subscriber.is_active(step):
                 subscriber.on_step_end(step)
 
@@ -193,7 +215,7 @@ class StepTracker:
         """The observers that get this site's calls in ``step``."""
         if step is None:
             return []
-        return [s for s in self.observers if s.is_active(step) and (site.kind != "input" or s.observe_inputs)
+        return [s for s in self._observers if s.is_active(step) and (site.kind != "input" or s.observe_inputs)
                 and (s.observe_recompute or not recompute)]
 
     def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:

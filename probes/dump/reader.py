@@ -214,9 +214,5 @@ def _unflushed(path: str | Path) -> DumpReader:
     return reader
 
 
-def _load_dump(path: Path, *, include_partial: bool = False) -> list[Record]:
-    return _unflushed(path).records(include_partial=include_partial)
-
-
 def _list_steps(path: Path) -> dict[int | None, dict[str, list[int]]]:
     return _unflushed(path).steps()
