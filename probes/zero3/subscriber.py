@@ -106,10 +106,10 @@ class ZeROOffloadSubscriber(SubscriberBase):
         return leaves.rebuild(ZeroPostForward.apply(binding, *leaves.tensors))
 
     def close(self) -> None:
-        # Closed by anything but the engine or the exit (subscribing the model again replaced this
-        # subscription, or unsubscribe() by hand): the live engine has lost its parameter hooks.
-        engines = self.engine_handle is not None and self.engine_handle.active
-        if engines and not self.closed and not _exiting:
+        # Closed while an engine still holds these hooks, and not at exit (subscribing the model again
+        # replaced this subscription, or unsubscribe() by hand): the live engine lost its parameter hooks.
+        held_by_engine = self.engine_handle is not None and self.engine_handle.active
+        if held_by_engine and not self.closed and not _exiting:
             warnings.warn(
                 "the ZeRO-3 parameter hooks of a live DeepSpeed engine were unsubscribed (was the model subscribed "
                 "again? that replaces the subscription); pass extra subscribers with "
