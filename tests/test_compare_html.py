@@ -16,7 +16,8 @@ import pytest
 from probes.compare import HtmlConfig, compare_dumps, render_html
 from probes.compare.html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, write_html
 from probes.dump import load_dump
-from test_compare import STEPS, base_run, run_cli, synthetic_records, train_run, write_dump  # noqa: F401 (fixture)
+from test_compare import ROOT, STEPS, base_run, run_cli, synthetic_records, train_run, write_dump  # noqa: F401 (fixture)
+from test_compare_reading import imported_names
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
@@ -70,6 +71,13 @@ def test_html_report_reduces_big_dumps_visibly(tmp_path):
     assert text.count("Each column covers 3 steps") == 2
     assert counter.classes["first-divergence"] == 1 and counter.classes["chart"] == 4
     assert "rank 0 step 3-4 forward l0.output.0: relative error 0.5" in text
+
+
+def test_the_html_report_reads_the_result_model_never_the_engine():
+    for module in ("html", "plots", "text", "model"):  # what the page reads, and what that reads
+        imports = imported_names(ROOT / "probes" / "compare" / f"{module}.py")
+        compare_modules = {name.split(".")[2] for name in imports if name.startswith("probes.compare.")}
+        assert compare_modules <= {"model", "plots", "text"}, f"{module}.py imports {sorted(compare_modules)}"
 
 
 # --------------------------------------------------------------------------------------------- in a browser

@@ -1,6 +1,7 @@
 """Per-step text summaries of two runs in the baseline's order, like onnxruntime's merge_activation_summary.
 
-    python -m probes.merge_activation_summary --pt_dir pt_out --ort_dir ort_out --output_dir merged [--overwrite]
+    python -m probes merge --pt_dir pt_out --ort_dir ort_out --output_dir merged [--overwrite]
+    (the command line is ``probes.cli.merge``; ``python -m probes.merge_activation_summary`` is the same)
 
 Command-line compatible with ``onnxruntime.training.utils.hooks.merge_activation_summary`` but reads
 probes dumps. It writes ``<output_dir>/merge_pt/step_<N>_.txt`` and ``<output_dir>/merge_ort/step_<N>_.txt``:
