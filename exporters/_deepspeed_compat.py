@@ -1,10 +1,11 @@
-"""The one place where probes touches DeepSpeed's internals (ZeRO stage 3 parameter offload).
+"""The one place where the project touches DeepSpeed's internals (ZeRO stage 3 parameter offload).
 
-Everything ``probes.zero3`` needs from DeepSpeed goes through these functions, so a DeepSpeed
-release that reorganises its private code breaks here, with a clear error, and nowhere else.
-Importing this module does not import DeepSpeed; ``require_deepspeed()`` does, and checks the version.
+Everything ``probes.zero3`` and ``exporters`` need from DeepSpeed (its classes, methods and attributes
+such as ``ds_shape``, ``ds_status``) goes through these functions, so a DeepSpeed release that
+reorganises its private code breaks here, with a clear error, and nowhere else. Importing this module
+does not import DeepSpeed; ``require_deepspeed()`` does, and checks the version.
 
-    from probes import _deepspeed
+    from exporters import _deepspeed_compat
     _deepspeed_compat.require_deepspeed()                    # ImportError / DeepSpeedVersionError
     _deepspeed_compat.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
     _deepspeed_compat.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
@@ -61,7 +62,7 @@ def check_version(version_text: str) -> None:
     if not SUPPORTED_MIN <= (major, minor) < SUPPORTED_MAX:
         raise DeepSpeedVersionError(
             f"DeepSpeed {version_text} is not supported by probes.zero3 (supported: deepspeed{SUPPORTED_RANGE}, "
-            "tested with 0.19.8); install a supported release or update probes/_deepspeed_compat.py"
+            "tested with 0.19.8); install a supported release or update exporters/_deepspeed_compat.py"
         )
 
 
@@ -85,7 +86,7 @@ def require_deepspeed() -> ModuleType:
         if missing:
             raise DeepSpeedInternalsError(
                 f"{_OFFLOAD_MODULE}.{_OFFLOAD_CLASS} in DeepSpeed {deepspeed.__version__} lacks {missing}; "
-                "probes/_deepspeed_compat.py must be updated for this release"
+                "exporters/_deepspeed_compat.py must be updated for this release"
             )
         if not isinstance(getattr(_offload_module(), "FWD_MODULE_STACK", None), list):
             raise DeepSpeedInternalsError(f"{_OFFLOAD_MODULE}.FWD_MODULE_STACK is missing or no longer a list")
@@ -191,16 +192,28 @@ def offload_root(offload: Any) -> torch.nn.Module:
     return offload.module
 
 
-def finish_setup(offload: Any, handle: Any) -> None:
+# Where users find the manager holding an engine's hooks (docs/zero3.md):
+# ``engine.optimizer.parameter_offload.probes_manager``.
+_MANAGER_ATTRIBUTE = "probes_manager"
+
+
+def finish_setup(offload: Any, handle: Any, *, manager: Any) -> None:
     """The rest of DeepSpeed's setup_zero_stage3_hooks, with ``handle`` standing for the hooks.
 
     DeepSpeed removes ``handle`` where it removes its own hooks (engine destroy, generation
-    unwrap), and keeps the root module at the bottom of its forward module stack.
+    unwrap), and keeps the root module at the bottom of its forward module stack. ``manager`` (the
+    SubscriberManager holding the hooks) is kept on the offload as ``probes_manager``.
     """
+    setattr(offload, _MANAGER_ATTRIBUTE, manager)
     offload.hierarchy = 0
     offload.forward_hooks.append(handle)
     offload.fwd_pre_hook = handle
     _offload_module().FWD_MODULE_STACK.append(offload.module)
+
+
+def attached_manager(offload: Any) -> Any | None:
+    """The manager ``finish_setup`` kept on the offload, or None."""
+    return getattr(offload, _MANAGER_ATTRIBUTE, None)
 
 
 # Per-step calls (the work DeepSpeed's module hooks do) -----------------------------------------

@@ -6,6 +6,9 @@ already been imported by the user's program, so importing probes never imports O
     from . import _ort_compat
     if _ort_compat.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
     inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
+    _ort_compat.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
+
+One version check (``SUPPORTED_ORT``) runs before ORT's internals are used or when they are not as expected.
 """
 
 from __future__ import annotations
@@ -39,13 +42,13 @@ def ort_version() -> tuple[int, int] | None:
     return major, minor
 
 
-def check_version() -> None:
+def _check_version() -> None:
     version = ort_version()
     if version is not None and not (SUPPORTED_ORT[0] <= version < SUPPORTED_ORT[1]):
         raise OrtInternalsError(
             f"onnxruntime {'.'.join(map(str, version))} is not supported by probes' ORT adapter "
             f"(supported: >= {SUPPORTED_ORT[0][0]}.{SUPPORTED_ORT[0][1]}, < {SUPPORTED_ORT[1][0]}.{SUPPORTED_ORT[1][1]}). "
-            "Install onnxruntime-training-cpu==1.19.2 or update probes/_ort_compat.py."
+            "Install onnxruntime-training-cpu==1.19.2 or update exporters/_ort_compat.py."
         )
 
 
@@ -61,7 +64,7 @@ def is_ort_exporting() -> bool:
         return False
     flag = getattr(manager_module, "ORT_NO_INCREASE_GLOBAL_STEP", None)
     if not isinstance(flag, list) or not flag:
-        check_version()
+        _check_version()
         raise OrtInternalsError(
             f"{_SUBSCRIBER_MANAGER_MODULE}.ORT_NO_INCREASE_GLOBAL_STEP is missing or changed shape; "
             "probes cannot tell ORTModule's export runs from training steps"
@@ -88,7 +91,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module: `model` itself, or the module an ORTModule wraps."""
     if not is_ortmodule(model):
         return model
-    check_version()
+    _check_version()
     inner = getattr(model, "module", None)
     if not isinstance(inner, torch.nn.Module):
         raise OrtInternalsError("ORTModule.module is not an nn.Module; cannot find the wrapped model")
@@ -99,7 +102,7 @@ def signal_model_changed(model: torch.nn.Module) -> None:
     """Make an ORTModule re-export on its next forward (hooks were added or removed)."""
     if not is_ortmodule(model):
         return
-    check_version()
+    _check_version()
     try:
         torch_module = model._torch_module
         managers = [torch_module._execution_manager(training) for training in (False, True)]
@@ -135,7 +138,7 @@ def add_pythonop_export_handler(func_name: str, handler: Any) -> None:
     ``func_name`` is the Function's fully qualified class name (ORT's key). ORT 1.19 looks this map up
     before its default export; a handler returning None falls back to the default.
     """
-    check_version()
+    _check_version()
     module = importlib.import_module(_PYTHONOP_EXPORTER_MODULE)
     handlers = getattr(getattr(module, "_SpecialCustomFunctionHandler", None), "_HIGH_PRIORITY_EXPORT_HANDLER_MAP", None)
     register = getattr(module, "register_high_priority_handler", None)
@@ -157,7 +160,7 @@ def register_pythonop_runtime(func_name: str, function: type, infer_shape: Any, 
     through the op; ``alias_input(node_proto_bytes) -> (forward_map, backward_map)`` lets ORT reuse
     input buffers for outputs instead of copying them (see exporters/pythonop.py for the maps).
     """
-    check_version()
+    _check_version()
     try:
         from onnxruntime.capi._pybind_state import (
             register_input_alias_function,
@@ -188,7 +191,7 @@ def enable_pythonop_runners() -> None:
 
     Needed to run PythonOp nodes in a plain InferenceSession; imports ORTModule (seconds, once).
     """
-    check_version()
+    _check_version()
     from onnxruntime.training.ortmodule import _custom_autograd_function
 
     enable = getattr(_custom_autograd_function, "enable_custom_autograd_support", None)
@@ -240,6 +243,7 @@ def _gtm_class() -> type:
 
 def pull_weight_trigger() -> tuple[str, int, list[int]]:
     """ORT's memory-efficient "pull weight trigger" input: name, ONNX element type, shape."""
+    _check_version()
     module = importlib.import_module(_TRIGGER_MODULE)
     try:
         return (module.MEM_EFFICIENT_PARAM_TRIGGER_INPUT_NAME, int(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_DTYPE),
@@ -250,12 +254,7 @@ def pull_weight_trigger() -> tuple[str, int, list[int]]:
 
 def install_export_rewrite(rewrite: ExportRewrite) -> None:
     """Wrap ORTModule's two export steps with ``rewrite`` (idempotent; the latest rewrite wins)."""
-    version = ort_version()
-    if version is None or not (SUPPORTED_ORT[0] <= version < SUPPORTED_ORT[1]):
-        raise OrtInternalsError(
-            f"onnxruntime {'.'.join(map(str, version)) if version else '(not imported)'} cannot run ZeRO-3 models "
-            f"under ORTModule with probes (exporters/_ort_compat.py supports {SUPPORTED_ORT[0][0]}.{SUPPORTED_ORT[0][1]})"
-        )
+    _check_version()
     cls = _gtm_class()
     pull_weight_trigger()
     _rewrite["current"] = rewrite

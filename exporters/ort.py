@@ -12,7 +12,7 @@ Without onnxruntime installed this does nothing and imports nothing. If ORT is i
 - ORT's PythonOp kernels get each Function's class, ``infer_shape`` and ``alias_input``, so ORT keeps
   the shapes and returns the probes' outputs in their inputs' buffers instead of copying them.
 
-All ORT internals used here are behind probes/_ort_compat.py.
+All ORT internals used here are behind exporters/_ort_compat.py.
 """
 
 from __future__ import annotations

@@ -5,23 +5,23 @@
 
 ORTModule exports the model once and then runs the exported graph. Under ZeRO-3 the graph's
 parameter inputs are the empty ``(0,)`` partitions; only the pre-forward PythonOp (``spec.pre_forward_name``)
-sees the full-size parameters, as outputs. Two of ORT's static export steps are wrapped, for models
-``spec.is_managed`` accepts only:
+sees the full-size parameters, as outputs. ``exporters/_ort_compat.py`` wraps two of ORT's static export
+steps and calls this module's rewrite in them, for models ``spec.is_managed`` accepts only:
 
-1. After the export (``GraphTransitionManager._export_model``): ORT exports the model itself, not a deep copy (a copy's
-   parameters are bare partitions without DeepSpeed's bookkeeping), inside ``spec.export_context``;
-   then every consumer of a partitioned parameter's graph input is rewired to the full-size output
-   of the pre-forward PythonOp of the module owning it (before ORT infers shapes, which the empty
-   partitions would make inconsistent).
+1. After the export (``GraphTransitionManager._export_model``; ORT exports the model itself, not a deep
+   copy, whose parameters are bare partitions without DeepSpeed's bookkeeping, inside
+   ``spec.export_context``): every consumer of a partitioned parameter's graph input is rewired to the
+   full-size output of the pre-forward PythonOp of the module owning it (before ORT infers shapes,
+   which the empty partitions would make inconsistent).
 2. After ORT's own processing (``GraphTransitionManager._post_export_process``): the partitioned
    inputs leave the graph (ORT then neither feeds them nor returns gradients for them) and the
    pre-forward PythonOps read ORT's one-element "pull weight trigger" input instead, which requires
    a gradient so that ORT builds the backward through them. The gradients of the full-size outputs
    reach the parameters in that PythonOp's backward.
 
-Hooking into those steps is ORT-internal and lives in exporters/_ort_compat.py (``install_export_rewrite``);
-this module only rewrites ONNX graphs (ORT's PythonOp attribute schema). Anything in ORT that differs from
-what this expects raises ``_ort_compat.OrtInternalsError``.
+Hooking into those steps is ORT-internal (``_ort_compat.install_export_rewrite``); this module only
+rewrites ONNX graphs (protobuf, ORT's PythonOp attribute schema). Anything in ORT that differs from what
+this expects raises ``_ort_compat.OrtInternalsError``.
 """
 
 from __future__ import annotations
@@ -112,10 +112,6 @@ def _func_name(node: Any) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _onnx_type(dtype: torch.dtype) -> int:
-    return _torch_compat.onnx_element_type(dtype)
-
-
 def _pointer_argument(node: Any, position: int) -> Any:
     import ctypes
 
@@ -133,7 +129,7 @@ def _infer_pre_forward_shapes(spec: Zero3ExportSpec, node: Any, input_shapes: li
     count = _input_count(node, spec.input_count_position)
     params = spec.params_of(_pointer_argument(node, spec.binding_position))
     shapes = [*input_shapes[:count], *(list(spec.full_shape(param)) for param in params)]
-    dtypes = [*input_dtypes[:count], *(_onnx_type(param.dtype) for param in params)]
+    dtypes = [*input_dtypes[:count], *(_torch_compat.onnx_element_type(param.dtype) for param in params)]
     return shapes, dtypes
 
 
@@ -225,7 +221,7 @@ def rewire_consumers(model: Any, spec: Zero3ExportSpec, partitioned: dict[str, t
             if name in full_output and (position, index) not in placeholder_slots:
                 node.input[index] = full_output[name]
                 param = partitioned[name]
-                retype[index] = (len(spec.full_shape(param)), _onnx_type(param.dtype))
+                retype[index] = (len(spec.full_shape(param)), _torch_compat.onnx_element_type(param.dtype))
         if retype and node.op_type == PYTHON_OP:
             _retype_inputs(node, retype)
     # Types inferred at export from the empty partitions; ORT infers them again.

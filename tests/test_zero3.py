@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from helpers import hook_count
 deepspeed = pytest.importorskip("deepspeed")
 
 from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
+from exporters.handles import Handle  # noqa: E402
+from probes import SubscriberBase, SubscriberManager  # noqa: E402
 from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
 from probes.core.subscriber import ProbeSite  # noqa: E402
 from probes.zero3 import (  # noqa: E402
@@ -86,20 +89,43 @@ def test_unsupported_version_names_version_and_range(monkeypatch, version):
     assert not is_configured()
 
 
+class _Offload:
+    """Stands in for an engine's DeepSpeedZeRoOffload where no forward runs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.module = model
+
+    def get_param_coordinator(self):
+        return None
+
+
 def test_hooks_refuse_a_copy_of_the_model():
     # ORTModule deep-copies the model before export unless told not to; a copy cannot be gathered.
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-
-    class Offload:
-        module = model
-
-        def get_param_coordinator(self):
-            return None
-
-    subscriber = ZeROOffloadSubscriber(Offload())
+    subscriber = ZeROOffloadSubscriber(_Offload(model))
     site = ProbeSite("<root>", "input", 0, 0, "Sequential", None)
     with pytest.raises(DeepCopiedModuleError, match="ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0"):
         subscriber.pre_forward_module_apply(site, copy.deepcopy(model), (torch.zeros(1, 2),), {})
+
+
+def test_closing_warns_only_when_a_live_engine_loses_its_hooks():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Made by hand (no engine holds it): removing the subscription is its owner's business.
+        SubscriberManager().subscribe(model, [ZeROOffloadSubscriber(_Offload(model))]).remove()
+        # Held by an engine, removed by the engine (as engine.destroy() does): no warning either.
+        hooks = ZeROOffloadSubscriber(_Offload(model))
+        hooks.engine_handle = Handle(SubscriberManager().subscribe(model, [hooks]).remove)
+        hooks.engine_handle.remove()
+    assert hooks.closed
+    # Held by an engine and replaced by subscribing the model again: the engine no longer gathers.
+    hooks = ZeROOffloadSubscriber(_Offload(model))
+    hooks.engine_handle = Handle(SubscriberManager().subscribe(model, [hooks]).remove)
+    with pytest.warns(RuntimeWarning, match="were unsubscribed"):
+        replacement = SubscriberManager().subscribe(model, [SubscriberBase()])
+    replacement.remove()
+    hooks.engine_handle.remove()  # the engine's later destroy finds nothing left to remove
 
 
 def test_supported_version_accepted():

@@ -15,7 +15,6 @@ that for engines created afterwards. Everything that touches DeepSpeed's interna
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +28,12 @@ from ..stats import StatisticsSubscriber
 from .ort import prepare_ortmodule_export
 from .subscriber import ZeROOffloadSubscriber
 
-# The manager holding each engine's hooks (by its DeepSpeedZeRoOffload), for tests and debugging.
-_MANAGERS: "weakref.WeakKeyDictionary[Any, SubscriberManager]" = weakref.WeakKeyDictionary()
-
 
 def manager_of(offload: Any) -> SubscriberManager | None:
-    """The SubscriberManager holding the ZeRO-3 hooks of ``offload`` (``engine.optimizer.parameter_offload``)."""
-    return _MANAGERS.get(offload)
+    """The SubscriberManager holding the ZeRO-3 hooks of ``offload`` (``engine.optimizer.parameter_offload``;
+    also its ``probes_manager`` attribute)."""
+    manager = _deepspeed_compat.attached_manager(offload)
+    return manager if isinstance(manager, SubscriberManager) else None
 
 
 @dataclass
@@ -53,6 +51,7 @@ _settings: Zero3Settings | None = None
 def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
     if not settings.debug:
         return []
+
     def create() -> SubscriberBase:
         return StatisticsSubscriber(output_dir=settings.stats_output_dir, override_output_dir=settings.stats_overwrite)
 
@@ -74,13 +73,10 @@ def _setup_zero_stage3_hooks_with_probes(offload: Any) -> None:
     hooks = ZeROOffloadSubscriber(offload)
     manager = SubscriberManager()
     subscription = manager.subscribe(model, [hooks, *_debug_subscribers(settings)])
-    _MANAGERS[offload] = manager
-
-    def destroy() -> None:  # DeepSpeed removes this handle where it removes its own hooks
-        hooks.expect_close()
-        subscription.remove()
-
-    _deepspeed_compat.finish_setup(offload, Handle(destroy))
+    # DeepSpeed removes this handle where it removes its own hooks (engine destroy); removed, it is no
+    # longer active while the subscription closes, so the subscriber knows the engine let its hooks go.
+    hooks.engine_handle = Handle(subscription.remove)
+    _deepspeed_compat.finish_setup(offload, hooks.engine_handle, manager=manager)
     if _ort_compat.is_ortmodule(model):
         prepare_ortmodule_export(model)
 
@@ -114,7 +110,7 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
     Engines created before the call keep their hooks. Calling again replaces the settings.
 
     Raises ImportError when DeepSpeed is not installed, DeepSpeedVersionError when its version is
-    outside ``probes._deepspeed_compat.SUPPORTED_RANGE``.
+    outside ``exporters._deepspeed_compat.SUPPORTED_RANGE``.
     """
     global _settings
     _deepspeed_compat.require_deepspeed()

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from exporters import _deepspeed_compat, _ort_compat
+from exporters.handles import Handle
 
 from ..core import ProbeSite, SubscriberBase, wrappers
 from ..utils import TensorLeaves, at_exit
 from .functions import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
-
 
 _exiting = False  # set in the first exit stage, before the subscriptions close
 
@@ -58,7 +58,10 @@ class ZeROOffloadSubscriber(SubscriberBase):
             for name, module in wrappers.user_named_modules(root)
         ]
         self.closed = False
-        self._close_expected = False
+        # The handle through which a DeepSpeed engine holds these hooks (set by probes.zero3.patch; None
+        # for a subscriber made by hand). DeepSpeed removes it on engine destroy; while it is active the
+        # hooks are the live engine's, and closing them leaves the engine without parameter gathering.
+        self.engine_handle: Handle | None = None
 
     def binding(self, site: ProbeSite, module: torch.nn.Module) -> ModuleBinding | None:
         if site.module_index >= len(self._bindings):
@@ -102,14 +105,11 @@ class ZeROOffloadSubscriber(SubscriberBase):
             return outputs
         return leaves.rebuild(ZeroPostForward.apply(binding, *leaves.tensors))
 
-    def expect_close(self) -> None:
-        """The engine itself is removing its hooks (``engine.destroy()``): closing is no surprise."""
-        self._close_expected = True
-
     def close(self) -> None:
-        # Closed by anything but the engine or the exit (subscribing the model again replaced this
-        # subscription, or unsubscribe() by hand): the live engine has lost its parameter hooks.
-        if not self.closed and not self._close_expected and not _exiting:
+        # Closed while an engine still holds these hooks, and not at exit (subscribing the model again
+        # replaced this subscription, or unsubscribe() by hand): the live engine lost its parameter hooks.
+        held_by_engine = self.engine_handle is not None and self.engine_handle.active
+        if held_by_engine and not self.closed and not _exiting:
             warnings.warn(
                 "the ZeRO-3 parameter hooks of a live DeepSpeed engine were unsubscribed (was the model subscribed "
                 "again? that replaces the subscription); pass extra subscribers with "
