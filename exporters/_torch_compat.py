@@ -7,7 +7,8 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
   ``torch.onnx._internal.torchscript_exporter`` and made ``torch.onnx.export`` default to the dynamo
   exporter; the symbolic registry, the export globals and the graph context are otherwise the same.
 - The autograd engine: which backward pass (graph task) runs now, and a callback when it ends.
-- Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory.
+- Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory,
+  and torch's pytree (``torch.utils._pytree``), which probes uses to flatten module outputs.
 
     from exporters import _torch_compat as compat
     with compat.override_symbolic("prim::PythonOp", 17, my_symbolic): ...   # or keep the Handle, .remove()
@@ -24,6 +25,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils import _pytree as pytree  # noqa: F401  (re-exported: torch's pytree, private by name)
 
 from .handles import Handle
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
+
+from exporters._torch_compat import pytree
 
 
 def _any_tensor(leaf: Any) -> bool:
