@@ -194,6 +194,20 @@ def test_step_is_invisible_until_finished(tmp_path):
     writer.close()
 
 
+def test_ints_are_checked_before_anything_is_written(tmp_path):
+    for kwargs, what in (({"rank": -1}, "rank"), ({"rank": True}, "rank"), ({"queue_size": 0}, "queue_size")):
+        with pytest.raises(ValueError, match=f"^{what} must be"):
+            DumpWriter(tmp_path / "never", **kwargs)
+    assert not (tmp_path / "never").exists()
+    with DumpWriter(tmp_path / "dump") as writer:
+        for step in (-1, True, 1.0, "1"):
+            with pytest.raises(ValueError, match="^step must be"):
+                writer.write(step, record(0, 0))
+            with pytest.raises(ValueError, match="^step must be"):
+                writer.finish_step(step)
+    assert list_steps(tmp_path / "dump") == {0: {"finished": [], "unfinished": []}}
+
+
 def test_close_finishes_open_steps_but_an_exception_leaves_them_unfinished(tmp_path):
     with DumpWriter(tmp_path / "a") as writer:
         writer.write(0, record(0, 0))

@@ -20,7 +20,6 @@ from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, DumpFormatError
                      safe_component)
 from .live import flush_writers
 from .reader import DumpReader, StepFile, list_steps, load_dump
-# Not public: readers that do not wait for live writers (probes.compare imports them until it uses DumpReader).
 from .record import Record, RecordKey, record_key
 from .table import format_records
 from .writer import DumpWriter, WriterConfig

@@ -206,8 +206,7 @@ def _check_complete(step_file: StepFile, count: int) -> None:
                               f"truncated: {order_file.name} lists {expected} records, the step file has {count}")
 
 
-# Readers that do not wait for live writers: probes.compare's until it reads through DumpReader, and
-# tests that show the race the wait prevents.
+# A reader that does not wait for live writers: only for the test that shows the race the wait prevents.
 def _unflushed(path: str | Path) -> DumpReader:
     reader = DumpReader.__new__(DumpReader)
     reader._list(Path(path))
