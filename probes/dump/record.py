@@ -45,14 +45,15 @@ class Record(_RecordBase, total=False):
     stats_of: str | None  # what the statistics summarise when not the tensor itself ("real_imag", ...)
     unsupported: str  # why there are no statistics (then the statistics keys are absent)
     # Statistics (probes.stats.numerics.TensorSummary): moments over finite elements, counts over all.
-    numel: int
-    finite: int
-    mean: float | None
-    m2: float
-    std: float | None
+    # The keys of probes.stats.numerics.TensorSummary.to_dict() (tests/test_statistics.py ties the two).
     min: Number | None
     max: Number | None
-    nan: int
+    mean: float | None
+    std: float | None
+    m2: float  # sum of squared deviations from the mean, kept so that shards merge exactly
+    numel: int
+    finite: int
+    nan: int  # the five counts are over all elements
     inf: int
     neg: int
     pos: int
