@@ -526,7 +526,7 @@ def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path, one_rank_group):
 
 
 def test_a_failure_inside_the_statistics_never_stops_training(tmp_path, monkeypatch):
-    import probes.stats.subscriber as statistics
+    import probes.stats.record as statistics
 
     real = statistics.summarize
 
