@@ -27,7 +27,7 @@ import torch
 
 from exporters import _torch_compat
 
-__all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "default_backend", "load",
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "load",
            "resolve_backend"]
 
 # Bump when the row changes: a build under the old name is then not reused from the shared cache.
@@ -83,10 +83,8 @@ class Kernel:
 
     def stats(self, x: torch.Tensor, shift: float | None = None) -> KernelRow:
         """Statistics of a contiguous CPU tensor of a KERNEL_DTYPES dtype."""
-        return _make_row(self._stats(x, shift))
-
-
-_make_row = KernelRow._make
+        # KernelRow._make without its length check, which the field check on load made redundant.
+        return tuple.__new__(KernelRow, self._stats(x, shift))
 
 
 def _read_default_backend() -> str:
@@ -97,16 +95,11 @@ def _read_default_backend() -> str:
     return choice
 
 
-_DEFAULT_BACKEND = _read_default_backend()
+DEFAULT_BACKEND = _read_default_backend()  # what PROBES_NUMERICS_BACKEND asks for: "auto", "cpp" or "torch"
 _lock = threading.Lock()
 _kernel: Kernel | None = None
 _error: BaseException | None = None
 _warned = False
-
-
-def default_backend() -> str:
-    """The backend asked for by ``PROBES_NUMERICS_BACKEND`` (read at import): "auto", "cpp" or "torch"."""
-    return _DEFAULT_BACKEND
 
 
 def resolve_backend(choice: str) -> str:
@@ -210,6 +203,6 @@ def backend() -> str:
 
         backend()   # "cpp" where a C++ compiler is installed
     """
-    if _DEFAULT_BACKEND == "torch":
+    if DEFAULT_BACKEND == "torch":
         return "torch"
-    return "cpp" if load(required=_DEFAULT_BACKEND == "cpp") is not None else "torch"
+    return "cpp" if load(required=DEFAULT_BACKEND == "cpp") is not None else "torch"

@@ -19,6 +19,7 @@ accepted: complex, sparse, nested, quantized, meta and ``__torch_dispatch__`` te
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 
 from ..utils import check_int
 from . import kernel
-from .kernel import KERNEL_DTYPES, KernelRow, backend
+from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES, KernelRow, backend
 from .views import check_readable
 
 __all__ = ["TensorSummary", "backend", "sample_indices", "summarize", "take_samples"]
@@ -208,9 +209,11 @@ def _decode(rows: torch.Tensor, dtype: torch.dtype) -> list[KernelRow]:
     return out
 
 
+_SUMMARY_FIELDS = operator.attrgetter(*TensorSummary.__dataclass_fields__)  # TensorSummary's fields, by name
+
+
 def _summary(row: KernelRow) -> TensorSummary:
-    return TensorSummary(numel=row.numel, finite=row.finite, mean=row.mean, m2=row.m2, min=row.min, max=row.max,
-                         nan=row.nan, inf=row.inf, neg=row.neg, pos=row.pos, zero=row.zero)
+    return TensorSummary(*_SUMMARY_FIELDS(row))
 
 
 def _combine(rows: list[KernelRow]) -> TensorSummary:
@@ -291,7 +294,7 @@ def summarize(
     run_on_cpu: copy one bucket at a time to the CPU and compute there.
     backend: "auto" (default), "cpp" (fail if the kernel cannot be built) or "torch".
     """
-    choice = kernel.default_backend() if backend is None else kernel.resolve_backend(backend)
+    choice = DEFAULT_BACKEND if backend is None else kernel.resolve_backend(backend)
     check_readable(tensor)
     if tensor.is_neg():  # a lazily negated view: the kernel reads memory, which holds -x
         tensor = tensor.resolve_neg()
@@ -305,7 +308,7 @@ def summarize(
     ):
         fused = kernel.load(required=choice == "cpp")
         if fused is not None:
-            return _summary(fused.stats(tensor))
+            return TensorSummary(*_SUMMARY_FIELDS(fused.stats(tensor)))
 
     check_int(bucket_size, "bucket_size", minimum=1)
     if tensor.is_complex():
