@@ -3,6 +3,8 @@ closed by hand (point 7): training never stops, records say what their statistic
 
 Each kind passes through a subscribed model where the probes can carry it; the numbers are checked
 against numpy float64 and the training against the same model without probes.
+
+Over 400 lines: every odd kind runs through the one harness (reference, probed and plain runs) at the top.
 """
 
 from __future__ import annotations

@@ -308,7 +308,7 @@ def summarize(
     ):
         fused = kernel.load(required=choice == "cpp")
         if fused is not None:
-            return TensorSummary(*_SUMMARY_FIELDS(fused.stats(tensor)))
+            return _summary(fused.stats(tensor))
 
     check_int(bucket_size, "bucket_size", minimum=1)
     if tensor.is_complex():

@@ -3,8 +3,8 @@
     values, stats_of = statistics_view(torch.randn(3, dtype=torch.complex64))   # (3, 2) float32, "real_imag"
     check_readable(values)                     # TypeError for a tensor the kernel cannot read (meta, FakeTensor, ...)
 
-``summarize`` reads memory, so it accepts only ``is_dense`` tensors (``check_readable``);
-``statistics_view`` turns sparse, nested, quantized, complex and DTensor tensors into one it reads,
+``summarize`` reads memory, so it accepts only tensors with a plain strided buffer (``check_readable``);
+``statistics_view`` turns sparse, nested, quantized, complex and DTensor tensors into such a tensor,
 and raises ``UnsupportedTensor`` for tensors without readable data.
 """
 
