@@ -16,6 +16,8 @@
 // Blocks of float data are first run through a branch-free vector loop that assumes all values are
 // finite; a non-finite S1/S2 proves that assumption wrong (or a float64 overflow) and the block is
 // redone by the scalar loop, which handles nan/inf element by element.
+//
+// Over 400 lines: load_inline builds one source, and the vector loops of every dtype share Totals and Lanes.
 
 #include <torch/extension.h>
 
