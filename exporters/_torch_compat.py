@@ -8,7 +8,8 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
   exporter; the symbolic registry, the export globals and the graph context are otherwise the same.
 - The autograd engine: which backward pass (graph task) runs now, and a callback when it ends.
 - Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory,
-  and torch's pytree (``torch.utils._pytree``), which probes uses to flatten module outputs.
+  whether a tensor dispatches to Python (a ``__torch_dispatch__`` subclass), and torch's pytree
+  (``torch.utils._pytree``), which probes uses to flatten module outputs.
 
     from exporters import _torch_compat as compat
     with compat.override_symbolic("prim::PythonOp", 17, my_symbolic): ...   # or keep the Handle, .remove()
@@ -184,3 +185,8 @@ def extension_build_directory(name: str) -> str | None:
 
     get = getattr(cpp_extension, "_get_build_directory", None)
     return None if get is None else get(name, verbose=False)
+
+
+def has_python_dispatch(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` dispatches to Python: a ``__torch_dispatch__`` subclass (FakeTensor, DTensor, ...)."""
+    return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)

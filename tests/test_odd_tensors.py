@@ -3,6 +3,8 @@ closed by hand (point 7): training never stops, records say what their statistic
 
 Each kind passes through a subscribed model where the probes can carry it; the numbers are checked
 against numpy float64 and the training against the same model without probes.
+
+Over 400 lines: every odd kind runs through the one harness (reference, probed and plain runs) at the top.
 """
 
 from __future__ import annotations
@@ -526,7 +528,7 @@ def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path, one_rank_group):
 
 
 def test_a_failure_inside_the_statistics_never_stops_training(tmp_path, monkeypatch):
-    import probes.stats.subscriber as statistics
+    import probes.stats.record as statistics
 
     real = statistics.summarize
 

@@ -1,11 +1,13 @@
-"""Exact tensor statistics: the numerics (compute on a bucket, merge buckets), the C++ kernel, and
-``StatisticsSubscriber``, which records them for every probed tensor.
+"""Exact tensor statistics: the numerics (compute on a bucket, merge buckets), the C++ kernel, the
+views of odd tensors, the record of one tensor, and ``StatisticsSubscriber``, which records them for
+every probed tensor.
 
-    from probes.stats import StatisticsSubscriber, summarize
+    from probes.stats import StatisticsSubscriber, summarize, tensor_record
 """
 
 from .numerics import TensorSummary, backend, sample_indices, summarize, take_samples
+from .record import tensor_record
 from .subscriber import StatisticsSubscriber, SubscriberClosedWarning, UnsupportedTensorWarning
 
 __all__ = ["StatisticsSubscriber", "SubscriberClosedWarning", "TensorSummary", "UnsupportedTensorWarning",
-           "backend", "sample_indices", "summarize", "take_samples"]
+           "backend", "sample_indices", "summarize", "take_samples", "tensor_record"]

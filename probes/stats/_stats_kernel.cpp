@@ -1,8 +1,9 @@
-// Fused single-pass summary statistics of a contiguous CPU tensor, for probes/numerics.py.
+// Fused single-pass summary statistics of a contiguous CPU tensor, for probes/stats/kernel.py.
 //
-// stats(x, shift) -> (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, mean - shift):
-// the field order of probes.numerics.TensorSummary, then the mean as an offset from `shift` (given,
-// or the first finite value) so that buckets combine without rounding at the size of the mean.
+// stats(x, shift) -> (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, deviation):
+// the fields of probes.stats.numerics.TensorSummary, then the mean as shift + deviation (`shift`
+// given, or the first finite value) so that buckets combine without rounding at the size of the mean.
+// row_fields() names them in this order; kernel.py checks the names against its KernelRow on load.
 // One pass over memory computes everything:
 //  * the data is cut into blocks of kBlock elements; a block keeps (n_b, K_b, S1_b, S2_b) where
 //    K_b is the block's first finite value and S1_b = sum(x - K_b), S2_b = sum((x - K_b)^2) in
@@ -15,6 +16,8 @@
 // Blocks of float data are first run through a branch-free vector loop that assumes all values are
 // finite; a non-finite S1/S2 proves that assumption wrong (or a float64 overflow) and the block is
 // redone by the scalar loop, which handles nan/inf element by element.
+//
+// Over 400 lines: load_inline builds one source, and the vector loops of every dtype share Totals and Lanes.
 
 #include <torch/extension.h>
 
@@ -361,7 +364,7 @@ Moments finish(const Totals& t, const double* shift) {
   return out;
 }
 
-// (numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, mean - shift)
+// A row: see row_fields() below for its names (deviation = mean - shift).
 py::tuple stats(const torch::Tensor& x, py::object shift) {
   TORCH_CHECK(x.device().is_cpu(), "probes stats kernel: expected a CPU tensor");
   TORCH_CHECK(x.is_contiguous(), "probes stats kernel: expected a contiguous tensor");
@@ -410,10 +413,17 @@ py::tuple stats(const torch::Tensor& x, py::object shift) {
                         moments.shift, moments.deviation);
 }
 
+// The names of stats()'s fields, in its order: change both together.
+py::tuple row_fields() {
+  return py::make_tuple("numel", "finite", "mean", "m2", "min", "max", "nan", "inf", "neg", "pos", "zero",
+                        "shift", "deviation");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", &stats, py::arg("x"), py::arg("shift") = py::none(),
-        "(numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, mean - shift) of a "
+        "(numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, deviation) of a "
         "contiguous CPU tensor; pass the shift of a previous bucket to combine buckets exactly");
+  m.def("row_fields", &row_fields, "the names of stats()'s fields, in its order");
 }

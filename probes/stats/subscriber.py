@@ -9,11 +9,11 @@
 Statistics are computed inside the probe Functions, so they are the same code in eager PyTorch and
 in ORTModule. Each record (see ``probes.dump`` for the layout on disk) holds the tensor's shape,
 dtype, numel, min/max/mean/std over finite elements, nan/inf/neg/pos/zero counts and samples at
-deterministic positions spread over the tensor; ``probes.numerics`` computes them in float64
+deterministic positions spread over the tensor (``record.py``); ``numerics.py`` computes them in float64
 bucket by bucket, without cloning the tensor.
 
 Tensors that are not dense real tensors (complex, sparse, quantized, nested, DTensor) are summarised
-through what they hold; the record's ``"stats_of"`` says what (see ``statistics_view``). Tensors
+through what they hold; the record's ``"stats_of"`` says what (see ``views.statistics_view``). Tensors
 without readable data (meta, FakeTensor, other ``__torch_dispatch__`` subclasses), and any tensor
 whose statistics fail, get a record with ``"unsupported": "<reason>"`` and no statistics, and one
 ``UnsupportedTensorWarning`` per site, tensor and phase: a probe never stops training.
@@ -21,23 +21,20 @@ whose statistics fail, get a record with ``"unsupported": "<reason>"`` and no st
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from ..dump import DumpWriter
-from .numerics import TensorSummary, is_dense, is_dispatch_subclass, sample_indices, summarize, take_samples
 from ..core import ProbeEvent, SubscriberBase
+from ..dump import DumpWriter, Record
+from ..utils import check_int
+from .record import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, tensor_record, unsupported_reason, unsupported_record
 
-DEFAULT_BUCKET_SIZE = 1 << 22  # elements; bounds the extra memory of one statistics pass
-DEFAULT_SAMPLE_COUNT = 32
-_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
-_REASON_LENGTH = 300
+__all__ = ["StatisticsSubscriber", "SubscriberClosedWarning", "UnsupportedTensorWarning", "process_rank",
+           "tensor_record"]
 
 
 class UnsupportedTensorWarning(UserWarning):
@@ -51,181 +48,11 @@ class SubscriberClosedWarning(UserWarning):
     """A closed StatisticsSubscriber was still called by its subscription; those records are not written."""
 
 
-class UnsupportedTensor(TypeError):
-    """Raised by ``statistics_view`` for a tensor without data the statistics can read."""
-
-
 def process_rank() -> int:
     """This process's rank: torch.distributed's when initialised, else the launcher's RANK, else 0."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return int(os.environ.get("RANK", "0"))
-
-
-@functools.lru_cache(maxsize=4096)
-def _sample_positions(numel: int, count: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
-    """Sample indices for a tensor size, as a list (for the record) and a tensor (for torch.take)."""
-    indices = sample_indices(numel, count)
-    return indices, torch.tensor(indices, dtype=torch.int64, device=device)
-
-
-def _is_ordinary(tensor: torch.Tensor) -> bool:
-    """A dense, real, readable tensor: summarised as it is (the common case, checked first)."""
-    return is_dense(tensor) and not tensor.is_complex()
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    """True for a DTensor. Its module is loaded once one exists, so nothing is imported here."""
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # public from torch 2.5
-        dtensor = getattr(sys.modules.get(name), "DTensor", None)
-        if isinstance(dtensor, type) and isinstance(tensor, dtensor):
-            return True
-    return False
-
-
-def layout_name(tensor: torch.Tensor) -> str:
-    """The record's ``"layout"``: torch's layout name, or ``nested_strided`` / ``nested_jagged``.
-
-        layout_name(torch.eye(2).to_sparse())   # "sparse_coo"
-    """
-    name = str(tensor.layout).removeprefix("torch.")
-    return f"nested_{name}" if tensor.is_nested else name
-
-
-def _shape(tensor: torch.Tensor) -> list[int | None] | None:
-    """The shape as ints; a ragged (nested) or symbolic dimension is None; None when there is none."""
-    try:
-        dims = tensor.dim()
-    except Exception:
-        return None
-    shape: list[int | None] = []
-    for dim in range(dims):
-        try:
-            size = tensor.size(dim)
-        except Exception:  # an irregular dimension of a strided nested tensor
-            size = None
-        shape.append(size if isinstance(size, int) else None)
-    return shape
-
-
-def _components(tensor: torch.Tensor) -> torch.Tensor:
-    """All elements of a nested tensor's components, flattened and concatenated (a copy)."""
-    parts = [part.reshape(-1) for part in tensor.unbind()]
-    if not parts:
-        return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    return torch.cat(parts)
-
-
-def _container_view(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-    """(a strided tensor with data, what it is of) for sparse, nested, DTensor; raises UnsupportedTensor."""
-    if is_dispatch_subclass(tensor):
-        if _is_dtensor(tensor):
-            return tensor.to_local(), "local_shard"
-        if tensor.is_nested:
-            return _components(tensor), "components"
-        if any(cls.__name__ == "FakeTensor" for cls in type(tensor).__mro__):
-            raise UnsupportedTensor("FakeTensor: it has no data (made under a FakeTensorMode)")
-        raise UnsupportedTensor(f"tensor subclass {type(tensor).__qualname__} (__torch_dispatch__): "
-                                "its data is not a plain tensor the statistics can read")
-    if tensor.is_meta:
-        raise UnsupportedTensor("meta tensor: it has no data")
-    # detach(): values() is a view of the sparse tensor, which no view op (view_as_real) can replay.
-    if tensor.layout is torch.sparse_coo:
-        # Statistics of the tensor's values: an uncoalesced copy is summed like the tensor (never in place).
-        return tensor.coalesce().values().detach(), "values"
-    if tensor.layout in _SPARSE_LAYOUTS:
-        return tensor.values().detach(), "values"
-    if tensor.is_nested:
-        return _components(tensor), "components"
-    if tensor.layout is not torch.strided:
-        raise UnsupportedTensor(f"layout {layout_name(tensor)}: not supported")
-    return tensor, None
-
-
-def _element_view(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-    """(a real tensor, what it is of) for quantized and complex elements."""
-    if tensor.is_quantized:
-        return tensor.dequantize(), "dequantized"
-    if tensor.is_complex():
-        # view_as_real refuses a lazily conjugated tensor; resolve_conj copies only then.
-        return torch.view_as_real(tensor.resolve_conj()), "real_imag"
-    return tensor, None
-
-
-def statistics_view(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-    """The dense real tensor whose statistics describe ``tensor``, and the record's ``"stats_of"``.
-
-        values, stats_of = statistics_view(torch.randn(3, dtype=torch.complex64))   # (3, 2) float32, "real_imag"
-
-    ``stats_of`` is None for an ordinary tensor (summarised as it is), else "real_imag" (complex: the
-    real and imaginary parts together, ``torch.view_as_real``), "values" (sparse: the stored values,
-    of a coalesced copy for COO), "dequantized", "components" (nested: all elements of all components)
-    or "local_shard" (DTensor: this rank's shard), joined by "/" when several apply
-    ("values/real_imag"). Raises UnsupportedTensor for tensors without readable data.
-    """
-    if _is_ordinary(tensor):
-        return tensor, None
-    tensor, outer = _container_view(tensor)
-    if outer == "local_shard":  # the shard is a tensor of its own: complex, sparse, ...
-        tensor, inner = statistics_view(tensor)
-    else:
-        tensor, inner = _element_view(tensor)
-    return tensor, "/".join(label for label in (outer, inner) if label) or None
-
-
-def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
-                  sample_count: int = DEFAULT_SAMPLE_COUNT) -> dict[str, Any]:
-    """The statistics part of a record: shape, dtype, numel, summary statistics and samples.
-
-        record = tensor_record(torch.randn(4, 4))
-
-    For a tensor that is not dense and real, also ``"layout"`` (when not strided) and ``"stats_of"``;
-    numel, the counts, the samples and their indices are then those of ``statistics_view(tensor)``.
-    Raises for tensors that cannot be summarised (see ``unsupported_record``).
-    """
-    values, stats_of = statistics_view(tensor)
-    summary: TensorSummary = summarize(values, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
-    indices, index_tensor = _sample_positions(values.numel(), sample_count, values.device)
-    record: dict[str, Any] = {
-        "shape": list(tensor.shape) if stats_of is None else _shape(tensor),
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-    }
-    if stats_of is not None:
-        if tensor.layout is not torch.strided or tensor.is_nested:
-            record["layout"] = layout_name(tensor)
-        record["stats_of"] = stats_of
-    record.update(summary.to_dict())
-    record["samples"] = take_samples(values, index_tensor)
-    record["sample_indices"] = list(indices)
-    return record
-
-
-def unsupported_reason(error: BaseException) -> str:
-    """A one-line reason for a record's ``"unsupported"`` field.
-
-        unsupported_reason(UnsupportedTensor("meta tensor: it has no data"))   # "meta tensor: it has no data"
-    """
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else ""
-    if not isinstance(error, UnsupportedTensor):
-        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return text if len(text) <= _REASON_LENGTH else text[: _REASON_LENGTH - 3] + "..."
-
-
-def unsupported_record(tensor: torch.Tensor, reason: str) -> dict[str, Any]:
-    """The statistics part of a record for a tensor without statistics: what is known of it, and why.
-
-        unsupported_record(torch.empty(2, device="meta"), "meta tensor: it has no data")
-    """
-    record: dict[str, Any] = {"shape": _shape(tensor), "dtype": None, "layout": None}
-    for key, describe in (("dtype", lambda t: str(t.dtype).removeprefix("torch.")), ("layout", layout_name)):
-        try:
-            record[key] = describe(tensor)
-        except Exception:  # a broken subclass: keep what could be read
-            pass
-    record["stats_of"] = None
-    record["unsupported"] = reason
-    return record
 
 
 class StatisticsSubscriber(SubscriberBase):
@@ -253,14 +80,10 @@ class StatisticsSubscriber(SubscriberBase):
         observe_inputs: bool = False,
     ) -> None:
         super().__init__(start_step, end_step)
-        if not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"bucket_size must be a positive int (elements), got {bucket_size!r}")
-        if not isinstance(sample_count, int) or sample_count < 0:
-            raise ValueError(f"sample_count must be a non-negative int, got {sample_count!r}")
         self.output_dir = Path(output_dir)
         self.run_on_cpu = run_on_cpu
-        self.bucket_size = bucket_size
-        self.sample_count = sample_count
+        self.bucket_size = check_int(bucket_size, "bucket_size (elements)", minimum=1)
+        self.sample_count = check_int(sample_count, "sample_count")
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
         self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir)
@@ -317,7 +140,7 @@ class StatisticsSubscriber(SubscriberBase):
             stacklevel=2,
         )
 
-    def _statistics(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> dict[str, Any]:
+    def _statistics(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> Record:
         """tensor_record(tensor), or on any failure an unsupported record (warned once per site, index, phase)."""
         try:
             return tensor_record(tensor.detach(), bucket_size=self.bucket_size, run_on_cpu=self.run_on_cpu,
@@ -337,7 +160,7 @@ class StatisticsSubscriber(SubscriberBase):
 
     def _write(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
         site = event.site
-        record = {
+        record: Record = {
             "step": event.step,
             "rank": self.rank,
             "name": event.record_name(index),

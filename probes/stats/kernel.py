@@ -1,0 +1,208 @@
+"""The fused C++ statistics kernel: its build (once per torch version and CPU), its load, its named row.
+
+    k = load(required=False)                 # a Kernel, or None (warned once) when it cannot be built
+    row = k.stats(x) if k else None          # a KernelRow: row.numel, row.mean, ..., row.shift, row.deviation
+
+``_stats_kernel.cpp`` is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension
+cache, under a name that carries the row's version, the torch version and the vector ISA. The module
+says which fields its row has (``row_fields()``); a load checks them against ``KernelRow``, so the
+C++ tuple and the Python names cannot drift apart. ``backend()`` tells which backend CPU tensors use;
+``PROBES_NUMERICS_BACKEND=torch|cpp`` forces one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import platform
+import re
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from exporters import _torch_compat
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "load",
+           "resolve_backend"]
+
+# Bump when the row changes: a build under the old name is then not reused from the shared cache.
+ROW_VERSION = 2
+
+KERNEL_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+})
+
+BACKENDS = ("auto", "cpp", "torch")
+
+
+class KernelRow(NamedTuple):
+    """The statistics of one bucket: ``TensorSummary``'s fields, then the mean as ``shift + deviation``.
+
+    Buckets of one tensor share one shift (the first bucket's), so they combine without rounding at
+    the size of the mean. The kernel's integer min/max are python ints; mean, min and max are None
+    when no element is finite.
+    """
+
+    numel: int
+    finite: int
+    mean: float | None
+    m2: float
+    min: float | int | None
+    max: float | int | None
+    nan: int
+    inf: int
+    neg: int
+    pos: int
+    zero: int
+    shift: float
+    deviation: float  # mean - shift
+
+
+class Kernel:
+    """The loaded C++ module, with rows read by name.
+
+        row = kernel.stats(bucket, shift)   # shift: None, or the first bucket's row.shift
+    """
+
+    __slots__ = ("_stats",)
+
+    def __init__(self, module: ModuleType) -> None:
+        fields = tuple(module.row_fields())
+        if fields != KernelRow._fields:
+            raise RuntimeError(
+                f"probes stats kernel: its row fields {fields} differ from KernelRow's {KernelRow._fields}; "
+                "change _stats_kernel.cpp's row_fields() and probes/stats/kernel.py together (and bump ROW_VERSION)"
+            )
+        self._stats = module.stats
+
+    def stats(self, x: torch.Tensor, shift: float | None = None) -> KernelRow:
+        """Statistics of a contiguous CPU tensor of a KERNEL_DTYPES dtype."""
+        # KernelRow._make without its length check, which the field check on load made redundant.
+        return tuple.__new__(KernelRow, self._stats(x, shift))
+
+
+def _read_default_backend() -> str:
+    choice = os.environ.get("PROBES_NUMERICS_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        warnings.warn(f"PROBES_NUMERICS_BACKEND={choice!r} is not one of {BACKENDS}; using auto")
+        return "auto"
+    return choice
+
+
+DEFAULT_BACKEND = _read_default_backend()  # what PROBES_NUMERICS_BACKEND asks for: "auto", "cpp" or "torch"
+_lock = threading.Lock()
+_kernel: Kernel | None = None
+_error: BaseException | None = None
+_warned = False
+
+
+def resolve_backend(choice: str) -> str:
+    """``choice`` in lower case; a ValueError unless it is one of BACKENDS."""
+    choice = choice.lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown statistics backend {choice!r}; expected one of {BACKENDS}")
+    return choice
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    """(tag, compiler flags) for the widest vector ISA this CPU has that the kernel uses."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if {"avx2", "fma", "f16c"} <= set(flags):
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "x86_64", []
+
+
+def _build() -> Kernel:
+    # CUDA builds of torch print "No CUDA runtime is found" on this import; we build no CUDA code.
+    with contextlib.redirect_stderr(io.StringIO()):
+        from torch.utils import cpp_extension
+
+    source = Path(__file__).with_name("_stats_kernel.cpp").read_text()
+    isa, isa_flags = _isa_flags()
+    # One build per torch version and ISA: the torch_extensions cache is shared by all venvs.
+    version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.__version__)
+    name = f"probes_stats_v{ROW_VERSION}_torch{version}_{isa}"
+
+    def build() -> Kernel:
+        return Kernel(cpp_extension.load_inline(
+            name=name,
+            cpp_sources=[source],
+            extra_cflags=["-O3", "-ffp-contract=fast", *isa_flags],
+            verbose=False,
+        ))
+
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows)
+        return build()
+    build_dir = _torch_compat.extension_build_directory(name)
+    if build_dir is None:
+        return build()
+    os.makedirs(build_dir, exist_ok=True)
+    # torch's own build lock is a file that stays behind when a building process is killed, and
+    # then blocks every later process forever. An flock dies with its process: whoever holds it
+    # knows that a leftover torch lock is stale.
+    with open(os.path.join(build_dir, "probes_build.flock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            os.remove(os.path.join(build_dir, "lock"))
+        except FileNotFoundError:
+            pass
+        return build()
+
+
+def _first_lines(error: BaseException, count: int = 6) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return "\n".join((lines[:1] + errors[: count - 1]) if errors else lines[:count])
+
+
+def load(*, required: bool) -> Kernel | None:
+    """The kernel (built on first use), or None (warning once) if it cannot be built and was not required."""
+    global _kernel, _error, _warned
+    if _kernel is not None:
+        return _kernel
+    with _lock:
+        if _kernel is None and _error is None:
+            try:
+                _kernel = _build()
+            except Exception as error:  # compiler, ninja or loader failure, or a row that does not match
+                _error = error
+        if _kernel is not None:
+            return _kernel
+        if required:
+            raise RuntimeError(
+                "probes.numerics: the C++ statistics kernel was requested but could not be built:\n"
+                + _first_lines(_error)
+            ) from _error
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                "probes.numerics: building the C++ statistics kernel failed; using the slower torch "
+                "path:\n" + _first_lines(_error),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+
+def backend() -> str:
+    """The backend summarize() uses for CPU tensors: "cpp" (fused kernel) or "torch".
+
+        backend()   # "cpp" where a C++ compiler is installed
+    """
+    if DEFAULT_BACKEND == "torch":
+        return "torch"
+    return "cpp" if load(required=DEFAULT_BACKEND == "cpp") is not None else "torch"

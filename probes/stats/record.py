@@ -1,0 +1,91 @@
+"""The tensor's part of a statistics record: what the tensor is, its statistics and samples, or why there are none.
+
+    record: Record = {"step": 0, "rank": 0, "name": "fc1.output.0", "phase": "forward", "seq": 0,
+                      **tensor_record(torch.randn(4, 4))}
+
+``tensor_record`` and ``unsupported_record`` return a ``probes.dump.Record`` without the keys that
+say where and when (step, rank, name, phase, seq, ...): the caller adds them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..dump import Record
+from .numerics import sample_indices, summarize, take_samples
+from .views import UnsupportedTensor, layout_name, shape_of, statistics_view
+
+__all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "tensor_record", "unsupported_reason", "unsupported_record"]
+
+DEFAULT_BUCKET_SIZE = 1 << 22  # elements; bounds the extra memory of one statistics pass
+DEFAULT_SAMPLE_COUNT = 32
+_REASON_LENGTH = 300
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_positions(numel: int, count: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Sample indices for a tensor size, as a list (for the record) and a tensor (for torch.take)."""
+    indices = sample_indices(numel, count)
+    return indices, torch.tensor(indices, dtype=torch.int64, device=device)
+
+
+def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
+                  sample_count: int = DEFAULT_SAMPLE_COUNT) -> Record:
+    """The statistics part of a record: shape, dtype, numel, summary statistics and samples.
+
+        record = tensor_record(torch.randn(4, 4))
+
+    For a tensor that is not dense and real, also ``"layout"`` (when not strided) and ``"stats_of"``;
+    numel, the counts, the samples and their indices are then those of ``statistics_view(tensor)``.
+    Raises for tensors that cannot be summarised (see ``unsupported_record``).
+    """
+    values, stats_of = statistics_view(tensor)
+    summary = summarize(values, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
+    indices, index_tensor = _sample_positions(values.numel(), sample_count, values.device)
+    record: Record = {
+        "shape": list(tensor.shape) if stats_of is None else shape_of(tensor),
+        "dtype": _dtype_name(tensor),
+    }
+    if stats_of is not None:
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            record["layout"] = layout_name(tensor)
+        record["stats_of"] = stats_of
+    record.update(summary.to_dict())
+    record["samples"] = take_samples(values, index_tensor)
+    record["sample_indices"] = list(indices)
+    return record
+
+
+def unsupported_reason(error: BaseException) -> str:
+    """A one-line reason for a record's ``"unsupported"`` field.
+
+        unsupported_reason(UnsupportedTensor("meta tensor: it has no data"))   # "meta tensor: it has no data"
+    """
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if not isinstance(error, UnsupportedTensor):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= _REASON_LENGTH else text[: _REASON_LENGTH - 3] + "..."
+
+
+def unsupported_record(tensor: torch.Tensor, reason: str) -> Record:
+    """The statistics part of a record for a tensor without statistics: what is known of it, and why.
+
+        unsupported_record(torch.empty(2, device="meta"), "meta tensor: it has no data")
+    """
+    return {"shape": shape_of(tensor), "dtype": _or_none(_dtype_name, tensor), "layout": _or_none(layout_name, tensor),
+            "stats_of": None, "unsupported": reason}
+
+
+def _or_none(describe: Callable[[torch.Tensor], str], tensor: torch.Tensor) -> str | None:
+    try:
+        return describe(tensor)
+    except Exception:  # a broken subclass: keep what could be read
+        return None

@@ -1,0 +1,80 @@
+"""The C++ statistics kernel: its named row, checked against the module's own field names, and the
+backend choice with its warn-once fallback to the torch path."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+
+from probes.stats import kernel, numerics
+from probes.stats.kernel import Kernel, KernelRow
+from probes.stats.numerics import summarize
+
+
+def unloaded(monkeypatch: pytest.MonkeyPatch, *, build: Callable[[], Kernel]) -> None:
+    """The kernel module as before its first load (restored after the test), building with ``build``."""
+    monkeypatch.setattr(kernel, "_build", build)
+    monkeypatch.setattr(kernel, "_kernel", None)
+    monkeypatch.setattr(kernel, "_error", None)
+    monkeypatch.setattr(kernel, "_warned", False)
+
+
+def test_the_row_is_named_by_the_module() -> None:
+    fused = kernel.load(required=True)
+    assert fused is not None
+    row = fused.stats(torch.tensor([1.0, 3.0, math.nan]))
+    assert type(row) is KernelRow
+    assert (row.numel, row.finite, row.mean, row.m2, row.min, row.max) == (3, 2, 2.0, 2.0, 1.0, 3.0)
+    assert (row.nan, row.inf, row.neg, row.pos, row.zero) == (1, 0, 0, 2, 0)
+    assert (row.shift, row.deviation) == (1.0, 1.0)  # the first finite value, and mean - shift
+    assert fused.stats(torch.tensor([5, 7]), 4.0).shift == 4.0  # a given shift is kept
+    assert numerics.backend is kernel.backend
+
+
+class _Drifted:
+    """A build of the kernel whose row has a field more than KernelRow."""
+
+    @staticmethod
+    def row_fields() -> tuple[str, ...]:
+        return (*KernelRow._fields, "extra")
+
+    @staticmethod
+    def stats(x: torch.Tensor, shift: float | None = None) -> tuple:
+        raise AssertionError("a row of unknown layout must never be read")
+
+
+def test_a_row_that_drifted_from_kernelrow_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(RuntimeError, match=r"row fields .*'extra'.* differ from KernelRow's"):
+        Kernel(_Drifted)  # type: ignore[arg-type]
+    unloaded(monkeypatch, build=lambda: Kernel(_Drifted))  # type: ignore[arg-type]
+    x = torch.tensor([1.0, 2.0, math.nan])
+    with pytest.raises(RuntimeError, match="could not be built:\n.*differ from KernelRow"):
+        summarize(x, backend="cpp")
+    with pytest.warns(RuntimeWarning, match="differ from KernelRow"):
+        s = summarize(x)
+    assert (s.finite, s.mean, s.nan) == (2, 1.5, 1)
+
+
+def test_backend_is_the_kernel_here() -> None:
+    assert numerics.backend() == "cpp"  # gcc is on these machines: the kernel must build
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> Kernel:
+        raise RuntimeError("Error building extension 'x':\nmain.cpp:1:1: error: expected something\nmore")
+
+    unloaded(monkeypatch, build=broken)
+    x = torch.tensor([1.0, 2.0, math.nan])
+    with pytest.warns(RuntimeWarning, match="error: expected something"):
+        s = summarize(x)
+    assert (s.finite, s.mean, s.nan) == (2, 1.5, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summarize(x)
+        assert numerics.backend() == "torch"
+    with pytest.raises(RuntimeError, match="could not be built"):
+        summarize(x, backend="cpp")
