@@ -20,7 +20,7 @@ from typing import Sequence
 from .compare import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, compare_dumps, format_report, parse_steps,
                       write_html)
 from .compare.merge import MergeConfig, generate_summaries_per_step, prepare_output_dir
-from .dump import format_records, list_steps, load_dump
+from .dump import DumpReader, format_records, load_dump
 
 EXIT_AGREE, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2  # compare's exit status (docs/compare.md)
 
@@ -41,8 +41,9 @@ def show(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse exits on --help and on usage errors; report a code instead
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
-        records = load_dump(args.path, include_partial=args.include_partial)
-        steps = list_steps(args.path)
+        reader = DumpReader(args.path)  # one wait for live writers, one listing
+        records = reader.records(include_partial=args.include_partial)
+        steps = reader.steps()
     except (OSError, ValueError) as error:
         print(f"probes show: error: {error}", file=sys.stderr)
         return 1

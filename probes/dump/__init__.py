@@ -20,7 +20,7 @@ from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, DumpFormatError
                      safe_component)
 from .live import flush_writers
 from .reader import DumpReader, StepFile, list_steps, load_dump
-from .record import Record, RecordKey, record_key
+from .record import Record, RecordKey, TensorFields, record_key
 from .table import format_records
 from .writer import DumpWriter, WriterConfig
 
@@ -34,6 +34,7 @@ __all__ = [
     "DumpWriter",
     "Record",
     "RecordKey",
+    "TensorFields",
     "StepFile",
     "WriterConfig",
     "flush_writers",

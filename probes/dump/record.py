@@ -29,16 +29,9 @@ class _RecordBase(TypedDict):
     seq: int  # execution order within the step, all phases on one counter
 
 
-class Record(_RecordBase, total=False):
-    """One statistics record (``total=False``: the keys below ``seq`` are present when known)."""
+class TensorFields(TypedDict, total=False):
+    """What a record says of its tensor (``probes.stats.tensor_record`` builds this part)."""
 
-    tensor_index: int
-    module: str  # the module's qualified name ("<root>" for the root), or the inspect name
-    module_class: str
-    kind: Literal["input", "output", "inspect"]
-    depth: int
-    legacy_name: str  # the original onnxruntime hooks' "<Class>_<index>_<i>th_output"
-    # What the tensor is.
     shape: list[int | None] | None
     dtype: str | None  # "float32", ...
     layout: str | None  # only for tensors that are not strided, or not dense and real
@@ -60,6 +53,17 @@ class Record(_RecordBase, total=False):
     zero: int
     samples: list[Number]  # values at sample_indices (flat, row-major positions)
     sample_indices: list[int]
+
+
+class Record(_RecordBase, TensorFields, total=False):
+    """One statistics record: where and when (always present), the site, and ``TensorFields``."""
+
+    tensor_index: int
+    module: str  # the module's qualified name ("<root>" for the root), or the inspect name
+    module_class: str
+    kind: Literal["input", "output", "inspect"]
+    depth: int
+    legacy_name: str  # the original onnxruntime hooks' "<Class>_<index>_<i>th_output"
 
 
 def record_key(record: Record) -> RecordKey:

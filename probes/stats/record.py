@@ -3,8 +3,8 @@
     record: Record = {"step": 0, "rank": 0, "name": "fc1.output.0", "phase": "forward", "seq": 0,
                       **tensor_record(torch.randn(4, 4))}
 
-``tensor_record`` and ``unsupported_record`` return a ``probes.dump.Record`` without the keys that
-say where and when (step, rank, name, phase, seq, ...): the caller adds them.
+``tensor_record`` and ``unsupported_record`` return ``probes.dump.TensorFields``, a record without the
+keys that say where and when (step, rank, name, phase, seq, ...): the caller adds them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..dump import Record
+from ..dump import TensorFields
 from .numerics import sample_indices, summarize, take_samples
 from .views import UnsupportedTensor, layout_name, shape_of, statistics_view
 
@@ -37,7 +37,7 @@ def _sample_positions(numel: int, count: int, device: torch.device) -> tuple[lis
 
 
 def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
-                  sample_count: int = DEFAULT_SAMPLE_COUNT) -> Record:
+                  sample_count: int = DEFAULT_SAMPLE_COUNT) -> TensorFields:
     """The statistics part of a record: shape, dtype, numel, summary statistics and samples.
 
         record = tensor_record(torch.randn(4, 4))
@@ -49,7 +49,7 @@ def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZ
     values, stats_of = statistics_view(tensor)
     summary = summarize(values, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
     indices, index_tensor = _sample_positions(values.numel(), sample_count, values.device)
-    record: Record = {
+    record: TensorFields = {
         "shape": list(tensor.shape) if stats_of is None else shape_of(tensor),
         "dtype": _dtype_name(tensor),
     }
@@ -75,7 +75,7 @@ def unsupported_reason(error: BaseException) -> str:
     return text if len(text) <= _REASON_LENGTH else text[: _REASON_LENGTH - 3] + "..."
 
 
-def unsupported_record(tensor: torch.Tensor, reason: str) -> Record:
+def unsupported_record(tensor: torch.Tensor, reason: str) -> TensorFields:
     """The statistics part of a record for a tensor without statistics: what is known of it, and why.
 
         unsupported_record(torch.empty(2, device="meta"), "meta tensor: it has no data")
