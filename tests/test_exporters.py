@@ -1,4 +1,7 @@
-"""exporters/: probes as com.microsoft::PythonOp (standalone and under ORTModule), ZeRO-3 embeddings."""
+"""exporters/: probes as com.microsoft::PythonOp (standalone and under ORTModule), ZeRO-3 embeddings.
+
+Over 400 lines: the standalone and the ORTModule exports share one set of models and graph helpers below.
+"""
 
 from __future__ import annotations
 
