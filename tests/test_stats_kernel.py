@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from probes.stats import kernel, numerics
-from probes.stats.kernel import Kernel, KernelRow
+from probes.stats.kernel import Kernel, KernelRow, row_getter
 from probes.stats.numerics import summarize
 
 
@@ -33,6 +33,19 @@ def test_the_row_is_named_by_the_module() -> None:
     assert (row.shift, row.deviation) == (1.0, 1.0)  # the first finite value, and mean - shift
     assert fused.stats(torch.tensor([5, 7]), 4.0).shift == 4.0  # a given shift is kept
     assert numerics.backend is kernel.backend
+
+
+def test_row_getter_reads_a_row_or_its_plain_tuple_by_name() -> None:
+    fused = kernel.load(required=True)
+    assert fused is not None
+    x = torch.tensor([2.0, -1.0, math.inf])
+    row, raw = fused.stats(x), fused.stats_tuple(x, None)
+    assert type(raw) is tuple and raw == tuple(row)
+    extremes = row_getter("min", "max")
+    assert extremes(row) == extremes(raw) == (row.min, row.max) == (-1.0, 2.0)
+    assert row_getter("deviation")(raw) == row.deviation
+    with pytest.raises(ValueError, match="KernelRow has no field 'std'"):
+        row_getter("mean", "std")
 
 
 class _Drifted:

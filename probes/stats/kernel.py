@@ -2,6 +2,7 @@
 
     k = load(required=False)                 # a Kernel, or None (warned once) when it cannot be built
     row = k.stats(x) if k else None          # a KernelRow: row.numel, row.mean, ..., row.shift, row.deviation
+    mean, m2 = row_getter("mean", "m2")(k.stats_tuple(x))   # the hot path: fields by name, no NamedTuple
 
 ``_stats_kernel.cpp`` is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension
 cache, under a name that carries the row's version, the torch version and the vector ISA. The module
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import operator
 import os
 import platform
 import re
@@ -21,14 +23,14 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from exporters import _torch_compat
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "load",
-           "resolve_backend"]
+           "resolve_backend", "row_getter"]
 
 # Bump when the row changes: a build under the old name is then not reused from the shared cache.
 ROW_VERSION = 2
@@ -64,13 +66,28 @@ class KernelRow(NamedTuple):
     deviation: float  # mean - shift
 
 
+def row_getter(*names: str) -> operator.itemgetter:
+    """A getter of the named fields of a KernelRow, or of a plain tuple in its order (``Kernel.stats_tuple``).
+
+        extremes = row_getter("min", "max")   # extremes(row) == (row.min, row.max)
+    """
+    unknown = [name for name in names if name not in KernelRow._fields]
+    if unknown:
+        raise ValueError(f"KernelRow has no field {unknown[0]!r}; its fields are {KernelRow._fields}")
+    return operator.itemgetter(*map(KernelRow._fields.index, names))
+
+
 class Kernel:
     """The loaded C++ module, with rows read by name.
 
         row = kernel.stats(bucket, shift)   # shift: None, or the first bucket's row.shift
+
+    ``stats_tuple`` is the module's own function: the same row as a plain tuple in KernelRow's order
+    (checked on load), for a caller that reads it with ``row_getter`` and skips the NamedTuple.
     """
 
-    __slots__ = ("_stats",)
+    __slots__ = ("stats_tuple",)
+    stats_tuple: Callable[[torch.Tensor, float | None], tuple]
 
     def __init__(self, module: ModuleType) -> None:
         fields = tuple(module.row_fields())
@@ -79,12 +96,12 @@ class Kernel:
                 f"probes stats kernel: its row fields {fields} differ from KernelRow's {KernelRow._fields}; "
                 "change _stats_kernel.cpp's row_fields() and probes/stats/kernel.py together (and bump ROW_VERSION)"
             )
-        self._stats = module.stats
+        self.stats_tuple = module.stats
 
     def stats(self, x: torch.Tensor, shift: float | None = None) -> KernelRow:
         """Statistics of a contiguous CPU tensor of a KERNEL_DTYPES dtype."""
         # KernelRow._make without its length check, which the field check on load made redundant.
-        return tuple.__new__(KernelRow, self._stats(x, shift))
+        return tuple.__new__(KernelRow, self.stats_tuple(x, shift))
 
 
 def _read_default_backend() -> str:

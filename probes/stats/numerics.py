@@ -19,7 +19,6 @@ accepted: complex, sparse, nested, quantized, meta and ``__torch_dispatch__`` te
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 
 from ..utils import check_int
 from . import kernel
-from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES, KernelRow, backend
+from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES, KernelRow, backend, row_getter
 from .views import check_readable
 
 __all__ = ["TensorSummary", "backend", "sample_indices", "summarize", "take_samples"]
@@ -209,10 +208,11 @@ def _decode(rows: torch.Tensor, dtype: torch.dtype) -> list[KernelRow]:
     return out
 
 
-_SUMMARY_FIELDS = operator.attrgetter(*TensorSummary.__dataclass_fields__)  # TensorSummary's fields, by name
+_SUMMARY_FIELDS = row_getter(*TensorSummary.__dataclass_fields__)  # TensorSummary's fields, by name
 
 
-def _summary(row: KernelRow) -> TensorSummary:
+def _summary(row: KernelRow | tuple) -> TensorSummary:
+    """The TensorSummary part of a row (a KernelRow, or a plain tuple in its order)."""
     return TensorSummary(*_SUMMARY_FIELDS(row))
 
 
@@ -308,7 +308,7 @@ def summarize(
     ):
         fused = kernel.load(required=choice == "cpp")
         if fused is not None:
-            return _summary(fused.stats(tensor))
+            return _summary(fused.stats_tuple(tensor, None))
 
     check_int(bucket_size, "bucket_size", minimum=1)
     if tensor.is_complex():
