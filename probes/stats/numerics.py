@@ -19,6 +19,7 @@ accepted: complex, sparse, nested, quantized, meta and ``__torch_dispatch__`` te
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -310,7 +311,7 @@ def summarize(
         if fused is not None:
             return _summary(fused.stats_tuple(tensor, None))
 
-    check_int(bucket_size, "bucket_size", minimum=1)
+    bucket_size = check_int(operator.index(bucket_size), "bucket_size", minimum=1)  # numpy ints stay accepted
     if tensor.is_complex():
         raise TypeError("summarize: complex tensors are not supported (summarize torch.view_as_real(x))")
     x = tensor.detach()
