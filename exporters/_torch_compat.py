@@ -39,10 +39,6 @@ class TorchInternalsError(RuntimeError):
     """torch lacks a private call the project relies on; the message names it and what to do."""
 
 
-def torch_version() -> tuple[int, int]:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[return-value]
-
-
 def _missing(what: str) -> TorchInternalsError:
     low, high = (".".join(map(str, bound)) for bound in SUPPORTED_TORCH)
     return TorchInternalsError(

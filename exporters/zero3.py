@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 
@@ -72,19 +72,22 @@ def install(spec: Zero3ExportSpec) -> None:
     ))
 
 
+def _partitioned_inputs(spec: Zero3ExportSpec, module: torch.nn.Module, graph_inputs: Iterable[str]
+                        ) -> dict[str, torch.Tensor]:
+    """The module's partitioned parameters that are graph inputs, by name, in the module's order."""
+    names = set(graph_inputs)
+    return {name: param for name, param in module.named_parameters() if name in names and spec.is_partitioned(param)}
+
+
 def _rewire_exported(spec: Zero3ExportSpec, exported_model: Any, module: torch.nn.Module) -> None:
-    graph_inputs = {graph_input.name for graph_input in exported_model.graph.input}
-    partitioned = {name: param for name, param in module.named_parameters()
-                   if name in graph_inputs and spec.is_partitioned(param)}
+    partitioned = _partitioned_inputs(spec, module, (graph_input.name for graph_input in exported_model.graph.input))
     if partitioned:
         rewire_consumers(exported_model, spec, partitioned)
 
 
 def _drop_partitioned_inputs(spec: Zero3ExportSpec, model: Any, module: torch.nn.Module,
                              graph_inputs: Sequence[str]) -> list[str]:
-    partitioned = [name for name, param in module.named_parameters()
-                   if name in graph_inputs and spec.is_partitioned(param)]
-    return replace_partitioned_inputs(model, spec, partitioned)
+    return replace_partitioned_inputs(model, spec, list(_partitioned_inputs(spec, module, graph_inputs)))
 
 
 # The graph rewrite (ORT's PythonOp attribute schema; no ORT call) ------------------------------------

@@ -37,7 +37,7 @@ from exporters.handles import Handle
 from ..utils import TensorLeaves, at_exit
 from . import wrappers
 from .functions import StepBoundary, TensorProbe, can_probe
-from .steps import RunState, StepTracker
+from .steps import StepTracker
 from .subscriber import ProbeSite, SubscriberBase
 
 ROOT_NAME = "<root>"
@@ -174,11 +174,6 @@ class SubscriberManager:
     def step(self) -> int:
         """The number of steps begun so far (the number the next step will get)."""
         return self.steps.step
-
-    @property
-    def run_state(self) -> RunState:
-        """The step machine's state (read-only use: tests and debugging)."""
-        return self.steps.state
 
     @property
     def subscribers(self) -> tuple[SubscriberBase, ...]:
