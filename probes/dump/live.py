@@ -24,10 +24,10 @@ from typing import Protocol
 class LiveWriter(Protocol):
     """What the registry needs of a writer (DumpWriter)."""
 
-    def _writes_into(self, target: Path) -> bool:
+    def writes_into(self, target: Path) -> bool:
         """Whether ``target`` (resolved) is the writer's dump directory or lies inside it."""
 
-    def _wait_written(self) -> None:
+    def wait_written(self) -> None:
         """Waits for everything queued so far; never raises the writer's error."""
 
 
@@ -66,5 +66,5 @@ def flush_writers(path: str | Path) -> None:
         return
     target = resolved(path)
     for writer in writers:
-        if writer._writes_into(target):
-            writer._wait_written()
+        if writer.writes_into(target):
+            writer.wait_written()

@@ -221,12 +221,12 @@ class DumpWriter:
                     f"(rank {self.config.rank}) was closed; {steps} not written.")
         return f"probes: warning: {str(self._error).removeprefix('probes dump: ')} At exit {steps} not finished."
 
-    def _writes_into(self, target: Path) -> bool:
+    def writes_into(self, target: Path) -> bool:
         """Whether ``target`` (resolved) is this writer's dump directory or lies inside it."""
         root = self._resolved_root
         return target == root or root in target.parents
 
-    def _wait_written(self) -> None:
+    def wait_written(self) -> None:
         """A reader's flush: waits for everything queued so far, never raises the writer's error."""
         if self._closed or self._error is not None or threading.current_thread() is self._thread:
             return
