@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from ..dump import DumpFormatError, Record, RecordKey, record_key
+from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile, record_key
 from ..utils.progress import progress_meter
-from ..dump import DumpReader, StepFile
 from .model import CompareConfig
 
 __all__ = ["LoadedDump", "read_dump"]
