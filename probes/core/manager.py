@@ -35,7 +35,7 @@ from exporters import _ort_compat
 from exporters.handles import Handle
 
 from ..utils import TensorLeaves, at_exit
-from . import wrappers
+from . import compiled, rootcall, wrappers
 from .functions import StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
 from .subscriber import ProbeSite, SubscriberBase
@@ -88,7 +88,7 @@ class SubscriberManager:
     def __init__(self) -> None:
         self.steps = StepTracker(forward_running=self._forward_running)
         self._probe_inputs = False
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | Handle] = []
         self._sites: list[ProbeSite] = []
         self._inspect_sites: dict[str, ProbeSite] = {}
         self._subscription: Subscription | None = None
@@ -198,7 +198,7 @@ class SubscriberManager:
         if site is None:
             site = ProbeSite(name, "inspect", -1, -1, type(tensor).__name__, self)
             self._inspect_sites[name] = site
-        (probed,) = TensorProbe.apply(site, tensor)
+        (probed,) = self._pass(site, (tensor,), boundary=False)
         return probed
 
     # Hooks ------------------------------------------------------------------------------------
@@ -212,8 +212,11 @@ class SubscriberManager:
             self._sites.append(sites["output"])
             pre = functools.partial(self._pre_forward_hook, sites["input"], index == 0)
             post = functools.partial(self._post_forward_hook, sites["output"], index == 0)
-            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(post))
+            if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
+                self._handles.append(rootcall.wrap_forward(module, pre, post))
+            else:
+                self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(post))
 
     def _pre_forward_hook(self, site: ProbeSite, is_root: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -227,7 +230,7 @@ class SubscriberManager:
         for subscriber in subscribers:
             args, kwargs = subscriber.pre_forward_module_apply(site, module, args, kwargs)
         if self._probe_inputs:
-            args, kwargs = self._apply_to_tensors(TensorProbe, site, (args, kwargs))
+            args, kwargs = self._apply_to_tensors(site, (args, kwargs))
         return args, kwargs
 
     def _post_forward_hook(self, site: ProbeSite, is_root: bool, module: torch.nn.Module,
@@ -236,30 +239,39 @@ class SubscriberManager:
         for subscriber in subscribers:
             outputs = subscriber.post_forward_module_apply(site, module, args, outputs)
         if self.steps.observers:
-            outputs = self._apply_to_tensors(TensorProbe, site, outputs)
+            outputs = self._apply_to_tensors(site, outputs)
         if is_root:
             for subscriber in subscribers:
                 outputs = subscriber.post_forward_outmost_module_apply(site, module, args, outputs)
-            outputs = self._apply_to_tensors(StepBoundary, self.steps, outputs, always=True)
+            outputs = self._apply_to_tensors(site, outputs, boundary=True)
             if _RUNNING and _RUNNING[-1] is self:
                 _RUNNING.pop()
         return outputs
 
-    def _apply_to_tensors(self, function: type[torch.autograd.Function], first_arg: Any, structure: Any,
-                          always: bool = False) -> Any:
-        """Pass the tensors of a nested structure through ``function``; everything else is kept as is."""
+    def _apply_to_tensors(self, site: ProbeSite, structure: Any, *, boundary: bool = False) -> Any:
+        """Pass the tensors of a nested structure through ``site``'s probe (``boundary``: through the step
+        boundary of the root's outputs); everything else is kept as is."""
         if isinstance(structure, torch.Tensor) and can_probe(structure):  # the common case, no pytree round trip
-            return function.apply(first_arg, structure)[0]
+            return self._pass(site, (structure,), boundary)[0]
         leaves = TensorLeaves.of(structure, select=_is_probeable)
-        if isinstance(first_arg, ProbeSite):
+        if not boundary:
             unobservable = [leaf for leaf in leaves.leaves if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
             if unobservable:
-                _warn_unobserved(first_arg, unobservable)
-        if not leaves.positions:
-            if always and not _ort_compat.is_exporting():
-                self.steps.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
+                _warn_unobserved(site, unobservable)
+        if not leaves.positions and not boundary:
             return structure
-        return leaves.rebuild(function.apply(first_arg, *leaves.tensors))
+        return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
+
+    def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool) -> Sequence[torch.Tensor]:
+        if torch.compiler.is_compiling():  # dynamo is tracing: the graph gets the probe ops
+            return compiled.boundary(site, tensors) if boundary else compiled.probe(site, tensors)
+        if not boundary:
+            return TensorProbe.apply(site, *tensors)
+        if tensors:
+            return StepBoundary.apply(self.steps, *tensors)
+        if not _ort_compat.is_exporting():
+            self.steps.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
+        return ()
 
     def _forward_running(self) -> bool:
         return self in _RUNNING

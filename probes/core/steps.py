@@ -27,6 +27,7 @@ The rules (docs/training.md says what each training set-up gives):
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -36,6 +37,9 @@ import torch
 from exporters import _torch_compat
 
 from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+
+
+_QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward
 
 
 @dataclass(eq=False)
@@ -92,6 +96,10 @@ class StepTracker:
         self._subscribers: tuple[SubscriberBase, ...] = ()
         self._observers: tuple[SubscriberBase, ...] = ()
         self._forward_running = forward_running
+        # torch.compile: forward events waiting for their backward, per compiled probe call (slot), and the
+        # last one each slot's backward took (what a second backward of the same forward differentiates).
+        self._queued: dict[int, collections.deque[ProbeEvent | Recomputed]] = {}
+        self._taken: dict[int, ProbeEvent | Recomputed] = {}
 
     def __deepcopy__(self, memo: dict) -> "StepTracker":
         # ORT deep-copies the model (hooks and their Function arguments included) before exporting.
@@ -100,6 +108,8 @@ class StepTracker:
     def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
         """Start counting from step 0 for a new set of subscribers."""
         self.state = RunState()
+        self._queued.clear()
+        self._taken.clear()
         self._subscribers = tuple(subscribers)
         self._observers = tuple(s for s in subscribers if s.observes_tensors)
 
@@ -108,6 +118,8 @@ class StepTracker:
         count of steps begun stays until the next ``reset``)."""
         self.close_open_step()
         self._subscribers = self._observers = ()
+        self._queued.clear()
+        self._taken.clear()
 
     @property
     def step(self) -> int:
@@ -167,6 +179,27 @@ class StepTracker:
         state.seq += 1
         for subscriber in self._receivers(site, step):
             subscriber.on_backward(event, grads)
+
+    def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
+        """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``); its event waits
+        under ``slot`` for the backward (None: no backward will come, the outputs need no gradient)."""
+        event = self.probe_forward(site, tensors)
+        if slot is not None and isinstance(event, ProbeEvent):  # not a recomputation inside backward
+            queue = self._queued.get(slot)
+            if queue is None:
+                # Bounded: forwards whose backward never comes (a loss never differentiated) do not pile up.
+                queue = self._queued[slot] = collections.deque(maxlen=_QUEUED_PER_SLOT)
+            queue.append(event)
+
+    def compiled_backward(self, site: ProbeSite, grads: Sequence[torch.Tensor | None], *, slot: int) -> None:
+        """A probe's backward fired inside a torch.compile graph: it differentiates the oldest forward of
+        its slot not yet differentiated, or again the last one (a second backward of a retained graph)."""
+        queue = self._queued.get(slot)
+        if queue:
+            self._taken[slot] = queue.popleft()
+        token = self._taken.get(slot)
+        if token is not None:
+            self.probe_backward(token, grads)
 
     def forward_returned(self) -> None:
         """The root module's forward returned."""

@@ -34,12 +34,13 @@ Usage::
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 
 from ..utils import check_int
+from . import compiled
 
 if TYPE_CHECKING:
     from .manager import SubscriberManager
@@ -61,6 +62,10 @@ class ProbeSite:
     depth: int  # 0 for the root
     module_class: str
     manager: "SubscriberManager"
+    compiled_key: int = field(init=False, repr=False)  # how a torch.compile graph names this site
+
+    def __post_init__(self) -> None:
+        self.compiled_key = compiled.site_key(self)
 
     def __deepcopy__(self, memo: dict) -> "ProbeSite":
         return self

@@ -1,0 +1,137 @@
+"""The probes inside ``torch.compile``: custom operators the compiler keeps in its graph and calls every step.
+
+Under ``torch.compile`` the manager's hooks run once, while dynamo traces the forward; what has to
+happen on every step must be in the compiled graph. ORTModule gets that from PythonOps; here it comes
+from two opaque custom operators, ``probes::observe`` (forward) and ``probes::observe_grad`` (backward),
+whose Python bodies call the same ``StepTracker`` as the eager probe Functions. Each mutates a token
+tensor, so no compiler pass drops, reorders or recomputes them, and none of the run state is a value
+dynamo could guard on: the graph holds only constant ids.
+
+    outputs = probe(site, tensors)      # a hook while dynamo traces: probe Function -> op node
+    outputs = boundary(site, tensors)   # the root's outputs: the forward returned / the backward reached the root
+
+The stages:
+
+1. *Trace* (a hook, once per compilation): the tensors pass through ``CompiledProbe``, whose forward
+   calls ``probes::observe`` with the site's key and a fresh slot (one per probe call in the traced
+   program), both constants of the graph; its backward calls ``probes::observe_grad`` with them.
+2. *Forward* (every step, inside the compiled forward): ``observe`` finds the site by its key and
+   calls ``StepTracker.probe_forward``; the event waits in the tracker's queue for its slot.
+3. *Backward* (every step, inside the compiled backward): ``observe_grad`` takes the oldest event of its
+   slot and calls ``StepTracker.probe_backward``. The compiled backward gets no per-call object from
+   its forward (a ticket tensor passed between them is recomputed by torch 2.4's partitioner, and
+   running a forward probe twice is wrong), so the backward finds its forward by slot, first in first out.
+
+A site whose subscription has ended is no longer found: its ops do nothing until dynamo recompiles
+(removing the hooks changes what dynamo guards on, so the next call recompiles).
+"""
+
+# No ``from __future__ import annotations``: torch.library reads the custom ops' annotations as types.
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from .subscriber import ProbeSite
+
+# Opaque to the compiler, mutated by every probe op: the ops of one pass are chained through it in the
+# order they were traced, and a mutating op is never dead code. One per pass, so that no backward op
+# depends on a forward op's output (which would let a partitioner recompute the forward op).
+_FORWARD_TOKEN = torch.zeros(1)
+_BACKWARD_TOKEN = torch.zeros(1)
+
+_SITES: "weakref.WeakValueDictionary[int, ProbeSite]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+_SLOTS = itertools.count(1)
+
+_FORWARD, _BOUNDARY = 0, 1  # what an op call is: a probe, or the root's step boundary
+
+
+def site_key(site: "ProbeSite") -> int:
+    """A new key under which the compiled graph finds ``site`` (the graph holds the key, not the object)."""
+    key = next(_KEYS)
+    _SITES[key] = site
+    return key
+
+
+@torch.compiler.assume_constant_result
+def _new_slot() -> int:
+    # Evaluated while dynamo traces, so each probe call in a compiled program gets its own constant.
+    return next(_SLOTS)
+
+
+@torch.library.custom_op("probes::observe", mutates_args=("token",))
+def _observe(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: int, what: int,
+             queued: bool) -> None:
+    site = _SITES.get(key)
+    if site is None:
+        return
+    steps = site.manager.steps
+    if what == _BOUNDARY:
+        steps.forward_returned()
+    else:
+        steps.compiled_forward(site, tensors, slot=slot if queued else None)
+
+
+@_observe.register_fake
+def _(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: int, what: int, queued: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("probes::observe_grad", mutates_args=("token",))
+def _observe_grad(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key: int, slot: int,
+                  what: int) -> None:
+    site = _SITES.get(key)
+    if site is None:
+        return
+    steps = site.manager.steps
+    if what == _BOUNDARY:
+        steps.backward_reached_root()
+    else:
+        steps.compiled_backward(site, grads, slot=slot)
+
+
+@_observe_grad.register_fake
+def _(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key: int, slot: int, what: int) -> None:
+    return None
+
+
+class CompiledProbe(torch.autograd.Function):
+    """Identity whose forward and backward call the probe ops (the compiled counterpart of TensorProbe)."""
+
+    @staticmethod
+    def forward(ctx: Any, key: int, slot: int, what: int, queued: bool,
+                *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        _observe(_FORWARD_TOKEN, list(tensors), key, slot, what, queued)
+        ctx.key, ctx.slot, ctx.what = key, slot, what
+        outputs = tuple(tensor.view_as(tensor) for tensor in tensors)
+        frozen = [output for output, tensor in zip(outputs, tensors) if not tensor.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
+        _observe_grad(_BACKWARD_TOKEN, list(grads), ctx.key, ctx.slot, ctx.what)
+        return (None, None, None, None, *grads)
+
+
+def _pass(site: "ProbeSite", what: int, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    queued = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+    return CompiledProbe.apply(site.compiled_key, _new_slot(), what, queued, *tensors)
+
+
+def probe(site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """Pass ``tensors`` through a probe of ``site`` in the program dynamo is tracing."""
+    return _pass(site, _FORWARD, tensors)
+
+
+def boundary(site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """Pass the root's outputs through the step boundary of ``site``'s tracker (``tensors`` may be empty)."""
+    if not tensors:
+        _observe(_FORWARD_TOKEN, [], site.compiled_key, 0, _BOUNDARY, False)
+        return ()
+    return _pass(site, _BOUNDARY, tensors)
