@@ -87,7 +87,9 @@ class Recorder(SubscriberBase):
 
 
 def hook_count(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """Forward hooks and pre-hooks of every module; a wrapped instance ``forward`` (the root's probes,
+    probes.core.rootcall) counts as the two hooks it stands for."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + 2 * ("forward" in vars(m)) for m in model.modules())
 
 
 def train_run(out: Path, *, config: TransformerConfig, steps: int, bug: tuple[str, int, str] | None = None,
