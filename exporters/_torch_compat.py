@@ -183,6 +183,19 @@ def extension_build_directory(name: str) -> str | None:
     return None if get is None else get(name, verbose=False)
 
 
+# torch.compile -----------------------------------------------------------------------------------
+
+def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.assume_constant_result`` without importing torch._dynamo.
+
+    Dynamo calls such a function while it traces and puts its result in the graph as a constant.
+    The public decorator imports torch._dynamo (about 2 s, and on torch 2.4 onnxruntime's ORTModule with
+    it); in torch 2.1-2.14 all it does is set this attribute, which tests/test_compile.py checks.
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 def has_python_dispatch(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` dispatches to Python: a ``__torch_dispatch__`` subclass (FakeTensor, DTensor, ...)."""
     return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)

@@ -16,7 +16,6 @@ test's tmp_path when the runs diverge (``from probes.testing import parity`` in 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
@@ -77,7 +76,6 @@ def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 
 # --------------------------------------------------------------------------------------------- bug injection
 
 
-@dataclass(eq=False)
 class BugInjection(Handle):
     """Live state of an injected bug; the exported graph reaches it by pointer, so updates are seen under ORT.
 
@@ -86,17 +84,36 @@ class BugInjection(Handle):
     ``factor`` (and, as the derivative of that, its gradient too). Phase "backward": only the gradient
     is. A ``Handle``: ``remove()`` (idempotent, or the end of a ``with`` block) removes the module hook
     and ends the bug, also in a graph ORT already exported with it.
+
+    The scales are 0-d tensors updated in place: a torch.compile graph takes them as inputs, so a new
+    ``step`` changes what the compiled bug does without a recompile (a Python number would be a guard).
     """
 
-    layer: str
-    from_step: int
-    factor: float
-    phase: Literal["forward", "backward"]
-    step: int = 0
-    handle: Any = None  # the module hook's handle
+    def __init__(self, layer: str, from_step: int, factor: float,
+                 phase: Literal["forward", "backward"], step: int = 0) -> None:
+        super().__init__(self._unhook)
+        self.layer = layer
+        self.from_step = from_step
+        self.factor = factor
+        self.phase = phase
+        self.handle: Any = None  # the module hook's handle
+        self.output_scale = torch.ones(())  # what the layer's output is multiplied by now
+        self.grad_scale = torch.ones(())  # what the gradient of the output is multiplied by now
+        self.step = step
 
-    def __post_init__(self) -> None:
-        Handle.__init__(self, self._unhook)
+    def __repr__(self) -> str:
+        return (f"BugInjection(layer={self.layer!r}, from_step={self.from_step}, factor={self.factor}, "
+                f"phase={self.phase!r}, step={self.step}, active={self.active})")
+
+    @property
+    def step(self) -> int:
+        """The current training step (set it before each step)."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        self._refresh()
 
     @property
     def active(self) -> bool:
@@ -108,25 +125,30 @@ class BugInjection(Handle):
         """The statistics record the bug shows up in first (the layer's first output)."""
         return f"{self.layer}.output.0"
 
+    def _refresh(self) -> None:
+        scale = self.factor if self.active else 1.0
+        self.grad_scale.fill_(scale)
+        self.output_scale.fill_(scale if self.phase == "forward" else 1.0)
+
     def _unhook(self) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        self._refresh()  # ends the bug in graphs already built with it (ORT, torch.compile)
 
 
 class ScaleOutput(torch.autograd.Function):
-    """Multiplies a tensor (forward bug) or its gradient (backward bug) by the bug's factor while it is active."""
+    """Multiplies a tensor (forward bug) or its gradient (backward bug) by the bug's scale of the step."""
 
     @staticmethod
     def forward(ctx: Any, bug: BugInjection, tensor: torch.Tensor) -> torch.Tensor:
-        # Decided when the forward runs (every step, under ORT too), not when the graph was built.
-        scale = bug.factor if bug.active else 1.0
-        ctx.grad_scale = scale
-        return tensor * (scale if bug.phase == "forward" else 1.0)
+        # Read when the forward runs (every step, under ORT and torch.compile too), not when the graph was built.
+        ctx.bug = bug
+        return tensor * bug.output_scale
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad * ctx.grad_scale
+        return None, grad * ctx.bug.grad_scale
 
 
 def _scale_first_tensor(bug: BugInjection) -> Callable[..., Any]:

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from exporters import _torch_compat
+
 if TYPE_CHECKING:
     from .subscriber import ProbeSite
 
@@ -47,7 +49,10 @@ _SITES: "weakref.WeakValueDictionary[int, ProbeSite]" = weakref.WeakValueDiction
 _KEYS = itertools.count(1)
 _SLOTS = itertools.count(1)
 
-_FORWARD, _BOUNDARY = 0, 1  # what an op call is: a probe, or the root's step boundary
+# What an op call is: a module's probe, the root's step boundary, or an ``inspect_activation`` call
+# (its site is made when it first runs, by name, from the root's site: making one while tracing would
+# be Python side effects dynamo cannot put in a graph).
+_PROBE, _BOUNDARY, _INSPECT = 0, 1, 2
 
 
 def site_key(site: "ProbeSite") -> int:
@@ -57,16 +62,23 @@ def site_key(site: "ProbeSite") -> int:
     return key
 
 
-@torch.compiler.assume_constant_result
+@_torch_compat.constant_while_tracing
 def _new_slot() -> int:
     # Evaluated while dynamo traces, so each probe call in a compiled program gets its own constant.
     return next(_SLOTS)
 
 
-@torch.library.custom_op("probes::observe", mutates_args=("token",))
-def _observe(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: int, what: int,
-             queued: bool) -> None:
+def _site(key: int, what: int, name: str) -> "Optional[ProbeSite]":
     site = _SITES.get(key)
+    if site is None or what != _INSPECT:
+        return site
+    return site.manager.inspect_site(name)
+
+
+@torch.library.custom_op("probes::observe", mutates_args=("token",))
+def _observe(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: int, what: int, name: str,
+             queued: bool) -> None:
+    site = _site(key, what, name)
     if site is None:
         return
     steps = site.manager.steps
@@ -77,14 +89,15 @@ def _observe(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: i
 
 
 @_observe.register_fake
-def _(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: int, what: int, queued: bool) -> None:
+def _(token: torch.Tensor, tensors: List[torch.Tensor], key: int, slot: int, what: int, name: str,
+      queued: bool) -> None:
     return None
 
 
 @torch.library.custom_op("probes::observe_grad", mutates_args=("token",))
-def _observe_grad(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key: int, slot: int,
-                  what: int) -> None:
-    site = _SITES.get(key)
+def _observe_grad(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key: int, slot: int, what: int,
+                  name: str) -> None:
+    site = _site(key, what, name)
     if site is None:
         return
     steps = site.manager.steps
@@ -95,7 +108,7 @@ def _observe_grad(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key:
 
 
 @_observe_grad.register_fake
-def _(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key: int, slot: int, what: int) -> None:
+def _(token: torch.Tensor, grads: List[Optional[torch.Tensor]], key: int, slot: int, what: int, name: str) -> None:
     return None
 
 
@@ -103,10 +116,10 @@ class CompiledProbe(torch.autograd.Function):
     """Identity whose forward and backward call the probe ops (the compiled counterpart of TensorProbe)."""
 
     @staticmethod
-    def forward(ctx: Any, key: int, slot: int, what: int, queued: bool,
+    def forward(ctx: Any, key: int, slot: int, what: int, name: str, queued: bool,
                 *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        _observe(_FORWARD_TOKEN, list(tensors), key, slot, what, queued)
-        ctx.key, ctx.slot, ctx.what = key, slot, what
+        _observe(_FORWARD_TOKEN, list(tensors), key, slot, what, name, queued)
+        ctx.key, ctx.slot, ctx.what, ctx.name = key, slot, what, name
         outputs = tuple(tensor.view_as(tensor) for tensor in tensors)
         frozen = [output for output, tensor in zip(outputs, tensors) if not tensor.requires_grad]
         if frozen:
@@ -115,23 +128,28 @@ class CompiledProbe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
-        _observe_grad(_BACKWARD_TOKEN, list(grads), ctx.key, ctx.slot, ctx.what)
-        return (None, None, None, None, *grads)
+        _observe_grad(_BACKWARD_TOKEN, list(grads), ctx.key, ctx.slot, ctx.what, ctx.name)
+        return (None, None, None, None, None, *grads)
 
 
-def _pass(site: "ProbeSite", what: int, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+def _pass(site: "ProbeSite", what: int, tensors: Sequence[torch.Tensor], name: str = "") -> Tuple[torch.Tensor, ...]:
     queued = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    return CompiledProbe.apply(site.compiled_key, _new_slot(), what, queued, *tensors)
+    return CompiledProbe.apply(site.compiled_key, _new_slot(), what, name, queued, *tensors)
 
 
 def probe(site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """Pass ``tensors`` through a probe of ``site`` in the program dynamo is tracing."""
-    return _pass(site, _FORWARD, tensors)
+    return _pass(site, _PROBE, tensors)
+
+
+def inspect(root_site: "ProbeSite", name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Pass ``tensor`` through the probe of the ``inspect_activation`` name ``name`` of ``root_site``'s manager."""
+    return _pass(root_site, _INSPECT, (tensor,), name)[0]
 
 
 def boundary(site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     """Pass the root's outputs through the step boundary of ``site``'s tracker (``tensors`` may be empty)."""
     if not tensors:
-        _observe(_FORWARD_TOKEN, [], site.compiled_key, 0, _BOUNDARY, False)
+        _observe(_FORWARD_TOKEN, [], site.compiled_key, 0, _BOUNDARY, "", False)
         return ()
     return _pass(site, _BOUNDARY, tensors)

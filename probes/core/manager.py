@@ -194,12 +194,17 @@ class SubscriberManager:
         """Probe an intermediate tensor under ``name``; returns the tensor to use from then on."""
         if not self.steps.observers:
             return tensor
+        if torch.compiler.is_compiling():  # the site is made by name when the compiled probe first runs
+            return compiled.inspect(self._sites[0], name, tensor)
+        (probed,) = TensorProbe.apply(self.inspect_site(name, type(tensor).__name__), tensor)
+        return probed
+
+    def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
+        """The site of the ``inspect_activation`` name ``name`` (made on first use)."""
         site = self._inspect_sites.get(name)
         if site is None:
-            site = ProbeSite(name, "inspect", -1, -1, type(tensor).__name__, self)
-            self._inspect_sites[name] = site
-        (probed,) = self._pass(site, (tensor,), boundary=False)
-        return probed
+            site = self._inspect_sites[name] = ProbeSite(name, "inspect", -1, -1, tensor_class, self)
+        return site
 
     # Hooks ------------------------------------------------------------------------------------
 
