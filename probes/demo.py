@@ -1,16 +1,19 @@
-"""The end-to-end demo: the same training in eager PyTorch and in ORTModule, probed and compared.
+"""The end-to-end demo: the same training in eager PyTorch, in ORTModule and under torch.compile, compared.
 
     python -m probes.demo [--steps 5] [--out demo_out]      (``./dev demo`` runs this)
+    python -m probes.demo --backends eager,compile          # any of eager, ort, compile; the first is the base
     python -m probes.demo --inject-bug [--bug-layer blocks.1.mlp.0] [--bug-step 2] [--bug-factor 1.01]
 
-Trains the built-in TinyTransformer with identical weights and data twice, once eagerly and once
-wrapped in ORTModule, each with a StatisticsSubscriber on every module, then compares the two dumps
-record by record, prints the verdict and writes an HTML report (``<out>/compare.html``).
+Trains the built-in TinyTransformer with identical weights and data once per backend (by default eager
+PyTorch, ORTModule, and ``torch.compile(fullgraph=True)``), each with a StatisticsSubscriber on every
+module, then compares every run with the first record by record, prints the verdicts and writes an
+HTML report per comparison (``<out>/compare_<backend>.html``).
 
-With ``--inject-bug`` the second run multiplies one layer's output by a factor from a chosen step on
-(``probes.testing.inject_bug``: an autograd Function, so it is part of ORT's graph, reading the
-current step from a live object), and the demo checks that the comparison pinpoints exactly that
-layer and step. ``--second eager`` runs the second run eagerly too (for machines without ORTModule).
+With ``--inject-bug`` every run but the first multiplies one layer's output by a factor from a chosen
+step on (``probes.testing.inject_bug``: an autograd Function reading the current step from a live
+object, so it is part of ORT's and the compiler's graphs), and the demo checks that each comparison
+pinpoints exactly that layer and step. ``--second B`` is ``--backends eager,B`` (``--second eager``:
+two eager runs, for machines without ORTModule).
 """
 
 from __future__ import annotations
@@ -39,14 +42,15 @@ RTOL, ATOL = 1e-3, 1e-5
 
 def train(model: torch.nn.Module, output_dir: Path, steps: int, label: str,
           bug: BugInjection | None = None) -> list[float]:
-    """Trains ``steps`` SGD steps with a StatisticsSubscriber dumping to ``output_dir``."""
+    """Trains ``steps`` SGD steps of ``model`` (or of its ORTModule / torch.compile wrapper) with a
+    StatisticsSubscriber dumping to ``output_dir``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     manager = SubscriberManager()
     losses = []
     with manager.subscribe(model, [StatisticsSubscriber(output_dir, override_output_dir=True)]):
         for step in range(steps):
             if bug is not None:
-                bug.step = step  # the bug's Function reads this live object, under ORT too
+                bug.step = step  # the bug's Function reads this live object, under ORT and torch.compile too
             batch = make_batch(CONFIG, batch_size=8, seed=step)
             started = time.perf_counter()
             loss = model(batch["tokens"], labels=batch["labels"])
@@ -59,12 +63,20 @@ def train(model: torch.nn.Module, output_dir: Path, steps: int, label: str,
     return losses
 
 
-def ort_wrap(model: torch.nn.Module) -> torch.nn.Module | None:
+BACKENDS = ("eager", "ort", "compile")
+
+
+def wrap(backend: str, model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` as the backend runs it; None (after saying why) when this machine cannot."""
+    if backend == "compile":
+        return torch.compile(model, fullgraph=True)  # fullgraph: a graph break would be an error, not a fallback
+    if backend != "ort":
+        return model
     try:
         from onnxruntime.training.ortmodule import ORTModule
     except Exception as error:  # ImportError or ORT's extension check
         print(f"ORTModule is not available here ({type(error).__name__}: {error}); run ./dev demo (ort lane), "
-              "or pass --second eager.")
+              "or pass --backends eager,compile.")
         return None
     return ORTModule(model)
 
@@ -73,8 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m probes.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("demo_out"))
-    parser.add_argument("--second", choices=("ort", "eager"), default="ort", help="how the second run trains")
-    parser.add_argument("--inject-bug", action="store_true", help="perturb one layer of the second run")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated runs, each compared with the first (eager, ort, compile)")
+    parser.add_argument("--second", choices=BACKENDS, help="same as --backends eager,SECOND")
+    parser.add_argument("--inject-bug", action="store_true", help="perturb one layer of every run but the first")
     parser.add_argument("--bug-layer", default="blocks.1.mlp.0", help="module whose output is perturbed")
     parser.add_argument("--bug-step", type=int, default=2, help="first step with the perturbation")
     parser.add_argument("--bug-factor", type=float, default=1.01, help="the layer's output is multiplied by this")
@@ -83,6 +97,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--steps must be at least 1")
     if args.inject_bug and not 0 <= args.bug_step < args.steps:
         parser.error(f"--bug-step must be in [0, --steps) = [0, {args.steps})")
+    backends = ["eager", args.second] if args.second else [name.strip() for name in args.backends.split(",")]
+    unknown = [name for name in backends if name not in BACKENDS]
+    if unknown or len(backends) < 2:
+        parser.error(f"--backends needs two or more of {', '.join(BACKENDS)}, got {args.backends!r}")
+    args.backends = backends
     return args
 
 
@@ -92,41 +111,50 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)
-    eager_model, second_inner = model, copy.deepcopy(model)
     print(f"probes demo: {type(model).__name__} {CONFIG}, torch {torch.__version__}")
-    bug = None
-    if args.inject_bug:
-        try:
-            bug = inject_bug(second_inner, args.bug_layer, step=args.bug_step, factor=args.bug_factor)
-        except ValueError as error:
-            print(f"probes demo: {error}", file=sys.stderr)
-            return 2
-        print(f"injected bug: {args.bug_layer} output x {args.bug_factor} from step {args.bug_step} "
-              f"in the {args.second} run")
-
-    print(f"eager PyTorch -> {args.out / 'eager'}")
-    eager_losses = train(eager_model, args.out / "eager", args.steps, "eager")
-
-    label = "ort" if args.second == "ort" else "eager2"
-    if args.second == "ort":
-        second_model = ort_wrap(second_inner)
-        if second_model is None:
+    labels = [backend if args.backends.index(backend) == index else f"{backend}{index + 1}"
+              for index, backend in enumerate(args.backends)]  # eager,eager -> eager, eager2
+    models = [model] + [copy.deepcopy(model) for _ in labels[1:]]  # copied before any run trains
+    runs: dict[str, list[float]] = {}
+    bugs: dict[str, BugInjection] = {}
+    for index, (backend, label, inner) in enumerate(zip(args.backends, labels, models)):
+        if args.inject_bug and index > 0:
+            try:
+                bugs[label] = inject_bug(inner, args.bug_layer, step=args.bug_step, factor=args.bug_factor)
+            except ValueError as error:
+                print(f"probes demo: {error}", file=sys.stderr)
+                return 2
+            print(f"injected bug: {args.bug_layer} output x {args.bug_factor} from step {args.bug_step} "
+                  f"in the {label} run")
+        runner = wrap(backend, inner)
+        if runner is None:
             return 1
-        print(f"ORTModule -> {args.out / label}  (first step exports the model)")
-    else:
-        second_model = second_inner
-        print(f"eager PyTorch again -> {args.out / label}")
-    second_losses = train(second_model, args.out / label, args.steps, label, bug)
+        first = {"ort": "  (first step exports the model)", "compile": "  (first step compiles the model)"}
+        print(f"{DESCRIPTION[backend]} -> {args.out / label}{first.get(backend, '')}")
+        runs[label] = train(runner, args.out / label, args.steps, label, bugs.get(label))
 
-    for run in ("eager", label):
-        steps = list_steps(args.out / run)[0]
-        print(f"{run}: finished steps {steps['finished']}, unfinished {steps['unfinished']}")
-    report = compare_dumps(args.out / "eager", args.out / label, rtol=RTOL, atol=ATOL)
-    worst_loss = max(abs(a - b) / abs(a) for a, b in zip(eager_losses, second_losses))
+    base = labels[0]
+    for label in labels:
+        steps = list_steps(args.out / label)[0]
+        print(f"{label}: finished steps {steps['finished']}, unfinished {steps['unfinished']}")
+    status = 0
+    for label in labels[1:]:
+        status = max(status, _compare(args, base, label, runs, bugs.get(label)))
+    return status
+
+
+DESCRIPTION = {"eager": "eager PyTorch", "ort": "ORTModule", "compile": "torch.compile(fullgraph=True)"}
+
+
+def _compare(args: argparse.Namespace, base: str, label: str, runs: dict[str, list[float]],
+             bug: BugInjection | None) -> int:
+    report = compare_dumps(args.out / base, args.out / label, rtol=RTOL, atol=ATOL)
+    worst_loss = max(abs(a - b) / abs(a) for a, b in zip(runs[base], runs[label]))
+    print(f"\n===== {base} vs {label} =====")
     print(f"worst relative loss difference {worst_loss:.2e}")
     print()
     print(format_report(report, top=5))
-    html_path = write_html(report, args.out / "compare.html")
+    html_path = write_html(report, args.out / f"compare_{label}.html")
     print(f"HTML report: {html_path.resolve()}")
     if bug is None:
         return 0 if report.agrees else 1
@@ -134,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     first = report.first_divergence
     found = (first.rank, first.step, first.phase, first.name) if first is not None else None
     if found == expected:
-        print(f"compare pinpointed the injected bug: step {args.bug_step}, forward, {bug.record_name}")
+        print(f"compare pinpointed the injected bug in the {label} run: step {args.bug_step}, forward, "
+              f"{bug.record_name}")
         return 0
-    print(f"compare did NOT pinpoint the injected bug: expected {expected}, found {found}")
+    print(f"compare did NOT pinpoint the injected bug in the {label} run: expected {expected}, found {found}")
     return 1
 
 

@@ -371,7 +371,7 @@ def test_injected_bug_is_found_exactly_eager_vs_ortmodule(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("second", ["eager", pytest.param("ort", marks=pytest.mark.ort)])
+@pytest.mark.parametrize("second", ["eager", "compile", pytest.param("ort", marks=pytest.mark.ort)])
 def test_demo_pinpoints_the_injected_bug(tmp_path, second):
     # A subprocess, as users run it (ORT redirects the process's stdout file descriptor while exporting).
     command = [sys.executable, "-m", "probes.demo", "--inject-bug", "--steps", "3", "--bug-step", "1",
@@ -379,6 +379,8 @@ def test_demo_pinpoints_the_injected_bug(tmp_path, second):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compare pinpointed the injected bug: step 1, forward, blocks.0.mlp.0.output.0" in result.stdout
-    assert f"HTML report: {(tmp_path / 'compare.html').resolve()}" in result.stdout
-    assert (tmp_path / "compare.html").stat().st_size > 0
+    label = "eager2" if second == "eager" else second
+    assert (f"compare pinpointed the injected bug in the {label} run: step 1, forward, blocks.0.mlp.0.output.0"
+            in result.stdout)
+    html = tmp_path / f"compare_{label}.html"
+    assert f"HTML report: {html.resolve()}" in result.stdout and html.stat().st_size > 0

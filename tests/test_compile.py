@@ -133,6 +133,25 @@ def test_probes_cause_no_recompile():
     assert probed == plain and probed[9] == 1
 
 
+def test_dynamic_shapes_compile_as_often_as_without_probes():
+    def frames(subscribed: bool) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TinyTransformer(CONFIG)
+        recorder = Recorder()
+        if subscribed:
+            SubscriberManager().subscribe(model, [recorder])
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter, dynamic=True, fullgraph=True)
+        for index, batch_size in enumerate((2, 3, 5, 7)):
+            step(compiled, index, batch_size=batch_size)
+        if subscribed:
+            assert [c.shapes[0][0] for c in recorder.calls if c.name == "head.output.0"] == [2, 2, 3, 3, 5, 5, 7, 7]
+        return counter.frame_count
+
+    assert frames(True) == frames(False)
+
+
 def test_subscribing_and_unsubscribing_cost_one_recompile_each():
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)
@@ -235,6 +254,21 @@ def test_inspect_activation_inside_compiled_code(tmp_path):
     assert run(tmp_path / "compiled", True) == 1
     names = {(r["step"], r["phase"], r["name"]) for r in load_dump(tmp_path / "compiled")}
     assert {(s, p, "hidden") for s in range(3) for p in ("forward", "backward")} <= names
+    assert_parity(tmp_path / "eager", tmp_path / "compiled")
+
+
+def test_reduce_overhead_mode_on_the_cpu_records_like_eager(tmp_path):
+    def run(out, mode):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Inspected()
+        runner = torch.compile(model, mode=mode, fullgraph=True) if mode else model
+        with SubscriberManager().subscribe(model, [StatisticsSubscriber(out)]):
+            for index in range(3):
+                runner(torch.randn(4, 8, generator=torch.Generator().manual_seed(index))).square().mean().backward()
+
+    run(tmp_path / "eager", None)
+    run(tmp_path / "compiled", "reduce-overhead")
     assert_parity(tmp_path / "eager", tmp_path / "compiled")
 
 

@@ -1,0 +1,104 @@
+"""Training-step cost of the probes inside torch.compile, against eager PyTorch and compiled without probes.
+
+    python -m benchmarks.compile_overhead [--quick]
+
+The 4-layer transformer of the step benchmark (d_model 256, seq 128, batch 8; CPU, one thread, inductor).
+Cases, each its own copy of the same model, timed round-robin after their first step:
+
+- eager / compiled without probes: the baselines;
+- compiled + a null observer (a subscriber whose ``on_forward``/``on_backward`` do nothing): what the probes
+  cost the compiler alone (each observed tensor materialised, no fusion across a probe, one opaque op call
+  per site and pass);
+- eager / compiled + StatisticsSubscriber: the real thing.
+
+The first step of a compiled case is its compile time, reported beside the steady step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from benchmarks.common import environment, interleaved, median, table
+from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from probes.models import TinyTransformer, TransformerConfig, make_batch
+
+FULL = TransformerConfig(vocab_size=1024, d_model=256, n_heads=8, n_layers=4, d_ff=1024, seq_len=128)
+QUICK = TransformerConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=256, seq_len=32)
+
+CASES = ("eager, no probes", "eager + statistics", "compiled, no probes", "compiled + null observer",
+         "compiled + statistics")
+
+
+class NullObserver(SubscriberBase):
+    """Gets every tensor and does nothing with it: the cost of the probes themselves."""
+
+    def on_forward(self, event, tensors):  # noqa: ANN001
+        pass
+
+    def on_backward(self, event, grads):  # noqa: ANN001
+        pass
+
+
+def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[object]]:
+    torch.manual_seed(0)
+    base = TinyTransformer(config)
+    batch = make_batch(config, batch_size=8, seed=0)
+    managers: list[SubscriberManager] = []
+    runners: dict[str, Callable[[], None]] = {}
+    first_step: dict[str, float] = {}
+    for case in CASES:
+        model = copy.deepcopy(base)
+        if "statistics" in case or "null" in case:
+            subscriber = StatisticsSubscriber(work / case.replace(" ", "_")) if "statistics" in case else NullObserver()
+            managers.append(SubscriberManager())
+            managers[-1].subscribe(model, [subscriber])
+        runner = torch.compile(model, fullgraph=True) if case.startswith("compiled") else model
+
+        def run_step(model: torch.nn.Module = model, runner: torch.nn.Module = runner) -> None:
+            model.zero_grad(set_to_none=True)
+            runner(batch["tokens"], labels=batch["labels"]).backward()
+
+        started = time.perf_counter()
+        run_step()
+        first_step[case] = time.perf_counter() - started
+        runners[case] = run_step
+    times = interleaved(runners, repeats=repeats, warmup=1)
+    for manager in managers:
+        manager.unsubscribe()
+    eager, compiled = median(times["eager, no probes"]), median(times["compiled, no probes"])
+    compile_base = first_step["compiled, no probes"]
+    rows = []
+    for case in CASES:
+        step = median(times[case])
+        is_compiled = case.startswith("compiled")
+        rows.append([case, f"{step * 1e3:.1f}", f"{step / eager:.2f}x", f"{step / compiled:.2f}x",
+                     f"{first_step[case]:.1f}" if is_compiled else "",
+                     f"{first_step[case] / compile_base:.2f}x" if is_compiled else ""])
+    return rows
+
+
+def run(quick: bool = False) -> str:
+    torch.set_num_threads(1)
+    config = QUICK if quick else FULL
+    repeats = 3 if quick else 15
+    work = Path(tempfile.mkdtemp(prefix="probes-bench-compile-"))
+    rows = _measure(config, repeats, work)
+    modules = len(list(TinyTransformer(config).modules()))
+    return (f"### Training step under torch.compile ({'quick' if quick else 'full'}: d_model {config.d_model}, "
+            f"layers {config.n_layers}, seq {config.seq_len}, batch 8, {modules} modules probed, inductor, "
+            f"fullgraph, {repeats} interleaved repeats)\n\n{environment()}\n\n"
+            + table(["case", "median ms", "/ eager no probes", "/ compiled no probes", "first step s (compile)",
+                     "first step / compiled no probes"], rows))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    print(run(parser.parse_args().quick))
