@@ -11,17 +11,23 @@ Cases, each its own copy of the same model, timed round-robin after their first 
   per site and pass);
 - eager / compiled + StatisticsSubscriber: the real thing.
 
-The first step of a compiled case is its compile time, reported beside the steady step time.
+The first step of a compiled case is its compile time, reported beside the steady step time. It is
+measured in a new process per case with inductor's caches in a new empty directory, so every case
+compiles from nothing (in one process, later cases would reuse the kernels the first one compiled).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+import subprocess
+import sys
 
 import torch
 
@@ -46,30 +52,51 @@ class NullObserver(SubscriberBase):
         pass
 
 
-def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[object]]:
+def _prepare(case: str, model: torch.nn.Module, batch: dict, work: Path,
+             managers: list[SubscriberManager]) -> Callable[[], None]:
+    """One training step of ``case`` on ``model`` (subscribed and compiled as the case says)."""
+    if "statistics" in case or "null" in case:
+        subscriber = StatisticsSubscriber(work / case.replace(" ", "_")) if "statistics" in case else NullObserver()
+        managers.append(SubscriberManager())
+        managers[-1].subscribe(model, [subscriber])
+    runner = torch.compile(model, fullgraph=True) if case.startswith("compiled") else model
+
+    def run_step() -> None:
+        model.zero_grad(set_to_none=True)
+        runner(batch["tokens"], labels=batch["labels"]).backward()
+
+    return run_step
+
+
+def _first_step_seconds(case: str, quick: bool) -> float:
+    """The first (compiling) step of ``case``, timed in a new process with empty inductor caches."""
+    cache = tempfile.mkdtemp(prefix="probes-bench-inductor-")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    command = [sys.executable, "-m", "benchmarks.compile_overhead", "--first-step", case] + (["--quick"] if quick else [])
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=900)
+    return float(result.stdout.split()[-1])
+
+
+def _first_step_here(case: str, quick: bool) -> None:
+    torch.set_num_threads(1)
+    config = QUICK if quick else FULL
+    torch.manual_seed(0)
+    run_step = _prepare(case, TinyTransformer(config), make_batch(config, batch_size=8, seed=0),
+                        Path(tempfile.mkdtemp(prefix="probes-bench-compile-")), [])
+    started = time.perf_counter()
+    run_step()
+    print(f"{time.perf_counter() - started:.3f}")
+
+
+def _measure(config: TransformerConfig, repeats: int, work: Path, quick: bool) -> list[list[object]]:
     torch.manual_seed(0)
     base = TinyTransformer(config)
     batch = make_batch(config, batch_size=8, seed=0)
     managers: list[SubscriberManager] = []
-    runners: dict[str, Callable[[], None]] = {}
-    first_step: dict[str, float] = {}
-    for case in CASES:
-        model = copy.deepcopy(base)
-        if "statistics" in case or "null" in case:
-            subscriber = StatisticsSubscriber(work / case.replace(" ", "_")) if "statistics" in case else NullObserver()
-            managers.append(SubscriberManager())
-            managers[-1].subscribe(model, [subscriber])
-        runner = torch.compile(model, fullgraph=True) if case.startswith("compiled") else model
-
-        def run_step(model: torch.nn.Module = model, runner: torch.nn.Module = runner) -> None:
-            model.zero_grad(set_to_none=True)
-            runner(batch["tokens"], labels=batch["labels"]).backward()
-
-        started = time.perf_counter()
-        run_step()
-        first_step[case] = time.perf_counter() - started
-        runners[case] = run_step
-    times = interleaved(runners, repeats=repeats, warmup=1)
+    runners = {case: _prepare(case, copy.deepcopy(base), batch, work, managers) for case in CASES}
+    first_step = {case: _first_step_seconds(case, quick) for case in CASES if case.startswith("compiled")}
+    times = interleaved(runners, repeats=repeats, warmup=2)
     for manager in managers:
         manager.unsubscribe()
     eager, compiled = median(times["eager, no probes"]), median(times["compiled, no probes"])
@@ -89,7 +116,7 @@ def run(quick: bool = False) -> str:
     config = QUICK if quick else FULL
     repeats = 3 if quick else 15
     work = Path(tempfile.mkdtemp(prefix="probes-bench-compile-"))
-    rows = _measure(config, repeats, work)
+    rows = _measure(config, repeats, work, quick)
     modules = len(list(TinyTransformer(config).modules()))
     return (f"### Training step under torch.compile ({'quick' if quick else 'full'}: d_model {config.d_model}, "
             f"layers {config.n_layers}, seq {config.seq_len}, batch 8, {modules} modules probed, inductor, "
@@ -101,4 +128,9 @@ def run(quick: bool = False) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    print(run(parser.parse_args().quick))
+    parser.add_argument("--first-step", choices=CASES, help="only time this case's first step (a child process)")
+    args = parser.parse_args()
+    if args.first_step:
+        _first_step_here(args.first_step, args.quick)
+    else:
+        print(run(args.quick))
