@@ -80,7 +80,7 @@ def test_a_subscribed_model_is_one_graph_without_breaks():
     assert probed.op_count > plain.op_count  # the probes are in the graph
 
 
-@pytest.mark.parametrize("order", ["subscribe-then-compile", "compile-then-subscribe"])
+@pytest.mark.parametrize("order", ["subscribe-then-compile", "compile-then-subscribe", "module.compile()"])
 def test_fullgraph_training_fires_every_probe_from_the_compiled_graph(order):
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)
@@ -91,9 +91,13 @@ def test_fullgraph_training_fires_every_probe_from_the_compiled_graph(order):
     if order == "subscribe-then-compile":
         manager.subscribe(model, [recorder])
         compiled = torch.compile(model, backend=counter, fullgraph=True)
-    else:
+    elif order == "compile-then-subscribe":
         compiled = torch.compile(model, backend=counter, fullgraph=True)
         manager.subscribe(compiled, [recorder])  # the OptimizedModule: names as without it
+    else:
+        model.compile(backend=counter, fullgraph=True)  # in place: torch compiles the module's hooks too
+        manager.subscribe(model, [recorder])
+        compiled = model
     for index in range(4):
         step(compiled, index)
         assert recorder.step_ends == list(range(index + 1))  # closed when backward() returned
@@ -255,6 +259,34 @@ def test_inspect_activation_inside_compiled_code(tmp_path):
     names = {(r["step"], r["phase"], r["name"]) for r in load_dump(tmp_path / "compiled")}
     assert {(s, p, "hidden") for s in range(3) for p in ("forward", "backward")} <= names
     assert_parity(tmp_path / "eager", tmp_path / "compiled")
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+        self.second = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.second(torch.utils.checkpoint.checkpoint(self.first, x, use_reentrant=False))
+
+
+def test_activation_checkpointing_inside_the_compiled_graph_records_like_eager():
+    def calls(compile_):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Checkpointed()
+        recorder = Recorder()
+        counter = CompileCounterWithBackend("inductor")
+        runner = torch.compile(model, backend=counter, fullgraph=True) if compile_ else model
+        with SubscriberManager().subscribe(model, [recorder]):
+            for index in range(3):
+                runner(torch.randn(4, 8, generator=torch.Generator().manual_seed(index))).sum().backward()
+        assert counter.frame_count == int(compile_) and recorder.step_ends == [0, 1, 2]
+        return [(c.step, c.phase, c.name, c.shapes) for c in recorder.calls]
+
+    eager = calls(False)
+    assert calls(True) == eager and not [c for c in eager if c[1] == "recompute"]
 
 
 def test_reduce_overhead_mode_on_the_cpu_records_like_eager(tmp_path):

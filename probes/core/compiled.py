@@ -82,28 +82,29 @@ _LIBRARY.define("observe(Tensor(a!) token, Tensor[] tensors, int key, int slot, 
 _LIBRARY.define("observe_grad(Tensor(a!) token, Tensor?[] grads, int key, int slot, int what, str name) -> ()")
 
 
-def _observe(token: torch.Tensor, tensors: list[torch.Tensor], key: int, slot: int, what: int, name: str,
-             queued: bool) -> None:
+def _report(tensors: list[torch.Tensor | None], key: int, slot: int | None, what: int, name: str, *,
+            backward: bool) -> None:
+    """What the ops do at run time: tell the site's step tracker (nothing once the site is gone)."""
     site = _site(key, what, name)
     if site is None:
         return
     steps = site.manager.steps
     if what == _BOUNDARY:
-        steps.forward_returned()
+        steps.backward_reached_root() if backward else steps.forward_returned()
+    elif backward:
+        steps.compiled_backward(site, tensors, slot=slot)
     else:
-        steps.compiled_forward(site, tensors, slot=slot if queued else None)
+        steps.compiled_forward(site, tensors, slot=slot)
+
+
+def _observe(token: torch.Tensor, tensors: list[torch.Tensor], key: int, slot: int, what: int, name: str,
+             queued: bool) -> None:
+    _report(tensors, key, slot if queued else None, what, name, backward=False)
 
 
 def _observe_grad(token: torch.Tensor, grads: list[torch.Tensor | None], key: int, slot: int, what: int,
                   name: str) -> None:
-    site = _site(key, what, name)
-    if site is None:
-        return
-    steps = site.manager.steps
-    if what == _BOUNDARY:
-        steps.backward_reached_root()
-    else:
-        steps.compiled_backward(site, grads, slot=slot)
+    _report(grads, key, slot, what, name, backward=True)
 
 
 def _nothing(*args: Any) -> None:
@@ -113,6 +114,7 @@ def _nothing(*args: Any) -> None:
 for _name, _body in (("observe", _observe), ("observe_grad", _observe_grad)):
     _LIBRARY.impl(_name, _body, "CompositeExplicitAutograd")
     _LIBRARY.impl(_name, _nothing, "Meta")  # fake tensors (dynamo, AOT autograd) run the Meta kernel
+
 
 class CompiledProbe(torch.autograd.Function):
     """Identity whose forward and backward call the probe ops (the compiled counterpart of TensorProbe)."""

@@ -8,10 +8,12 @@
 Called on the class, ``subscribe``/``unsubscribe``/``flush`` act on ``GlobalSubscriberManager`` (the
 original onnxruntime hooks' usage); called on an instance, on that instance.
 
-Each module gets a forward pre-hook and a forward hook. The hooks pass the module's output tensors
-(and, when a subscriber asks, its input tensors) through a ``TensorProbe`` autograd Function and the
-root module's outputs through ``StepBoundary``; those Functions do the per-step work, so the same
-code runs when ORTModule executes the exported graph and the hooks no longer fire.
+Each module gets a forward pre-hook and a forward hook (the root: the same two calls inside its
+``forward``, see ``rootcall``). The hooks pass the module's output tensors (and, when a subscriber
+asks, its input tensors) through a ``TensorProbe`` autograd Function and the root module's outputs
+through ``StepBoundary``; those Functions do the per-step work, so the same code runs when ORTModule
+executes the exported graph and the hooks no longer fire. While dynamo traces (torch.compile), the
+hooks put the custom ops of ``compiled`` in the graph instead.
 
 Those Functions report to the manager's ``StepTracker`` (``manager.steps``, ``probes.core.steps``),
 which numbers the steps, closes them and makes the per-step calls; its docstring has the step rules.
