@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import collections
 import copy
 import os
@@ -378,3 +379,23 @@ def test_subscriber_base_defaults_are_pass_through():
         # No observing subscriber: only the root's step boundary is inserted.
         out = model(make_batch(CONFIG, batch_size=1)["tokens"])
         assert out.grad_fn.name() == "StepBoundaryBackward"
+
+
+def test_the_roots_probes_wrap_an_instance_forward_someone_set_and_give_it_back():
+    model = TinyTransformer(CONFIG)
+    seen = []
+
+    def their_forward(tokens, labels=None):  # e.g. Accelerate's mixed-precision wrapper
+        seen.append(tokens.shape)
+        return TinyTransformer.forward(model, tokens, labels)
+
+    model.forward = their_forward
+    recorder = Recorder()
+    batch = make_batch(CONFIG, batch_size=2)
+    with SubscriberManager().subscribe(model, [recorder]):
+        assert model.forward is not their_forward
+        assert list(inspect.signature(model.forward).parameters) == ["tokens", "labels"]
+        model(batch["tokens"], labels=batch["labels"]).backward()
+    assert model.forward is their_forward and len(seen) == 1
+    assert recorder.names(0, "forward")[-1] == "<root>.output.0" and recorder.names(0, "backward")
+    assert list(inspect.signature(model.forward).parameters) == ["tokens", "labels"]
