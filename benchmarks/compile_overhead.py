@@ -21,18 +21,18 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-import subprocess
-import sys
-
 import torch
 
 from benchmarks.common import environment, interleaved, median, table
-from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from benchmarks.probe_overhead import NoOp
+from probes import StatisticsSubscriber, SubscriberManager
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 FULL = TransformerConfig(vocab_size=1024, d_model=256, n_heads=8, n_layers=4, d_ff=1024, seq_len=128)
@@ -42,21 +42,11 @@ CASES = ("eager, no probes", "eager + statistics", "compiled, no probes", "compi
          "compiled + statistics")
 
 
-class NullObserver(SubscriberBase):
-    """Gets every tensor and does nothing with it: the cost of the probes themselves."""
-
-    def on_forward(self, event, tensors):  # noqa: ANN001
-        pass
-
-    def on_backward(self, event, grads):  # noqa: ANN001
-        pass
-
-
 def _prepare(case: str, model: torch.nn.Module, batch: dict, work: Path,
              managers: list[SubscriberManager]) -> Callable[[], None]:
     """One training step of ``case`` on ``model`` (subscribed and compiled as the case says)."""
     if "statistics" in case or "null" in case:
-        subscriber = StatisticsSubscriber(work / case.replace(" ", "_")) if "statistics" in case else NullObserver()
+        subscriber = StatisticsSubscriber(work / case.replace(" ", "_")) if "statistics" in case else NoOp()
         managers.append(SubscriberManager())
         managers[-1].subscribe(model, [subscriber])
     runner = torch.compile(model, fullgraph=True) if case.startswith("compiled") else model

@@ -16,9 +16,9 @@ The stages:
    calls ``probes::observe`` with the site's key and a fresh slot (one per probe call in the traced
    program), both constants of the graph; its backward calls ``probes::observe_grad`` with them.
 2. *Forward* (every step, inside the compiled forward): ``observe`` finds the site by its key and
-   calls ``StepTracker.probe_forward``; the event waits in the tracker's queue for its slot.
+   calls ``StepTracker.compiled_forward``; the event waits in the tracker's queue for its slot.
 3. *Backward* (every step, inside the compiled backward): ``observe_grad`` takes the oldest event of its
-   slot and calls ``StepTracker.probe_backward``. The compiled backward gets no per-call object from
+   slot and reports the gradients (``StepTracker.compiled_backward``). The compiled backward gets no per-call object from
    its forward (a ticket tensor passed between them is recomputed by torch 2.4's partitioner, and
    running a forward probe twice is wrong), so the backward finds its forward by slot, first in first out.
 
