@@ -5,6 +5,7 @@ already been imported by the user's program, so importing probes never imports O
 
     from . import _ort_compat
     if _ort_compat.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
+    if _ort_compat.inside_ort_graph(): ...      # a PythonOp run by ORT's runtime: do not raise from here
     inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
     _ort_compat.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
 
@@ -75,6 +76,28 @@ def is_ort_exporting() -> bool:
 def is_exporting() -> bool:
     """True for runs that are not training steps: ORT's export runs and any ONNX/TorchScript trace."""
     return is_ort_exporting() or torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
+
+
+# ORTModule's Python frame through which its C++ graph run (forward and backward) calls PythonOps.
+_GRAPH_RUNNERS = "ortmodule/_execution_agent.py"
+
+
+def inside_ort_graph() -> bool:
+    """True when called (on this thread) from a PythonOp that ORTModule's runtime is executing.
+
+    ORT 1.19 calls a PythonOp's Python code from C++ inside its execution agent's run; an exception
+    raised there reaches the caller only as ORT's ``RuntimeError(... "Get null result")``, its type and
+    message lost (printed to stderr). Whoever wants to raise something readable waits until this is False.
+    Walks this thread's Python stack: meant for rare events, not for every probe.
+    """
+    if _SUBSCRIBER_MANAGER_MODULE not in sys.modules and "onnxruntime.training.ortmodule" not in sys.modules:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_GRAPH_RUNNERS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _ortmodule_class() -> type | None:

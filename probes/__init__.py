@@ -7,10 +7,12 @@
 from .core import (GlobalSubscriberManager, ProbeEvent, ProbeSite, SubscriberBase, SubscriberManager, Subscription,
                    inspect_activation)
 from .dump import load_dump
-from .stats import StatisticsSubscriber
+from .stats import AnomalyError, AnomalySentinel, StatisticsSubscriber
 from .zero3 import ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3
 
 __all__ = [
+    "AnomalyError",
+    "AnomalySentinel",
     "GlobalSubscriberManager",
     "ProbeEvent",
     "ProbeSite",

@@ -1,4 +1,4 @@
-"""``python -m probes {show,compare,merge} ...``: see ``probes.cli``."""
+"""``python -m probes {show,compare,export,tensorboard,merge} ...`` (the ``probes`` command): see ``probes.cli``."""
 
 import sys
 

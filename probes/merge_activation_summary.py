@@ -6,7 +6,7 @@ The tool is ``python -m probes merge`` (``probes.cli.merge``); this name is kept
 import sys
 from typing import Sequence
 
-from .cli import merge
+from .cli.merge import merge
 from .compare.merge import MergeConfig, generate_summaries_per_step
 
 

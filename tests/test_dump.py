@@ -637,9 +637,9 @@ def test_show_main(finished_dump, capsys):
     assert out[0].split()[:4] == ["step", "phase", "seq", "name"]
     assert [line.split()[0] for line in out[1:]] == ["1", "1", "1"]
 
-    assert show_main([str(finished_dump), "--step", "9"]) == 1
+    assert show_main([str(finished_dump), "--step", "9"]) == 2
     assert "no records match" in capsys.readouterr().err
-    assert show_main([str(finished_dump / "nowhere")]) == 1
+    assert show_main([str(finished_dump / "nowhere")]) == 2
     assert "error" in capsys.readouterr().err
     assert show_main(["--bogus"]) == 2
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dump import RecordKey
+from ..dump.record import PHASE_ORDER, execution_order
 from ..utils.text import printable
 
 __all__ = ["CompareConfig", "Divergence", "MetricDiff", "RecordDiff", "Report", "StepSummary", "execution_order"]
@@ -23,17 +24,11 @@ __all__ = ["CompareConfig", "Divergence", "MetricDiff", "RecordDiff", "Report", 
 STRUCTURE = ("shape", "dtype", "numel")
 COUNTS = ("nan", "inf")
 MOMENTS = ("min", "max", "mean", "std")
-PHASE_ORDER = {"forward": 0, "backward": 1}
 GRADIENT_PHASES = frozenset({"backward"})
 DEFAULT_RTOL, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR = 1e-4, 1e-6, 10.0
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 JSON_FORMAT = "probes-compare"
 JSON_VERSION = 1
-
-
-def execution_order(step: int, phase: str, seq: Any, rank: int) -> tuple[int, int, int, int]:
-    """Sort key of the execution order: step, forward before backward, seq, rank."""
-    return step, PHASE_ORDER.get(phase, len(PHASE_ORDER)), seq if isinstance(seq, int) else 0, rank
 
 
 def is_finite_number(value: Any) -> bool:

@@ -7,7 +7,7 @@ ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on
     steps.reset(subscribers)                         # a new subscription: counting starts at step 0
     event = steps.probe_forward(site, tensors)       # TensorProbe.forward
     steps.probe_backward(event, grads)               # TensorProbe.backward
-    steps.forward_returned()                         # StepBoundary.forward: the root forward returned
+    steps.forward_returned()                         # StepBoundary.forward: the root forward returned (on_forward_end)
     steps.backward_reached_root()                    # StepBoundary.backward
     steps.close_open_step()                          # the manager's flush()
     steps.stop()                                     # the manager's unsubscribe(): no more calls
@@ -205,8 +205,9 @@ class StepTracker:
         """The root module's forward returned."""
         if _torch_compat.current_backward() is not None:
             return  # the root itself recomputed by a checkpoint
-        self._begin_forward_work()
+        step = self._begin_forward_work()
         self.state.forward_done = True
+        self._tell_each(step, lambda subscriber: subscriber.on_forward_end(step))
 
     def backward_reached_root(self) -> None:
         """The backward pass reached the root's outputs: the step closes when that pass ends."""
@@ -218,9 +219,20 @@ class StepTracker:
         step = self.state.end_step()
         if step is None:
             return
+        self._tell_each(step, lambda subscriber: subscriber.on_step_end(step))
+
+    def _tell_each(self, step: int, call: Callable[[SubscriberBase], None]) -> None:
+        """``call`` on every subscriber active in ``step``; one that raises does not stop the others
+        (their step must still be finished): the first error is raised once all were called."""
+        error: BaseException | None = None
         for subscriber in self._subscribers:
             if subscriber.is_active(step):
-                subscriber.on_step_end(step)
+                try:
+                    call(subscriber)
+                except Exception as raised:
+                    error = error or raised
+        if error is not None:
+            raise error
 
     # The machine ------------------------------------------------------------------------------
 

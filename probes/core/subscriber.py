@@ -22,7 +22,12 @@ only for steps in ``[start_step, end_step)`` and never during an export:
   A forward recomputed by activation checkpointing is not reported, unless ``observe_recompute``
   (then with ``event.phase == "recompute"``).
 - ``on_backward(event, grads)``: their gradients (None where a tensor got no gradient).
+- ``on_forward_end(step)``: the root module's forward returned (the step's forward records are all in).
 - ``on_step_end(step)``: the step is complete (its backward is done); flush what it produced.
+
+``on_forward_end`` and ``on_step_end`` may raise (the anomaly sentinel does, to stop training): every
+other subscriber still gets its call first, then the first error is raised where the phase ended (out
+of the model's forward, out of ``backward()``).
 
 Usage::
 
@@ -146,6 +151,9 @@ class SubscriberBase:
         pass
 
     def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
+        pass
+
+    def on_forward_end(self, step: int) -> None:
         pass
 
     def on_step_end(self, step: int) -> None:

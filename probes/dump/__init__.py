@@ -13,9 +13,10 @@ something here; every other key is passed through untouched. Nothing is pickled.
 
 The rooms: ``record`` (the typed record), ``layout`` (the format on disk, directory rules, errors),
 ``writer`` and ``stepfiles`` (the background writer and the files its thread writes), ``live`` (readers
-of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``.
+of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``, ``anomaly`` (nan/inf in records).
 """
 
+from .anomaly import Anomaly, first_anomaly, record_anomaly
 from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, DumpFormatError, DumpLayout, DumpWriteError,
                      safe_component)
 from .live import flush_writers
@@ -25,6 +26,7 @@ from .table import format_records
 from .writer import DumpWriter, WriterConfig
 
 __all__ = [
+    "Anomaly",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "DumpFormatError",
@@ -37,10 +39,12 @@ __all__ = [
     "TensorFields",
     "StepFile",
     "WriterConfig",
+    "first_anomaly",
     "flush_writers",
     "format_records",
     "list_steps",
     "load_dump",
+    "record_anomaly",
     "record_key",
     "safe_component",
 ]

@@ -10,7 +10,7 @@ keys; a reader must not require the optional ones).
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, Union
+from typing import Any, Literal, TypedDict, Union
 
 Number = Union[int, float]
 Phase = Literal["forward", "backward", "recompute"]
@@ -18,6 +18,7 @@ RecordKey = tuple[int, int, str, str]  # (rank, step, phase, name)
 
 IDENTITY_FIELDS = ("rank", "step", "phase", "name")  # a record's key, unique within a dump
 REQUIRED_FIELDS = ("step", "rank", "name", "phase", "seq")  # what the dump format itself relies on
+PHASE_ORDER = {"forward": 0, "backward": 1}
 
 
 class _RecordBase(TypedDict):
@@ -69,3 +70,8 @@ class Record(_RecordBase, TensorFields, total=False):
 def record_key(record: Record) -> RecordKey:
     """(rank, step, phase, name): what identifies a record within a dump, and across two runs."""
     return record["rank"], record["step"], record["phase"], record["name"]
+
+
+def execution_order(step: int, phase: str, seq: Any, rank: int) -> tuple[int, int, int, int]:
+    """Sort key of the execution order across ranks: step, forward before backward, seq, rank."""
+    return step, PHASE_ORDER.get(phase, len(PHASE_ORDER)), seq if isinstance(seq, int) else 0, rank

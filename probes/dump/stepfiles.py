@@ -74,11 +74,11 @@ class OpenSteps:
             raise StepFileError(error, partial, "could not write") from error
         entry.order.append((record.get("seq"), _order_line(record)))
 
-    def finish(self, step: int) -> None:
-        """Makes ``step`` a finished step (nothing to do when it has no file)."""
+    def finish(self, step: int) -> bool:
+        """Makes ``step`` a finished step; False when it has no file (no records), so nothing was done."""
         entry = self._open.pop(step, None)
         if entry is None:
-            return
+            return False
         path = entry.partial
         try:
             entry.file.flush()
@@ -92,6 +92,15 @@ class OpenSteps:
         except OSError as error:
             _close_quietly(entry)
             raise StepFileError(error, path, "could not finish step") from error
+        return True
+
+    def remove_finished(self, step: int) -> None:
+        """Removes a finished step (the ring buffer): the step file first, so no reader sees it without order."""
+        for path in (self.layout.step_file(self.rank, step), self.layout.order_file(self.rank, step)):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:
+                raise StepFileError(error, path, "could not remove an old step of the ring buffer") from error
 
     def sync(self, *, durable: bool = True) -> None:
         for entry in self._open.values():

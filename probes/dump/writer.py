@@ -5,6 +5,9 @@
     writer.finish_step(step)                          # the step becomes visible to readers
     writer.close()
 
+    ring = DumpWriter("pt_out", rank=0, keep_last=8)  # only the newest 8 finished steps stay on disk
+    ring.keep_all()                                   # from now on nothing is removed (an anomaly was found)
+
 Nothing is pickled: records travel to the writer thread as dicts and reach the disk as JSON (the
 layout is in ``probes.dump.layout``; what a reader of this process waits for, in ``probes.dump.live``).
 
@@ -17,6 +20,7 @@ exit on a closed or failed writer are dropped the same way.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import sys
@@ -43,15 +47,18 @@ class WriterConfig:
     rank: int = 0
     override: bool = False
     queue_size: int = 4096
+    keep_last: int | None = None  # a ring buffer: only the newest N finished steps stay on disk
 
     def __post_init__(self) -> None:
         check_int(self.rank, "rank")
         check_int(self.queue_size, "queue_size", minimum=1)
+        if self.keep_last is not None:
+            check_int(self.keep_last, "keep_last (or None)", minimum=1)
 
 
-# Work items for the writer thread: (kind, step, payload); flush, barrier and stop items carry _NO_STEP.
+# Work items for the writer thread: (kind, step, payload); flush, barrier, stop and keep-all items carry _NO_STEP.
 # A barrier is a reader's flush: it makes buffered lines visible but does not fsync.
-_WRITE, _FINISH, _FLUSH, _BARRIER, _STOP = "write", "finish", "flush", "barrier", "stop"
+_WRITE, _FINISH, _FLUSH, _BARRIER, _STOP, _KEEP_ALL = "write", "finish", "flush", "barrier", "stop", "keep all"
 _NO_STEP = -1
 
 
@@ -83,9 +90,10 @@ class DumpWriter:
     """
 
     def __init__(
-        self, output_dir: str | Path, rank: int = 0, *, override: bool = False, queue_size: int = 4096
+        self, output_dir: str | Path, rank: int = 0, *, override: bool = False, queue_size: int = 4096,
+        keep_last: int | None = None,
     ) -> None:
-        self.config = WriterConfig(Path(output_dir), rank, override, queue_size)
+        self.config = WriterConfig(Path(output_dir), rank, override, queue_size, keep_last)
         # Absolute: the writer thread opens files long after this call, maybe after an os.chdir().
         self.layout = DumpLayout(Path(os.path.abspath(self.config.output_dir)))
         prepare_output_dir(self.layout, self.config.rank, override=self.config.override)
@@ -93,6 +101,8 @@ class DumpWriter:
         self._queue: queue.Queue[tuple[str, int, Any]] = queue.Queue(maxsize=queue_size)
         self._steps = OpenSteps(self.layout, rank=self.config.rank)  # used on the writer thread only
         self._finished: set[int] = set()
+        self._kept: collections.deque[int] = collections.deque()  # finished step files, oldest first (ring only)
+        self._pruning = keep_last is not None
         self._lost: set[int] = set()  # steps given records or finished that did not reach a finished file
         self._error: DumpWriteError | None = None
         self._error_reported = False
@@ -143,6 +153,15 @@ class DumpWriter:
         check_int(step, "step")
         self._finished.add(step)
         self._put((_FINISH, step, None))
+
+    def keep_all(self) -> None:
+        """Stops the ring buffer (``keep_last``): no finished step is removed after this call.
+
+        The sentinel calls it when it finds an anomaly, so that step and the ones before it stay. It is
+        queued like a record, so the steps finished before the call are pruned exactly as without it.
+        """
+        if self.config.keep_last is not None and self._usable(_NO_STEP):
+            self._put((_KEEP_ALL, _NO_STEP, None))
 
     def flush(self) -> None:
         """Blocks until everything queued so far is written and fsync'ed (open steps stay .partial)."""
@@ -274,14 +293,17 @@ class DumpWriter:
                         with self._stop_on_failure():
                             self._steps.sync(durable=kind == _FLUSH)
                     continue
+                if kind == _KEEP_ALL:
+                    self._pruning = False
+                    continue
                 if self._error is not None:
                     self._lost.add(step)
                     continue  # drain without writing, so a blocked put() on the training thread returns
                 with self._stop_on_failure(step):
                     if kind == _WRITE:
                         self._steps.append(step, payload)
-                    else:
-                        self._steps.finish(step)
+                    elif self._steps.finish(step) and self.config.keep_last is not None:
+                        self._prune(step)
             except Exception as error:  # a bug here must still reach the training thread
                 self._fail(error, self.rank_dir, "failed while writing", step)
                 if kind == _STOP:
@@ -289,6 +311,12 @@ class DumpWriter:
             finally:
                 if kind in (_FLUSH, _BARRIER):
                     payload.set()
+
+    def _prune(self, finished: int) -> None:
+        """The ring buffer: removes the oldest finished steps beyond ``keep_last`` (unless ``keep_all``)."""
+        self._kept.append(finished)
+        while self._pruning and len(self._kept) > self.config.keep_last:
+            self._steps.remove_finished(self._kept.popleft())
 
     def _shutdown(self, *, finish: bool) -> None:
         if self._error is None:

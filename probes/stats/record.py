@@ -10,6 +10,7 @@ keys that say where and when (step, rank, name, phase, seq, ...): the caller add
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import torch
@@ -18,11 +19,19 @@ from ..dump import TensorFields
 from .numerics import sample_indices, summarize, take_samples
 from .views import UnsupportedTensor, layout_name, shape_of, statistics_view
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "tensor_record", "unsupported_reason", "unsupported_record"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "process_rank", "tensor_record", "unsupported_reason",
+           "unsupported_record"]
 
 DEFAULT_BUCKET_SIZE = 1 << 22  # elements; bounds the extra memory of one statistics pass
 DEFAULT_SAMPLE_COUNT = 32
 _REASON_LENGTH = 300
+
+
+def process_rank() -> int:
+    """This process's rank: torch.distributed's when initialised, else the launcher's RANK, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:

@@ -31,7 +31,9 @@ import torch
 from ..core import ProbeEvent, SubscriberBase
 from ..dump import DumpWriter, Record
 from ..utils import check_int
-from .record import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, tensor_record, unsupported_reason, unsupported_record
+from .record import (DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason,
+                     unsupported_record)
+from .sentinel import Action, AnomalyWatch
 
 __all__ = ["StatisticsSubscriber", "SubscriberClosedWarning", "UnsupportedTensorWarning", "process_rank",
            "tensor_record"]
@@ -48,13 +50,6 @@ class SubscriberClosedWarning(UserWarning):
     """A closed StatisticsSubscriber was still called by its subscription; those records are not written."""
 
 
-def process_rank() -> int:
-    """This process's rank: torch.distributed's when initialised, else the launcher's RANK, else 0."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 class StatisticsSubscriber(SubscriberBase):
     """Dumps statistics of module outputs (forward) and their gradients (backward), per rank and step.
 
@@ -66,6 +61,12 @@ class StatisticsSubscriber(SubscriberBase):
         bucket_size: elements per statistics pass; bounds the extra memory.
         sample_count: how many samples to keep per tensor.
         observe_inputs: also record module inputs.
+        keep_last: a ring buffer: only the newest ``keep_last`` finished steps stay on disk (None: all).
+            Once an anomaly is found (``on_anomaly``), nothing more is removed: the anomalous step and
+            the ``keep_last`` steps before it stay.
+        on_anomaly: "raise" or "warn" at the first nan/inf in a record (see ``probes.stats.sentinel``),
+            read from the record's own counts; None (default): no check.
+        max_abs: with ``on_anomaly``, finite values beyond this magnitude are anomalies too.
     """
 
     def __init__(
@@ -78,15 +79,22 @@ class StatisticsSubscriber(SubscriberBase):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         sample_count: int = DEFAULT_SAMPLE_COUNT,
         observe_inputs: bool = False,
+        *,
+        keep_last: int | None = None,
+        on_anomaly: Action | None = None,
+        max_abs: float | None = None,
     ) -> None:
         super().__init__(start_step, end_step)
+        if max_abs is not None and on_anomaly is None:
+            raise ValueError("max_abs needs on_anomaly='warn' or 'raise' (it is the sentinel's threshold)")
+        self.watch = AnomalyWatch(action=on_anomaly, max_abs=max_abs) if on_anomaly is not None else None
         self.output_dir = Path(output_dir)
         self.run_on_cpu = run_on_cpu
         self.bucket_size = check_int(bucket_size, "bucket_size (elements)", minimum=1)
         self.sample_count = check_int(sample_count, "sample_count")
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
-        self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir)
+        self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last)
         self._closed = False
         self._warned_closed = False
         self._warned_unsupported: set[tuple[str, str, int, str]] = set()
@@ -108,11 +116,18 @@ class StatisticsSubscriber(SubscriberBase):
             if grad is not None:
                 self._write(event, index, grad)
 
+    def on_forward_end(self, step: int) -> None:
+        if self.watch is not None and not self._closed:
+            self._writer.flush()  # the anomalous step's records are on disk before the error leaves
+            self.watch.phase_end("forward", kept=str(self.output_dir))
+
     def on_step_end(self, step: int) -> None:
         # After close() there is nothing to finish: close() finished every step that had records,
         # and records that arrived later were dropped with a warning.
         if not self._closed:
             self._writer.finish_step(step)
+            if self.watch is not None:
+                self.watch.phase_end("backward", kept=str(self.output_dir))
 
     def flush(self) -> None:
         """Block until every record queued so far is on disk."""
@@ -175,3 +190,5 @@ class StatisticsSubscriber(SubscriberBase):
         }
         record.update(self._statistics(event, index, tensor))
         self._writer.write(event.step, record)  # outside _statistics: dump errors reach the training thread
+        if self.watch is not None and self.watch.check(record) is not None:
+            self._writer.keep_all()  # before this step finishes: it and the keep_last steps before it stay

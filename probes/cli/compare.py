@@ -1,0 +1,88 @@
+"""``probes compare BASE OTHER``: the first divergence between two runs (terminal, JSON, HTML).
+
+    probes compare eager_out ort_out --html report.html        # exit 0 agree, 1 diverged, 2 bad input
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ..compare import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, Report, compare_dumps, format_report,
+                       parse_steps, write_html)
+from .common import EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command
+
+EXAMPLES = [
+    "probes compare eager_out ort_out",
+    "probes compare eager_out ort_out --rtol 1e-3 --atol 1e-5 --json r.json --html r.html",
+    "probes compare eager_out ort_out --noise eager_out2      # tolerance from a second baseline run",
+    "probes compare eager_out ort_out --step 3-5 --name 'blocks.1.*'",
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser(
+        "compare", "Compare two statistics dumps record by record and report the first divergence "
+                   "(and where each run saw its first non-finite value).", examples=EXAMPLES)
+    parser.add_argument("base", metavar="BASE", help="the reference dump (directory, rank_<r> directory or step file)")
+    parser.add_argument("other", metavar="OTHER", help="the dump to check against BASE")
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+                        help=f"relative tolerance (default {DEFAULT_RTOL:g})")
+    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                        help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
+    parser.add_argument("--noise", metavar="BASE2",
+                        help="a second run of the baseline: per-record tolerance max(atol + rtol*|x|, k*noise)")
+    parser.add_argument("--noise-factor", type=float, default=DEFAULT_NOISE_FACTOR, metavar="K",
+                        help=f"k of the noise tolerance (default {DEFAULT_NOISE_FACTOR:g})")
+    parser.add_argument("--step", action="append", type=parse_steps, metavar="STEPS",
+                        help="only these steps: N, A-B or a comma list (repeatable)")
+    parser.add_argument("--name", action="append", default=[], metavar="GLOB",
+                        help="only records whose name matches this glob, e.g. 'blocks.1.*' (repeatable)")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report (docs/compare.md) here")
+    parser.add_argument("--html", type=Path, metavar="OUT", help="write the self-contained HTML report here")
+    parser.add_argument("--top", type=int, default=10, help="rows in the table of worst records (default 10)")
+    parser.add_argument("--strict-zero-grads", action="store_true",
+                        help="a gradient exactly zero in one run and absent in the other is a divergence "
+                             "(default: a note)")
+    return parser
+
+
+def compare(argv: Sequence[str] | None = None) -> int:
+    """``probes compare``: exit 0 agree, 1 diverged (or records on one side only), 2 bad input."""
+    return run_command("compare", parser(), argv, _compare)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    for path in (args.base, args.other, args.noise):
+        if path is not None:
+            open_dump(path)  # a path that is not a dump, empty, or still being written: one clear line
+    steps = frozenset().union(*args.step) if args.step else None
+    report = compare_dumps(args.base, args.other, rtol=args.rtol, atol=args.atol, noise=args.noise,
+                           noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True,
+                           strict_zero_grads=args.strict_zero_grads)
+    _check_common_records(report, args)
+    print(format_report(report, top=args.top))
+    try:
+        if args.json is not None:
+            args.json.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+            print(f"JSON report: {args.json}")
+        if args.html is not None:
+            write_html(report, args.html)
+            print(f"HTML report: {args.html}")
+    except OSError as error:
+        raise CommandError(f"cannot write the report: {error}") from None
+    return EXIT_OK if report.agrees else EXIT_NEGATIVE
+
+
+def _check_common_records(report: Report, args: argparse.Namespace) -> None:
+    """Two dumps without one record in common are not two runs of one model (or the names changed)."""
+    if report.matched or not (report.only_in_base and report.only_in_other):
+        return
+    filters = " after --step/--name" if args.step or args.name else ""
+    example_base, example_other = report.only_in_base[0][3], report.only_in_other[0][3]
+    raise CommandError(
+        f"{args.base} and {args.other} have no record in common{filters} ({len(report.only_in_base)} records "
+        f"only in BASE such as {example_base!r}, {len(report.only_in_other)} only in OTHER such as "
+        f"{example_other!r}); compare two runs of the same model, or map the names that changed")

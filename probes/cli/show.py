@@ -1,0 +1,70 @@
+"""``probes show DUMP``: a dump's records as a table, and the first non-finite value across ranks.
+
+    probes show run --step 3 --rank 0
+    probes show run --anomalies --max-abs 65504     # only the records holding nan/inf (or |x| > 65504)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..dump import first_anomaly, format_records, record_anomaly
+from .common import EXIT_OK, CommandError, command_parser, open_dump, run_command
+
+EXAMPLES = [
+    "probes show run                      # every record of every finished step",
+    "probes show run --step 3 --rank 1    # one step of one rank",
+    "probes show run/rank_0/step_000003.jsonl",
+    "probes show run --anomalies          # only records with nan/inf, and where the first one was",
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = command_parser("show", "Print the statistics records of a probes dump as a table.", examples=EXAMPLES)
+    parser.add_argument("path", metavar="DUMP", help="a dump directory, one of its rank_<r> directories, or a step file")
+    parser.add_argument("--step", type=int, help="only this step")
+    parser.add_argument("--rank", type=int, help="only this rank")
+    parser.add_argument("--include-partial", action="store_true",
+                        help="also show the complete records of unfinished steps")
+    parser.add_argument("--anomalies", action="store_true",
+                        help="only the records holding nan or inf (or values beyond --max-abs)")
+    parser.add_argument("--max-abs", type=float, metavar="X",
+                        help="a finite |value| above X counts as an anomaly too (e.g. 65504, float16's largest)")
+    return parser
+
+
+def show(argv: Sequence[str] | None = None) -> int:
+    """``probes show``: exit 0 when something was shown, 2 for bad input (see ``probes.cli.common``)."""
+    return run_command("show", parser(), argv, _show)
+
+
+def _show(args: argparse.Namespace) -> int:
+    reader = open_dump(args.path, include_partial=args.include_partial)
+    records = reader.records(include_partial=args.include_partial)
+    steps = reader.steps()
+
+    def wanted(rank: int | None, step: int) -> bool:
+        return (args.rank is None or rank == args.rank) and (args.step is None or step == args.step)
+
+    if not args.include_partial:
+        for rank, by_state in steps.items():
+            for step in by_state["unfinished"]:
+                if wanted(rank, step):
+                    print(f"probes show: rank {rank} step {step} is unfinished (still being written, or a crash); "
+                          "--include-partial shows its complete records", file=sys.stderr)
+    selected = [record for record in records if wanted(record["rank"], record["step"])]
+    if not selected:
+        available = {rank: by_state["finished"] for rank, by_state in steps.items()}
+        raise CommandError(f"no records match --step/--rank; finished steps by rank: {available}")
+    first = first_anomaly(selected, max_abs=args.max_abs)
+    if args.anomalies:
+        selected = [record for record in selected if record_anomaly(record, max_abs=args.max_abs) is not None]
+        if not selected:
+            print("no anomalies: every value is finite" + (f" and |x| <= {args.max_abs:g}" if args.max_abs else ""))
+            return EXIT_OK
+    print(format_records(selected))
+    if first is not None:
+        print(f"first non-finite value: {first}" if first.nan or first.inf else f"first anomaly: {first}")
+    return EXIT_OK

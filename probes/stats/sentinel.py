@@ -1,0 +1,172 @@
+"""The anomaly sentinel: stop (or warn) at the first nan or inf in any activation or gradient.
+
+    from probes import SubscriberManager, AnomalySentinel, AnomalyError
+    SubscriberManager.subscribe(model, [AnomalySentinel(action="raise")])      # no dump, only the check
+    try:
+        train()
+    except AnomalyError as error:
+        print(error.anomaly.step, error.anomaly.name)   # rank, step, phase, module, tensor index, counts
+
+    # with statistics: the dump's own counts are checked (no second pass); the ring buffer keeps the
+    # anomalous step and the 8 finished steps before it, and nothing older, until something goes wrong
+    StatisticsSubscriber("run", keep_last=8, on_anomaly="raise")
+
+The stages: each probed tensor is checked when its probe fires (``check``: the record's nan/inf counts
+and min/max, ``probes.dump.anomaly``); the first anomaly of a phase waits until the phase ends
+(``phase_end``: the root forward returned, or the step's backward ended), then the sentinel warns once
+per run or raises ``AnomalyError`` there, out of the model's forward or out of ``backward()``, in eager
+PyTorch and under torch.compile. Under ORTModule an exception cannot leave ORT's forward with its type
+and message, so an anomaly of the forward is raised at the end of that step's backward (or, with no
+backward, at the next phase end outside ORT: ``SubscriberManager.flush()``). While nothing is found,
+the sentinel changes nothing: it only reads tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal, Sequence
+
+import torch
+
+from exporters import _ort_compat
+
+from ..core import ProbeEvent, SubscriberBase
+from ..dump import Anomaly, Record, record_anomaly
+from .numerics import summarize
+from .record import process_rank
+from .views import statistics_view
+
+__all__ = ["AnomalyError", "AnomalySentinel", "AnomalyWarning", "AnomalyWatch"]
+
+Action = Literal["warn", "raise"]
+ACTIONS = ("warn", "raise")
+
+
+class AnomalyError(FloatingPointError):
+    """Raised at the end of the forward or backward in which the sentinel found an anomaly.
+
+    ``anomaly``: the first anomalous record of that phase (``probes.dump.Anomaly``: rank, step,
+    phase, name, module, tensor_index, nan, inf, numel).
+    """
+
+    def __init__(self, anomaly: Anomaly, message: str) -> None:
+        super().__init__(message)
+        self.anomaly = anomaly
+
+
+class AnomalyWarning(UserWarning):
+    """The sentinel found an anomaly and its action is "warn" (issued once per run)."""
+
+
+def check_max_abs(max_abs: float | None) -> float | None:
+    if max_abs is None:
+        return None
+    if isinstance(max_abs, bool) or not isinstance(max_abs, (int, float)) or not 0 < max_abs < float("inf"):
+        raise ValueError(f"max_abs must be a finite number > 0 (e.g. 65504.0, float16's largest value) or None, "
+                         f"got {max_abs!r}")
+    return float(max_abs)
+
+
+class AnomalyWatch:
+    """What a sentinel remembers: the first anomaly of the current phase and of the whole run.
+
+        watch = AnomalyWatch(action="raise", max_abs=None)
+        watch.check(record)                 # per record, when its probe fires
+        watch.phase_end("forward", dump)    # raises AnomalyError (or warns) if this phase had one
+    """
+
+    def __init__(self, *, action: Action = "raise", max_abs: float | None = None) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"the sentinel's action (on_anomaly=) must be 'warn' or 'raise', got {action!r}")
+        self.action = action
+        self.max_abs = check_max_abs(max_abs)
+        self.first: Anomaly | None = None  # the first anomaly of the run
+        self.found = 0  # anomalous records so far
+        self._pending: Anomaly | None = None  # the first anomaly of the phase running now
+
+    def check(self, record: Record) -> Anomaly | None:
+        """Checks one record; returns its anomaly (None when it is clean)."""
+        anomaly = record_anomaly(record, max_abs=self.max_abs)
+        if anomaly is not None:
+            self.found += 1
+            self.first = self.first or anomaly
+            self._pending = self._pending or anomaly
+        return anomaly
+
+    def phase_end(self, phase: str, kept: str | None = None) -> None:
+        """The forward (or the step's backward) ended: warn or raise for its first anomaly, if any.
+
+        ``kept``: where the dump of the anomalous step is (said in the message).
+        """
+        anomaly = self._pending
+        if anomaly is None:
+            return
+        if self.action == "raise" and _ort_compat.inside_ort_graph():
+            return  # ORT would swallow the error's type and message: raised at the next phase end outside ORT
+        self._pending = None
+        message = f"probes: anomaly at {anomaly}"
+        if kept:
+            message += f"; the dump of this step and the steps before it is kept in {kept}"
+        if self.action == "raise":
+            late = (": under ORTModule an error cannot leave the forward intact"
+                    if phase != anomaly.phase and anomaly.phase != "recompute" else "")
+            raise AnomalyError(anomaly, message + f"; raised at the end of the {phase}{late}")
+        if anomaly is self.first:  # warn once per run; later ones are counted in ``found``
+            warnings.warn(message + "; later anomalies are counted, not warned about", AnomalyWarning, stacklevel=2)
+
+
+class AnomalySentinel(SubscriberBase):
+    """A subscriber that finds the first nan or inf (or ``|x| > max_abs``) in any activation or gradient.
+
+    Args:
+        action: "raise" (``AnomalyError`` at the end of that forward or backward) or "warn" (once).
+        max_abs: also flag finite values beyond this magnitude (e.g. 65504.0 for float16), or None.
+        start_step, end_step: check steps in ``[start_step, end_step)``.
+        observe_inputs: also check module inputs.
+
+    It writes nothing. Each tensor is read once by the statistics kernel's counting pass (the same
+    single pass ``StatisticsSubscriber`` makes); with a ``StatisticsSubscriber`` already subscribed,
+    use its ``on_anomaly=`` option instead, which checks the records it computes anyway.
+    ``found`` counts anomalous records, ``first`` is the run's first ``Anomaly``.
+    """
+
+    def __init__(self, *, action: Action = "raise", max_abs: float | None = None, start_step: int | None = None,
+                 end_step: int | None = None, observe_inputs: bool = False) -> None:
+        super().__init__(start_step, end_step)
+        self.watch = AnomalyWatch(action=action, max_abs=max_abs)
+        self.observe_inputs = observe_inputs
+        self.rank = process_rank()
+
+    @property
+    def first(self) -> Anomaly | None:
+        return self.watch.first
+
+    @property
+    def found(self) -> int:
+        return self.watch.found
+
+    def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
+        for index, tensor in enumerate(tensors):
+            self._check(event, index, tensor)
+
+    def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
+        for index, grad in enumerate(grads):
+            if grad is not None:
+                self._check(event, index, grad)
+
+    def on_forward_end(self, step: int) -> None:
+        self.watch.phase_end("forward")
+
+    def on_step_end(self, step: int) -> None:
+        self.watch.phase_end("backward")
+
+    def _check(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
+        try:
+            values, _ = statistics_view(tensor.detach())
+            summary = summarize(values)
+        except Exception:  # a tensor without readable data: nothing to check, and an observer never fails
+            return
+        self.watch.check({"rank": self.rank, "step": event.step, "phase": event.phase, "seq": event.seq,
+                          "name": event.record_name(index), "module": event.site.name, "tensor_index": index,
+                          "numel": summary.numel, "nan": summary.nan, "inf": summary.inf,
+                          "min": summary.min, "max": summary.max})
