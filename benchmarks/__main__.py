@@ -11,6 +11,7 @@ from pathlib import Path
 
 BENCHMARKS = (
     "benchmarks.step_overhead",
+    "benchmarks.sentinel_overhead",
     "benchmarks.compile_overhead",
     "benchmarks.stats_kernel",
     "benchmarks.probe_overhead",
