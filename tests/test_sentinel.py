@@ -261,3 +261,20 @@ for step in range(6):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy())
     assert done.returncode == 1 and "AnomalyError: probes: anomaly at rank 0, step 3, forward" in done.stderr
     assert list_steps(tmp_path / "run") == {0: {"finished": [1, 2, BAD_STEP], "unfinished": []}}
+
+
+def test_compare_reports_where_each_run_saw_its_first_nonfinite_value(tmp_path, capsys):
+    for label, bad in (("clean", None), ("bad", BAD_STEP)):
+        model = fresh_model()
+        bug = inject_bug(model, LAYER, step=bad if bad is not None else 99, factor=math.nan)
+        with SubscriberManager().subscribe(model, [StatisticsSubscriber(tmp_path / label)]):
+            run(model, 5, bug=bug)
+    assert probes_main(["compare", str(tmp_path / "clean"), str(tmp_path / "bad"), "--json",
+                        str(tmp_path / "r.json")]) == 1
+    out = capsys.readouterr().out
+    assert "  base: none" in out
+    assert f"  other: rank 0, step {BAD_STEP}, forward, {LAYER}.output.0 (module {LAYER}, tensor 0): " in out
+    import json
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["first_nonfinite"]["base"] is None
+    assert report["first_nonfinite"]["other"]["step"] == BAD_STEP and report["first_nonfinite"]["other"]["nan"] > 0

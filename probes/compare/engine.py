@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..dump import Record, RecordKey
+from ..dump import Record, RecordKey, first_anomaly
 from ..utils.progress import progress_meter
 from .model import (COUNTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
                     CompareConfig, Divergence, MetricDiff, RecordDiff, Report, execution_order, is_finite_number)
@@ -171,6 +171,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
                     zero_grads=zero_grads)
     report.first_divergence = _first_divergence(report, base, other)
+    report.first_nonfinite = {"base": first_anomaly(base.records.values()),
+                              "other": first_anomaly(other.records.values())}
     return report
 
 

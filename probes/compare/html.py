@@ -85,6 +85,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
         ("materialised zero gradients (notes)", len(report.zero_grads)),
+        *((f"first non-finite value, {side}", str(anomaly) if anomaly else "none")
+          for side, anomaly in report.first_nonfinite.items() if any(report.first_nonfinite.values())),
     ])
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dump import RecordKey
+from ..dump import Anomaly, RecordKey
 from ..dump.record import PHASE_ORDER, execution_order
 from ..utils.text import printable
 
@@ -276,6 +276,8 @@ class Report:
     # (key, "base" or "other": the run that has it) of each gradient exactly zero in one run and absent
     # in the other, in execution order; not in only_in_base/only_in_other. Empty with strict_zero_grads.
     zero_grads: list[tuple[RecordKey, str]] = field(default_factory=list)
+    # "base"/"other" -> the run's first record holding nan or inf (execution order, across ranks), or None.
+    first_nonfinite: dict[str, Anomaly | None] = field(default_factory=dict)
 
     @property
     def matched(self) -> int:
@@ -345,6 +347,8 @@ class Report:
             "only_in_other": [_key_json(key) for key in self.only_in_other],
             "zero_grads": [{**_key_json(key), "present_in": side, "note": ZERO_GRAD_NOTE}
                            for key, side in self.zero_grads],
+            "first_nonfinite": {side: anomaly.to_json() if anomaly else None
+                                for side, anomaly in self.first_nonfinite.items()},
             "per_step": [summary.to_json() for summary in self.per_step()],
             "divergences": [record.to_json() for record in self.records if record.diverged],
         }

@@ -14,7 +14,7 @@ from ..dump import RecordKey
 from ..utils.text import text_table
 from .model import ZERO_GRAD_NOTE, RecordDiff, Report, format_value
 
-__all__ = ["clip", "counts_line", "format_report", "parse_steps", "plural", "ranges", "verdict"]
+__all__ = ["clip", "counts_line", "format_report", "nonfinite_lines", "parse_steps", "plural", "ranges", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -221,5 +221,14 @@ def format_report(report: Report, top: int = 10) -> str:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
         lines += _zero_grad_lines(report.zero_grads, with_rank)
     lines += _per_step(report)
+    lines += nonfinite_lines(report)
     lines += ["", f"verdict: {verdict(report)}"]
     return "\n".join(lines)
+
+
+def nonfinite_lines(report: Report) -> list[str]:
+    """Where each run saw its first nan or inf (nothing when neither did)."""
+    if not any(report.first_nonfinite.values()):
+        return []
+    return ["", "First non-finite value (execution order, across ranks):"] + [
+        f"  {side}: {anomaly if anomaly else 'none'}" for side, anomaly in report.first_nonfinite.items()]
