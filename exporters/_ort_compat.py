@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.util
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -79,7 +80,7 @@ def is_exporting() -> bool:
 
 
 # ORTModule's Python frame through which its C++ graph run (forward and backward) calls PythonOps.
-_GRAPH_RUNNERS = "ortmodule/_execution_agent.py"
+_GRAPH_RUNNER = "ortmodule/_execution_agent.py"
 
 
 def inside_ort_graph() -> bool:
@@ -92,12 +93,8 @@ def inside_ort_graph() -> bool:
     """
     if _SUBSCRIBER_MANAGER_MODULE not in sys.modules and "onnxruntime.training.ortmodule" not in sys.modules:
         return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.replace("\\", "/").endswith(_GRAPH_RUNNERS):
-            return True
-        frame = frame.f_back
-    return False
+    return any(frame.f_code.co_filename.replace("\\", "/").endswith(_GRAPH_RUNNER)
+               for frame, _ in traceback.walk_stack(None))
 
 
 def _ortmodule_class() -> type | None:

@@ -332,3 +332,29 @@ def test_exit_after_the_subscriber_was_closed_by_hand(tmp_path):
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
     assert warnings_of(result) == []  # nothing was lost
     assert list_steps(tmp_path / "dump")[0] == {"finished": [0, 1], "unfinished": []}
+
+
+def test_on_step_written_sees_each_finished_step_off_the_training_thread(tmp_path, capfd):
+    seen = []
+
+    def listener(step, path):
+        # Reads the finished file on the writer's own thread (wait=False: waiting would wait for itself).
+        seen.append((step, path.name, [r["name"] for r in DumpReader(path, wait=False).records()],
+                     threading.current_thread() is threading.main_thread()))
+
+    with DumpWriter(tmp_path / "d", rank=0, on_step_written=listener) as writer:
+        for step in range(3):
+            writer.write(step, {"name": f"n{step}", "phase": "forward", "seq": 0})
+            writer.finish_step(step)
+    assert seen == [(s, f"step_{s:06d}.jsonl", [f"n{s}"], False) for s in range(3)]
+
+    def broken(step, path):
+        raise RuntimeError("tensorboard is gone")
+
+    with DumpWriter(tmp_path / "e", rank=0, on_step_written=broken) as writer:
+        for step in range(3):
+            writer.write(step, {"name": "n", "phase": "forward", "seq": 0})
+            writer.finish_step(step)
+    err = capfd.readouterr().err
+    assert err.count("probes: warning: on_step_written") == 1 and "RuntimeError: tensorboard is gone" in err
+    assert list_steps(tmp_path / "e") == {0: {"finished": [0, 1, 2], "unfinished": []}}

@@ -46,15 +46,17 @@ class StepFile:
 
 
 class DumpReader:
-    """A dump opened for reading: this process's live writers into it are waited for once, when opened.
+    """A dump opened for reading: this process's live writers into it are waited for once, when opened
+    (``wait=False``: not waited for).
 
     Raises FileNotFoundError for a missing path and DumpFormatError for one that is not a dump.
     """
 
     path: Path  # as given
 
-    def __init__(self, path: str | Path) -> None:
-        flush_writers(path)
+    def __init__(self, path: str | Path, *, wait: bool = True) -> None:
+        if wait:  # False only on a writer's own thread (``on_step_written``), which would wait for itself
+            flush_writers(path)
         self._list(Path(path))
 
     def _list(self, path: Path) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..utils.checks import check_int
 from ..utils.exit import at_exit
@@ -48,6 +48,9 @@ class WriterConfig:
     override: bool = False
     queue_size: int = 4096
     keep_last: int | None = None  # a ring buffer: only the newest N finished steps stay on disk
+    # Called on the writer thread with (step, finished step file) after each step is finished; e.g. a live
+    # TensorBoard export. It must not wait for this writer (read with DumpReader(path, wait=False)).
+    on_step_written: Callable[[int, Path], None] | None = None
 
     def __post_init__(self) -> None:
         check_int(self.rank, "rank")
@@ -91,9 +94,9 @@ class DumpWriter:
 
     def __init__(
         self, output_dir: str | Path, rank: int = 0, *, override: bool = False, queue_size: int = 4096,
-        keep_last: int | None = None,
+        keep_last: int | None = None, on_step_written: Callable[[int, Path], None] | None = None,
     ) -> None:
-        self.config = WriterConfig(Path(output_dir), rank, override, queue_size, keep_last)
+        self.config = WriterConfig(Path(output_dir), rank, override, queue_size, keep_last, on_step_written)
         # Absolute: the writer thread opens files long after this call, maybe after an os.chdir().
         self.layout = DumpLayout(Path(os.path.abspath(self.config.output_dir)))
         prepare_output_dir(self.layout, self.config.rank, override=self.config.override)
@@ -103,6 +106,7 @@ class DumpWriter:
         self._finished: set[int] = set()
         self._kept: collections.deque[int] = collections.deque()  # finished step files, oldest first (ring only)
         self._pruning = keep_last is not None
+        self._listener_failed = False
         self._lost: set[int] = set()  # steps given records or finished that did not reach a finished file
         self._error: DumpWriteError | None = None
         self._error_reported = False
@@ -302,8 +306,10 @@ class DumpWriter:
                 with self._stop_on_failure(step):
                     if kind == _WRITE:
                         self._steps.append(step, payload)
-                    elif self._steps.finish(step) and self.config.keep_last is not None:
-                        self._prune(step)
+                    elif self._steps.finish(step):
+                        self._step_written(step)
+                        if self.config.keep_last is not None:
+                            self._prune(step)
             except Exception as error:  # a bug here must still reach the training thread
                 self._fail(error, self.rank_dir, "failed while writing", step)
                 if kind == _STOP:
@@ -311,6 +317,19 @@ class DumpWriter:
             finally:
                 if kind in (_FLUSH, _BARRIER):
                     payload.set()
+
+    def _step_written(self, step: int) -> None:
+        """``on_step_written``: its failure is one warning line and no more calls, never a lost step."""
+        listener = self.config.on_step_written
+        if listener is None or self._listener_failed:
+            return
+        try:
+            listener(step, self.layout.step_file(self.config.rank, step))
+        except Exception as error:
+            self._listener_failed = True
+            print(f"probes: warning: on_step_written ({getattr(listener, '__qualname__', listener)!r}) failed on step "
+                  f"{step} of {self.rank_dir}: {type(error).__name__}: {error}; it is not called again, the dump "
+                  "goes on", file=sys.stderr, flush=True)
 
     def _prune(self, finished: int) -> None:
         """The ring buffer: removes the oldest finished steps beyond ``keep_last`` (unless ``keep_all``)."""

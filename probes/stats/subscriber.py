@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -67,6 +67,8 @@ class StatisticsSubscriber(SubscriberBase):
         on_anomaly: "raise" or "warn" at the first nan/inf in a record (see ``probes.stats.sentinel``),
             read from the record's own counts; None (default): no check.
         max_abs: with ``on_anomaly``, finite values beyond this magnitude are anomalies too.
+        on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
+            is finished, e.g. ``probes.export.LiveTensorBoard("tb")`` (TensorBoard while training).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class StatisticsSubscriber(SubscriberBase):
         keep_last: int | None = None,
         on_anomaly: Action | None = None,
         max_abs: float | None = None,
+        on_step_written: Callable[[int, Path], None] | None = None,
     ) -> None:
         super().__init__(start_step, end_step)
         if max_abs is not None and on_anomaly is None:
@@ -94,7 +97,8 @@ class StatisticsSubscriber(SubscriberBase):
         self.sample_count = check_int(sample_count, "sample_count")
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
-        self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last)
+        self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last,
+                                 on_step_written=on_step_written)
         self._closed = False
         self._warned_closed = False
         self._warned_unsupported: set[tuple[str, str, int, str]] = set()
