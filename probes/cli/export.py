@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..export import FORMATS, export_dump, write_tensorboard
-from .common import EXIT_OK, command_parser, open_dump, run_command
+from ..export.tensorboard import PHASES
+from .common import EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXPORT_EXAMPLES = [
     "probes export run --format jsonl --output run.jsonl     # one JSON object per record",
@@ -22,7 +23,6 @@ TENSORBOARD_EXAMPLES = [
     "probes tensorboard run --logdir tb                       # then: tensorboard --logdir tb",
     "probes tensorboard run --logdir tb --module 'blocks.0.*' --phase backward",
 ]
-PHASES = ("forward", "backward", "recompute")
 
 
 def export_parser() -> argparse.ArgumentParser:
@@ -45,6 +45,8 @@ def tensorboard_parser() -> argparse.ArgumentParser:
     parser.add_argument("--module", action="append", default=[], metavar="GLOB",
                         help="only modules (or record names) matching this glob (repeatable)")
     parser.add_argument("--phase", action="append", choices=PHASES, help="only this phase (repeatable)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the event files already in LOGDIR/rank_<r> (default: refuse)")
     return parser
 
 
@@ -60,13 +62,18 @@ def tensorboard(argv: Sequence[str] | None = None) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     open_dump(args.path)
-    result = export_dump(args.path, args.output, format=args.format, overwrite=args.overwrite, rank=args.rank)
+    result = export_dump(args.path, args.output, format=args.format, overwrite=args.overwrite, rank=args.rank,
+                         progress=True)
     print(f"{args.format}: {result}")
     return EXIT_OK
 
 
 def _tensorboard(args: argparse.Namespace) -> int:
     open_dump(args.path)
-    result = write_tensorboard(args.path, args.logdir, modules=args.module, phases=args.phase, progress=True)
+    try:
+        result = write_tensorboard(args.path, args.logdir, modules=args.module, phases=args.phase,
+                                   overwrite=args.overwrite, progress=True)
+    except ImportError as error:
+        raise CommandError(str(error)) from None
     print(f"tensorboard: {result} (open it: tensorboard --logdir {args.logdir})")
     return EXIT_OK

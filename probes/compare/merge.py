@@ -27,9 +27,8 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..dump import Record
+from ..dump import Record, legacy_block
 from .model import execution_order
 
 logger = logging.getLogger("probes.merge_activation_summary")
@@ -44,30 +43,6 @@ class MergeConfig:
     output_dir: Path
     overwrite: bool = False
     rank: int | None = None
-
-
-def _shape_text(shape: Any) -> str:
-    if isinstance(shape, list):
-        return f"torch.Size([{', '.join(str(size) for size in shape)}])"
-    return str(shape)
-
-
-def format_block(record: Record) -> str:
-    """One record as the original's text block (header, moments, counts, samples, signs, separator)."""
-    phase = record.get("phase", "")
-    legacy = record.get("legacy_name") or record["name"]
-    depth = record.get("depth")
-    indent = ">" * depth if isinstance(depth, int) and depth > 0 else ""
-    numel = record.get("numel")
-    return (
-        f"{indent}{legacy} {phase} run [{record['name']}] shape: {_shape_text(record.get('shape'))} "
-        f"dtype: torch.{record.get('dtype')} size: torch.Size([{numel}]) \n"
-        f"min: {record.get('min')} max: {record.get('max')}, mean: {record.get('mean')}, std: {record.get('std')} \n"
-        f"nan: {record.get('nan')}, inf: {record.get('inf')}\n"
-        f"samples(at flat indices {record.get('sample_indices', [])}): {record.get('samples', [])}\n"
-        f"neg: {record.get('neg')}, pos: {record.get('pos')}, zero: {record.get('zero')},\n"
-        f"{'=' * 16}\n"
-    )
 
 
 def _by_step(records: Sequence[Record], rank: int) -> dict[int, dict[OrderKey, Record]]:
@@ -95,7 +70,7 @@ def _write_run(destination: Path, label: str, steps: Mapping[int, Mapping[OrderK
         with (destination / f"step_{step}_.txt").open("w", encoding="utf-8") as out:
             for key in [*order, *extra]:
                 if key in records:
-                    out.write(format_block(records[key]))
+                    out.write(legacy_block(records[key]))
                     out.write("\n")
 
 

@@ -13,12 +13,14 @@ something here; every other key is passed through untouched. Nothing is pickled.
 
 The rooms: ``record`` (the typed record), ``layout`` (the format on disk, directory rules, errors),
 ``writer`` and ``stepfiles`` (the background writer and the files its thread writes), ``live`` (readers
-of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``, ``anomaly`` (nan/inf in records).
+of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``, ``anomaly`` (nan/inf in records),
+``legacy`` (the original onnxruntime hooks' text block).
 """
 
 from .anomaly import Anomaly, first_anomaly, record_anomaly
 from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, DumpFormatError, DumpLayout, DumpWriteError,
                      safe_component)
+from .legacy import legacy_block, legacy_file_name
 from .live import flush_writers
 from .reader import DumpReader, StepFile, list_steps, load_dump
 from .record import Record, RecordKey, TensorFields, record_key
@@ -42,6 +44,8 @@ __all__ = [
     "first_anomaly",
     "flush_writers",
     "format_records",
+    "legacy_block",
+    "legacy_file_name",
     "list_steps",
     "load_dump",
     "record_anomaly",

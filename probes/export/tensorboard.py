@@ -1,0 +1,173 @@
+"""A dump's statistics as TensorBoard scalars, from a finished dump or live from the subscriber.
+
+    write_tensorboard("pt_out", "tb", modules=["blocks.0.*"])      # then: tensorboard --logdir tb
+    live = LiveTensorBoard("tb")                                    # or live, off the training thread:
+    StatisticsSubscriber("pt_out", on_step_written=live); ...; live.close()
+
+Stages: read (the dump, step by step) -> select (module globs, phases) -> write (one
+``torch.utils.tensorboard.SummaryWriter`` per rank, into ``<logdir>/rank_<r>``). A record gives one
+scalar per statistic, tagged ``<phase>/<record name>/<statistic>`` (``forward/blocks.0.attn.output.0/std``)
+at its training step, so TensorBoard groups the charts by phase and module. A module glob matches the
+module's qualified name or the record name. Statistics a record lacks (no finite element, a tensor
+without statistics) are left out, not written as zero. A rank directory that already holds event
+files is refused unless ``overwrite`` (TensorBoard would show the two runs mixed in one chart).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..dump import DumpReader, Record
+from ..utils.progress import progress_meter
+from .output import ExportSummary, check_output, ranks_of, select_files
+
+__all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "write_tensorboard"]
+
+DEFAULT_STATISTICS = ("min", "max", "mean", "std", "nan", "inf")
+PHASES = ("forward", "backward", "recompute")
+EVENT_FILES = "events.out.tfevents.*"
+
+
+def _summary_writer(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:  # torch's module needs the tensorboard package
+        raise ImportError(f"TensorBoard output needs the tensorboard package ({error}); install it: "
+                          "pip install 'probes[tensorboard]'") from None
+    return SummaryWriter(log_dir=str(path), flush_secs=10)
+
+
+class _Scalars:
+    """The selection (modules, phases, statistics) and the per-rank writers of one log directory."""
+
+    def __init__(self, logdir: str | Path, *, modules: Sequence[str], phases: Sequence[str] | None,
+                 statistics: Sequence[str], overwrite: bool) -> None:
+        unknown = sorted(set(phases or ()) - set(PHASES))
+        if unknown:
+            raise ValueError(f"unknown phase {', '.join(unknown)}; choose from {', '.join(PHASES)}")
+        if isinstance(modules, str) or not all(isinstance(glob, str) for glob in modules):
+            raise TypeError(f"modules must be a list of glob strings, got {modules!r}")
+        if not statistics:
+            raise ValueError("statistics is empty; name at least one, e.g. ('mean', 'std')")
+        self.logdir = Path(logdir)
+        self.modules, self.phases, self.statistics = tuple(modules), frozenset(phases or PHASES), tuple(statistics)
+        self.overwrite = overwrite
+        self._writers: dict[int, Any] = {}
+        self.scalars = 0
+        for rank_dir in self.logdir.glob("rank_*"):
+            self._check_fresh(rank_dir)
+
+    def _check_fresh(self, rank_dir: Path) -> None:
+        events = sorted(rank_dir.glob(EVENT_FILES))
+        if events and not self.overwrite:
+            raise FileExistsError(f"{rank_dir} already holds TensorBoard event files ({events[0].name}); "
+                                  "use another log directory, or overwrite=True (command line: --overwrite) "
+                                  "to replace them")
+        for event_file in events:
+            event_file.unlink()
+
+    def wants(self, record: Record) -> bool:
+        if record.get("phase") not in self.phases:
+            return False
+        if not self.modules:
+            return True
+        return any(fnmatch.fnmatchcase(str(record.get(key, "")), glob)
+                   for glob in self.modules for key in ("module", "name"))
+
+    def add(self, records: Iterable[Record]) -> int:
+        """Writes the selected records' scalars; returns how many records were selected."""
+        selected = 0
+        for record in records:
+            if not self.wants(record):
+                continue
+            selected += 1
+            writer = self._writer(record["rank"])
+            for statistic in self.statistics:
+                value = record.get(statistic)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    writer.add_scalar(f"{record['phase']}/{record['name']}/{statistic}", value, record["step"])
+                    self.scalars += 1
+        return selected
+
+    def _writer(self, rank: int) -> Any:
+        if rank not in self._writers:
+            rank_dir = self.logdir / f"rank_{rank}"
+            self._check_fresh(rank_dir)
+            self._writers[rank] = _summary_writer(rank_dir)
+        return self._writers[rank]
+
+    def flush(self) -> None:
+        for writer in self._writers.values():
+            writer.flush()
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+def write_tensorboard(dump: str | Path, logdir: str | Path, *, modules: Sequence[str] = (),
+                      phases: Sequence[str] | None = None, statistics: Sequence[str] = DEFAULT_STATISTICS,
+                      overwrite: bool = False, progress: bool | TextIO = False) -> ExportSummary:
+    """Writes the statistics of ``dump`` as TensorBoard scalars under ``logdir/rank_<r>`` (see the module)."""
+    check_output(Path(logdir), dump, overwrite=True)  # an existing log directory is fine; its event files are not
+    scalars = _Scalars(logdir, modules=modules, phases=phases, statistics=statistics, overwrite=overwrite)
+    reader, files = select_files(dump)
+    meter = progress_meter(f"writing {dump} to TensorBoard", len(files), progress)
+    selected = 0
+    try:
+        for done, step_file in enumerate(files, 1):
+            selected += scalars.add(reader.read(step_file))
+            if meter:
+                meter.update(done)
+    finally:
+        scalars.close()
+        if meter:
+            meter.close()
+    notes = [f"{scalars.scalars} scalars"]
+    if not selected:
+        notes.append("no record matched the module and phase filters")
+    return ExportSummary("tensorboard", Path(logdir), selected, len(files), ranks_of(files), tuple(notes))
+
+
+class LiveTensorBoard:
+    """An ``on_step_written`` listener: each finished step's scalars go to TensorBoard as the run goes.
+
+        live = LiveTensorBoard("tb", modules=["blocks.*"])
+        subscriber = StatisticsSubscriber("pt_out", on_step_written=live)
+        ...                                    # train; refresh TensorBoard to see each step
+        live.close()                           # or ``with LiveTensorBoard("tb") as live:``
+
+    It runs on the dump writer's thread, never on the training thread; the step's records are read
+    back from the step file just written. An existing log directory with event files is refused here,
+    before training starts, unless ``overwrite``.
+    """
+
+    def __init__(self, logdir: str | Path, *, modules: Sequence[str] = (), phases: Sequence[str] | None = None,
+                 statistics: Sequence[str] = DEFAULT_STATISTICS, overwrite: bool = False) -> None:
+        self._scalars = _Scalars(logdir, modules=modules, phases=phases, statistics=statistics, overwrite=overwrite)
+        self._lock = threading.Lock()  # one writer thread per rank's dump may call at once
+        self.steps = 0
+
+    def __call__(self, step: int, path: Path) -> None:
+        reader = DumpReader(path, wait=False)  # on the writer's own thread: waiting would wait for itself
+        records = [record for item in reader.step_files() for record in reader.read(item)]
+        with self._lock:
+            self._scalars.add(records)
+            self._scalars.flush()
+            self.steps += 1
+
+    def close(self) -> None:
+        """Flushes and closes the event files (idempotent)."""
+        with self._lock:
+            self._scalars.close()
+
+    def __enter__(self) -> "LiveTensorBoard":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,106 @@
+"""A dump as one text file: JSON Lines (one strict JSON object per record) or CSV (one row per record).
+
+    export_jsonl("pt_out", Path("pt.jsonl"))
+    export_csv("pt_out", Path("pt.csv"), rank=0)       # pandas.read_csv("pt.csv") reads it as it is
+
+Records come in the dump's order: rank, step, then the order the step file holds. JSON Lines keeps
+every key of a record; a NaN or infinite number, which strict JSON cannot hold, is written as the
+string "NaN", "Infinity" or "-Infinity". CSV has one named column per field of ``probes.dump.Record``
+(lists such as ``shape`` and ``samples`` as JSON text, None as an empty cell, floats in Python's exact
+``repr``: nan, inf) and a last column ``extra`` with any other keys as a JSON object.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..dump import Record
+from ..dump.record import REQUIRED_FIELDS
+from ..utils.progress import progress_meter
+from .output import ExportSummary, atomic_output, check_output, ranks_of, select_files
+
+__all__ = ["CSV_COLUMNS", "export_csv", "export_jsonl"]
+
+# Where and when first, then every other field a record can have, in the record type's own order.
+CSV_COLUMNS: tuple[str, ...] = (*REQUIRED_FIELDS,
+                                *(key for key in Record.__annotations__ if key not in REQUIRED_FIELDS), "extra")
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every NaN and infinity replaced by its JSON-safe name."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else _NON_FINITE[value]
+    if isinstance(value, list):
+        return [_strict(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    return value
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(_strict(value), separators=(",", ":"))
+    return value
+
+
+def _jsonl_lines(records: Iterable[Record], out: TextIO) -> None:
+    for record in records:
+        out.write(json.dumps(_strict(record), allow_nan=False) + "\n")
+
+
+def _csv_rows(records: Iterable[Record], out: TextIO) -> None:
+    known = set(CSV_COLUMNS)
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for record in records:
+        extra = {key: value for key, value in record.items() if key not in known}
+        row = {**record, "extra": extra or None}
+        writer.writerow([_csv_cell(row.get(column)) for column in CSV_COLUMNS])
+
+
+def _export(kind: str, write: Callable[[Iterable[Record], TextIO], None], dump: str | Path, output: Path, *,
+            overwrite: bool, rank: int | None, progress: bool | TextIO) -> ExportSummary:
+    output = Path(output)
+    check_output(output, dump, overwrite=overwrite)
+    reader, files = select_files(dump, rank=rank)
+    meter = progress_meter(f"exporting {dump}", len(files), progress)
+    count = 0
+
+    def records() -> Iterable[Record]:
+        nonlocal count
+        for done, step_file in enumerate(files, 1):
+            step_records = reader.read(step_file)
+            count += len(step_records)
+            yield from step_records
+            if meter:
+                meter.update(done)
+
+    try:
+        with atomic_output(output) as temporary, temporary.open("w", encoding="utf-8", newline="") as out:
+            write(records(), out)
+    finally:
+        if meter:
+            meter.close()
+    return ExportSummary(kind, output, count, len({(f.rank, f.step) for f in files}), ranks_of(files))
+
+
+def export_jsonl(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
+                 progress: bool | TextIO = False) -> ExportSummary:
+    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as JSON Lines."""
+    return _export("jsonl", _jsonl_lines, dump, Path(output), overwrite=overwrite, rank=rank, progress=progress)
+
+
+def export_csv(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
+               progress: bool | TextIO = False) -> ExportSummary:
+    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as CSV with ``CSV_COLUMNS``."""
+    return _export("csv", _csv_rows, dump, Path(output), overwrite=overwrite, rank=rank, progress=progress)
