@@ -45,6 +45,8 @@ def parity_message(report: Report, limit: int = 5) -> str:
     if report.zero_grads:
         lines.append(f"note: {len(report.zero_grads)} records are a {ZERO_GRAD_NOTE} (not counted; "
                      "strict_zero_grads=True counts them)")
+    if report.renamed:
+        lines.append(f"renamed: {len(report.renamed)} names of other (first: {report.renamed[0]})")
     lines.append(f"details: python -m probes compare {report.base} {report.other}")
     return "\n".join(lines)
 
@@ -53,16 +55,20 @@ def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 
                   atol: float = DEFAULT_ATOL, noise: str | Path | None = None,
                   noise_factor: float = DEFAULT_NOISE_FACTOR, steps: Sequence[int] | None = None,
                   names: Sequence[str] = (), html: str | Path | None = None,
-                  strict_zero_grads: bool = False) -> Report:
+                  strict_zero_grads: bool = False, name_map: Any = None, fuzzy: bool = False) -> Report:
     """Raises AssertionError naming the first divergence unless the two dumps agree; returns the report.
+
+        assert_parity("eager_out", "refactored_out", name_map={r"\\.ffn\\.": ".mlp."})
 
     Tolerances, filters and ``strict_zero_grads`` are those of ``probes.compare.compare_dumps`` (by
     default a gradient exactly zero in one run and absent in the other is only noted in
     ``report.zero_grads``). ``html``: where to write the HTML report when the runs diverge (its path
-    is then part of the message). Dumps this process is still writing are waited for first.
+    is then part of the message). ``name_map`` (a NameMap, its rules or a YAML/JSON file) and ``fuzzy``
+    compare runs whose names differ (docs/names.md). Dumps this process is still writing are waited for first.
     """
     report = compare_dumps(base_dir, other_dir, rtol=rtol, atol=atol, noise=noise, noise_factor=noise_factor,
-                           steps=steps, names=names, strict_zero_grads=strict_zero_grads)
+                           steps=steps, names=names, strict_zero_grads=strict_zero_grads, name_map=name_map,
+                           fuzzy=fuzzy)
     if report.agrees:
         return report
     message = parity_message(report)

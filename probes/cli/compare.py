@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..compare import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, Report, compare_dumps, format_report,
-                       parse_steps, write_html)
+                       load_name_map, parse_steps, write_html)
 from .common import EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXAMPLES = [
@@ -19,6 +19,8 @@ EXAMPLES = [
     "probes compare eager_out ort_out --rtol 1e-3 --atol 1e-5 --json r.json --html r.html",
     "probes compare eager_out ort_out --noise eager_out2      # tolerance from a second baseline run",
     "probes compare eager_out ort_out --step 3-5 --name 'blocks.1.*'",
+    "probes compare eager_out refactored_out --map names.yaml   # names.yaml: {'\\.ffn\\.': '.mlp.'}",
+    "probes compare eager_out refactored_out --fuzzy            # pair renamed modules by class, shape, order",
 ]
 
 
@@ -40,6 +42,12 @@ def parser() -> argparse.ArgumentParser:
                         help="only these steps: N, A-B or a comma list (repeatable)")
     parser.add_argument("--name", action="append", default=[], metavar="GLOB",
                         help="only records whose name matches this glob, e.g. 'blocks.1.*' (repeatable)")
+    parser.add_argument("--map", type=Path, metavar="FILE",
+                        help="a YAML or JSON name map: regular expressions rewriting OTHER's names into BASE's "
+                             "(docs/names.md)")
+    parser.add_argument("--fuzzy", action="store_true",
+                        help="pair the records still found in one run only by module class, shape and execution "
+                             "order, and list the pairs with their confidence")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report (docs/compare.md) here")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the self-contained HTML report here")
     parser.add_argument("--top", type=int, default=10, help="rows in the table of worst records (default 10)")
@@ -58,10 +66,11 @@ def _compare(args: argparse.Namespace) -> int:
     for path in (args.base, args.other, args.noise):
         if path is not None:
             open_dump(path)  # a path that is not a dump, empty, or still being written: one clear line
+    name_map = load_name_map(args.map) if args.map is not None else None  # a bad map: one line, before reading
     steps = frozenset().union(*args.step) if args.step else None
     report = compare_dumps(args.base, args.other, rtol=args.rtol, atol=args.atol, noise=args.noise,
                            noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True,
-                           strict_zero_grads=args.strict_zero_grads)
+                           strict_zero_grads=args.strict_zero_grads, name_map=name_map, fuzzy=args.fuzzy)
     _check_common_records(report, args)
     print(format_report(report, top=args.top))
     try:
@@ -81,8 +90,9 @@ def _check_common_records(report: Report, args: argparse.Namespace) -> None:
     if report.matched or not (report.only_in_base and report.only_in_other):
         return
     filters = " after --step/--name" if args.step or args.name else ""
+    hint = "check the --map patterns" if args.map is not None else "map the names that changed (--map FILE, --fuzzy)"
     example_base, example_other = report.only_in_base[0][3], report.only_in_other[0][3]
     raise CommandError(
         f"{args.base} and {args.other} have no record in common{filters} ({len(report.only_in_base)} records "
         f"only in BASE such as {example_base!r}, {len(report.only_in_other)} only in OTHER such as "
-        f"{example_other!r}); compare two runs of the same model, or map the names that changed")
+        f"{example_other!r}); compare two runs of the same model, or {hint}")

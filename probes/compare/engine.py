@@ -24,8 +24,11 @@ from typing import Any, TextIO
 
 from ..dump import Record, RecordKey, first_anomaly
 from ..utils.progress import progress_meter
+from .align import apply_renames, fuzzy_renames
 from .model import (COUNTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
-                    CompareConfig, Divergence, MetricDiff, RecordDiff, Report, execution_order, is_finite_number)
+                    CompareConfig, Divergence, MetricDiff, RecordDiff, Rename, Report, execution_order,
+                    is_finite_number)
+from .names import NameMap, NameRules, load_name_map
 from .reading import LoadedDump, read_dump
 
 __all__ = ["compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient", "record_noise"]
@@ -137,7 +140,13 @@ def _compare_samples(record: RecordDiff, pairs: list[tuple[int, Any, Any]], conf
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                    noise: LoadedDump | None = None, *, progress: bool | TextIO = False) -> Report:
-    """Compares two loaded dumps (see ``compare_dumps``)."""
+    """Compares two loaded dumps (see ``compare_dumps``); with ``config.fuzzy``, renames ``other``'s records."""
+    renamed = [Rename(None, original, new, "map", 1.0, "the name map")
+               for original, new in other.renamed.items()]
+    if config.fuzzy:
+        paired = fuzzy_renames(base, other)
+        apply_renames(other, paired)
+        renamed += paired
     keys = sorted(base.records, key=lambda key: _order_of(key, base))
     records: list[RecordDiff] = []
     only_in_base: list[RecordKey] = []
@@ -169,7 +178,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
                     only_in_base, only_in_other, base.steps, other.steps,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
-                    zero_grads=zero_grads)
+                    zero_grads=zero_grads, renamed=renamed)
     report.first_divergence = _first_divergence(report, base, other)
     report.first_nonfinite = {"base": first_anomaly(base.records.values()),
                               "other": first_anomaly(other.records.values())}
@@ -243,17 +252,32 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump) -> Di
 def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
                   noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
-                  progress: bool | TextIO = False, strict_zero_grads: bool = False) -> Report:
+                  progress: bool | TextIO = False, strict_zero_grads: bool = False,
+                  name_map: NameMap | NameRules | str | Path | None = None, fuzzy: bool = False) -> Report:
     """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
+
+    ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
+    ``probes.compare.names``), before the ``names`` filter. ``fuzzy``: names still found in one run only
+    are paired by module class, shape and execution order (``probes.compare.align``). Both are listed
+    in ``report.renamed``.
 
     ``strict_zero_grads``: a gradient exactly zero in one run and absent in the other diverges
     (by default it is only noted in ``report.zero_grads``). Raises DumpFormatError (naming file and
-    line) or OSError when a dump cannot be read.
+    line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used.
     """
     config = CompareConfig(rtol=rtol, atol=atol, noise_factor=noise_factor,
                            steps=frozenset(steps) if steps is not None else None, names=tuple(names),
-                           strict_zero_grads=bool(strict_zero_grads))
+                           strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy))
+    mapping = _name_map(name_map)
     loaded_base = read_dump(base, config, progress=progress)
-    loaded_other = read_dump(other, config, progress=progress)
+    loaded_other = read_dump(other, config, progress=progress, name_map=mapping)
     loaded_noise = read_dump(noise, config, progress=progress) if noise is not None else None
     return compare_loaded(loaded_base, loaded_other, config, loaded_noise, progress=progress)
+
+
+def _name_map(name_map: NameMap | NameRules | str | Path | None) -> NameMap | None:
+    if name_map is None or isinstance(name_map, NameMap):
+        return name_map
+    if isinstance(name_map, (str, Path)):
+        return load_name_map(name_map)
+    return NameMap.from_rules(name_map)

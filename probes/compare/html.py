@@ -85,6 +85,9 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
         ("materialised zero gradients (notes)", len(report.zero_grads)),
+        *((("names of other renamed (map / fuzzy)", f"{sum(r.how == 'map' for r in report.renamed)} / "
+                                                    f"{sum(r.how == 'fuzzy' for r in report.renamed)}"),)
+          if report.renamed else ()),
         *((f"first non-finite value, {side}", str(anomaly) if anomaly else "none")
           for side, anomaly in report.first_nonfinite.items() if any(report.first_nonfinite.values())),
     ])
@@ -127,6 +130,11 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
             parts.append(_table(["rank", "step", "phase", "name"], shown, {0, 1}))
             if len(keys) > len(shown):
                 parts.append(f'<p class="note">{len(keys) - len(shown)} more in the JSON report.</p>')
+    if report.renamed:
+        parts.append(f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>')
+        parts.append(_table(["phase", "other", "base", "how", "confidence", "why"],
+                            [(r.phase or "all", r.other, r.base, r.how, r.confidence, r.reason)
+                             for r in report.renamed[:500]], {4}))
     if report.zero_grads:
         parts.append(_zero_grad_section(report))
     parts.append("</body></html>")

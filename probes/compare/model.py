@@ -58,7 +58,8 @@ class CompareConfig:
     level measured from a second baseline run (0 without one; see docs/compare.md).
     ``steps``: only these steps (None: all). ``names``: only record names matching one of these globs.
     ``strict_zero_grads``: a gradient that is exactly zero in one run and absent in the other counts
-    as a record on one side only (a divergence) instead of a note.
+    as a record on one side only (a divergence) instead of a note. ``fuzzy``: names found in one run
+    only are paired by module class, shape and execution order (``probes.compare.align``).
     """
 
     rtol: float = DEFAULT_RTOL
@@ -67,6 +68,7 @@ class CompareConfig:
     steps: frozenset[int] | None = None
     names: tuple[str, ...] = ()
     strict_zero_grads: bool = False
+    fuzzy: bool = False
 
     def __post_init__(self) -> None:
         for label in ("rtol", "atol", "noise_factor"):
@@ -257,6 +259,27 @@ class StepSummary:
         }
 
 
+@dataclass(frozen=True)
+class Rename:
+    """A name of OTHER compared as a name of BASE: given by the name map, or paired by fuzzy alignment."""
+
+    phase: str | None  # None: every phase (a name map renames a name wherever it stands)
+    other: str
+    base: str
+    how: str  # "map" or "fuzzy"
+    confidence: float  # 1.0 for the map; fuzzy: see probes.compare.align
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.phase} " if self.phase else ""
+        sure = "" if self.how == "map" else f", confidence {self.confidence:.2f}: {self.reason}"
+        return f"{where}{self.other} -> {self.base} ({self.how}{sure})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "other": self.other, "base": self.base, "how": self.how,
+                "confidence": self.confidence, "reason": self.reason}
+
+
 @dataclass
 class Report:
     """The result of ``compare_dumps``; ``agrees`` is the verdict."""
@@ -278,6 +301,8 @@ class Report:
     zero_grads: list[tuple[RecordKey, str]] = field(default_factory=list)
     # "base"/"other" -> the run's first record holding nan or inf (execution order, across ranks), or None.
     first_nonfinite: dict[str, Anomaly | None] = field(default_factory=dict)
+    # OTHER's names compared under BASE's names (name map, fuzzy alignment), in BASE's execution order.
+    renamed: list[Rename] = field(default_factory=list)
 
     @property
     def matched(self) -> int:
@@ -332,7 +357,7 @@ class Report:
             "tolerance": {"rtol": config.rtol, "atol": config.atol, "noise_factor": config.noise_factor},
             "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
                         "names": list(config.names)},
-            "options": {"strict_zero_grads": config.strict_zero_grads},
+            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy},
             "verdict": "agree" if self.agrees else "diverged",
             "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
             "counts": {"matched": self.matched, "diverged": self.diverged_count,
@@ -349,6 +374,7 @@ class Report:
                            for key, side in self.zero_grads],
             "first_nonfinite": {side: anomaly.to_json() if anomaly else None
                                 for side, anomaly in self.first_nonfinite.items()},
+            "renamed": [rename.to_json() for rename in self.renamed],
             "per_step": [summary.to_json() for summary in self.per_step()],
             "divergences": [record.to_json() for record in self.records if record.diverged],
         }

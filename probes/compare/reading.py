@@ -1,23 +1,26 @@
 """Reading a dump for comparison: its records keyed by (rank, step, phase, name), after the filters.
 
     loaded = read_dump("pt_out", CompareConfig(steps=frozenset({3})), progress=True)
+    loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
     loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]; loaded.steps; loaded.unfinished
 
 Parsing, completeness (the order files) and waiting for live writers are the dump reader's
 (``probes.dump.DumpReader``); here only what comparing needs on top: filters, the types of the key
-fields, no duplicate keys, and which steps each rank finished.
+fields, no duplicate keys, which steps each rank finished, and names rewritten by a name map (before
+the name filter; the original name is kept in the record as ``renamed_from``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile, record_key
 from ..utils.progress import progress_meter
 from .model import CompareConfig
+from .names import NameMap, NameMapError
 
 __all__ = ["LoadedDump", "read_dump"]
 
@@ -30,14 +33,15 @@ class LoadedDump:
     records: dict[RecordKey, Record]
     steps: dict[int, list[int]]  # rank -> finished steps read
     unfinished: dict[int, list[int]]  # rank -> unfinished steps (not read)
+    renamed: dict[str, str] = field(default_factory=dict)  # original name -> name after the map, those it changed
 
 
 def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
-              progress: bool | TextIO = True) -> LoadedDump:
+              progress: bool | TextIO = True, name_map: NameMap | None = None) -> LoadedDump:
     """Loads and validates a dump for comparison, keeping only the steps and names ``config`` selects.
 
     Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, and
-    OSError for unreadable paths. ``progress``: False, True (stderr) or a stream. A live writer of
+    OSError for unreadable paths, NameMapError when ``name_map`` makes two records of a step one. ``progress``: False, True (stderr) or a stream. A live writer of
     this process into ``path`` is waited for first, so every step it finished is read.
     """
     reader = DumpReader(path)
@@ -61,10 +65,17 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
             steps = loaded.steps.setdefault(rank, [])
             if not steps or steps[-1] != step:
                 steps.append(step)
+            if name_map is not None:
+                _rename(record, name_map, loaded.renamed)
             if not config.wants_name(record["name"]):
                 continue
             key = record_key(record)
             if key in loaded.records:
+                if "renamed_from" in record or "renamed_from" in loaded.records[key]:
+                    first = loaded.records[key].get("renamed_from", record["name"])
+                    raise NameMapError(f"{name_map.source if name_map else 'name map'}: maps {first!r} and {record.get('renamed_from', key[3])!r} "
+                                       f"of {path} both to {key[3]!r} (rank {rank} step {step} {key[2]}); make the "
+                                       "patterns tell them apart")
                 raise DumpFormatError(file_path, line, f"duplicate record: rank {rank} step {step} "
                                                        f"{record['phase']} {record['name']!r} appears twice")
             record.setdefault("seq", line - 1)
@@ -76,6 +87,15 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     for steps in loaded.steps.values():
         steps.sort()
     return loaded
+
+
+def _rename(record: Record, name_map: NameMap, renamed: dict[str, str]) -> None:
+    original = record["name"]
+    name = renamed.get(original) or name_map.apply(original)
+    if name != original:
+        renamed[original] = name
+        record["renamed_from"] = original  # type: ignore[typeddict-unknown-key]
+        record["name"] = name
 
 
 def _read_files(reader: DumpReader, files: list[StepFile],

@@ -148,6 +148,11 @@ def _header(report: Report) -> list[str]:
     if report.steps_only_in_base or report.steps_only_in_other:
         lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
                      f"only in other {ranges(report.steps_only_in_other)}")
+    if report.renamed:
+        by_how = {how: sum(r.how == how for r in report.renamed) for how in ("map", "fuzzy")}
+        lines.append("  names: " + ", ".join(f"{count} {plural(count, 'name')} of other renamed by "
+                                             f"{'the name map' if how == 'map' else 'fuzzy alignment'}"
+                                             for how, count in by_how.items() if count) + " (listed below)")
     if report.zero_grads:
         lines.append(f"  note: {len(report.zero_grads)} {plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
                      "(not counted as divergences; --strict-zero-grads counts them)")
@@ -220,6 +225,7 @@ def format_report(report: Report, top: int = 10) -> str:
     if report.zero_grads:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
         lines += _zero_grad_lines(report.zero_grads, with_rank)
+    lines += renamed_lines(report)
     lines += _per_step(report)
     lines += nonfinite_lines(report)
     lines += ["", f"verdict: {verdict(report)}"]
@@ -232,3 +238,13 @@ def nonfinite_lines(report: Report) -> list[str]:
         return []
     return ["", "First non-finite value (execution order, across ranks):"] + [
         f"  {side}: {anomaly if anomaly else 'none'}" for side, anomaly in report.first_nonfinite.items()]
+
+
+def renamed_lines(report: Report, limit: int = 20) -> list[str]:
+    """Which names of OTHER were compared as which names of BASE, and how sure the pairing is."""
+    if not report.renamed:
+        return []
+    lines = ["", "Renamed (other -> base):"] + [f"  {rename}" for rename in report.renamed[:limit]]
+    if len(report.renamed) > limit:
+        lines.append(f"  ... {len(report.renamed) - limit} more (see --json)")
+    return lines
