@@ -36,7 +36,8 @@ class ExportSummary:
 
     def __str__(self) -> str:
         ranks = ", ".join(str(rank) for rank in self.ranks) or "none"
-        text = f"{self.records} records of {self.steps} steps (rank {ranks}) written to {self.output}"
+        text = (f"{self.records} record{'s' * (self.records != 1)} of {self.steps} step{'s' * (self.steps != 1)} "
+                f"(rank {ranks}) written to {self.output}")
         return "; ".join([text, *self.notes])
 
 
