@@ -24,6 +24,7 @@ import torch
 from exporters.handles import Handle
 
 from .compare import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, Report, compare_dumps
+from .compare.names import NameMapLike
 from .compare.text import counts_line, verdict
 
 __all__ = ["BugInjection", "assert_parity", "inject_bug", "parity_message"]
@@ -55,7 +56,8 @@ def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float = 
                   atol: float = DEFAULT_ATOL, noise: str | Path | None = None,
                   noise_factor: float = DEFAULT_NOISE_FACTOR, steps: Sequence[int] | None = None,
                   names: Sequence[str] = (), html: str | Path | None = None,
-                  strict_zero_grads: bool = False, name_map: Any = None, fuzzy: bool = False) -> Report:
+                  strict_zero_grads: bool = False, name_map: NameMapLike | None = None,
+                  fuzzy: bool = False) -> Report:
     """Raises AssertionError naming the first divergence unless the two dumps agree; returns the report.
 
         assert_parity("eager_out", "refactored_out", name_map={r"\\.ffn\\.": ".mlp."})

@@ -16,13 +16,13 @@ from .html import HtmlConfig, render_html, write_html
 from .model import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, CompareConfig, Divergence,
                     MetricDiff, RecordDiff, Rename, Report, StepSummary, execution_order)
 from .align import apply_renames, fuzzy_renames
-from .names import NameMap, NameMapError, load_name_map
+from .names import NameMap, NameMapError, as_name_map, load_name_map
 from .reading import LoadedDump, read_dump
 from .text import format_report, parse_steps
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "ZERO_GRAD_NOTE", "CompareConfig", "Divergence",
            "HtmlConfig", "LoadedDump", "MetricDiff", "NameMap", "NameMapError", "Progress", "RecordDiff", "Rename",
            "Report", "StepSummary", "compare_dumps",
-           "apply_renames", "compare_loaded", "compare_records", "execution_order", "format_report",
+           "apply_renames", "as_name_map", "compare_loaded", "compare_records", "execution_order", "format_report",
            "fuzzy_renames", "is_zero_gradient", "load_name_map",
            "parse_steps", "read_dump", "record_noise", "render_html", "write_html"]

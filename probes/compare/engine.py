@@ -28,7 +28,7 @@ from .align import apply_renames, fuzzy_renames
 from .model import (COUNTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
                     CompareConfig, Divergence, MetricDiff, RecordDiff, Rename, Report, execution_order,
                     is_finite_number)
-from .names import NameMap, NameRules, load_name_map
+from .names import NameMapLike, as_name_map
 from .reading import LoadedDump, read_dump
 
 __all__ = ["compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient", "record_noise"]
@@ -253,7 +253,7 @@ def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_
                   noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
                   progress: bool | TextIO = False, strict_zero_grads: bool = False,
-                  name_map: NameMap | NameRules | str | Path | None = None, fuzzy: bool = False) -> Report:
+                  name_map: NameMapLike | None = None, fuzzy: bool = False) -> Report:
     """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
 
     ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
@@ -268,16 +268,9 @@ def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_
     config = CompareConfig(rtol=rtol, atol=atol, noise_factor=noise_factor,
                            steps=frozenset(steps) if steps is not None else None, names=tuple(names),
                            strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy))
-    mapping = _name_map(name_map)
+    mapping = as_name_map(name_map)
     loaded_base = read_dump(base, config, progress=progress)
     loaded_other = read_dump(other, config, progress=progress, name_map=mapping)
     loaded_noise = read_dump(noise, config, progress=progress) if noise is not None else None
     return compare_loaded(loaded_base, loaded_other, config, loaded_noise, progress=progress)
 
-
-def _name_map(name_map: NameMap | NameRules | str | Path | None) -> NameMap | None:
-    if name_map is None or isinstance(name_map, NameMap):
-        return name_map
-    if isinstance(name_map, (str, Path)):
-        return load_name_map(name_map)
-    return NameMap.from_rules(name_map)

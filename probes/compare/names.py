@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["NameMap", "NameMapError", "NameRules", "load_name_map"]
+__all__ = ["NameMap", "NameMapError", "NameMapLike", "NameRules", "as_name_map", "load_name_map"]
 
 NameRules = Union[Mapping[str, str], Sequence[Mapping[str, str]]]
+NameMapLike = Union["NameMap", NameRules, str, Path]  # what ``name_map=`` options accept
 FORMAT_HELP = ('a mapping {"pattern": "replacement"} or a list of {"pattern": ..., "replace": ...} entries, '
                "patterns being Python regular expressions")
 
@@ -102,3 +103,12 @@ def _parse(path: Path, text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise NameMapError(f"name map {path}: not valid JSON ({error}); name a YAML map .yaml or .yml") from None
+
+
+def as_name_map(name_map: NameMapLike | None) -> NameMap | None:
+    """A ``name_map=`` option as a NameMap: a NameMap, its rules, or the path of a YAML/JSON file."""
+    if name_map is None or isinstance(name_map, NameMap):
+        return name_map
+    if isinstance(name_map, (str, Path)):
+        return load_name_map(name_map)
+    return NameMap.from_rules(name_map)

@@ -12,13 +12,12 @@ the name filter; the original name is kept in the record as ``renamed_from``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile, record_key
-from ..utils.progress import progress_meter
 from .model import CompareConfig
 from .names import NameMap, NameMapError
 
@@ -41,8 +40,9 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     """Loads and validates a dump for comparison, keeping only the steps and names ``config`` selects.
 
     Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, and
-    OSError for unreadable paths, NameMapError when ``name_map`` makes two records of a step one. ``progress``: False, True (stderr) or a stream. A live writer of
-    this process into ``path`` is waited for first, so every step it finished is read.
+    OSError for unreadable paths, NameMapError when ``name_map`` makes two records of a step one.
+    ``progress``: False, True (stderr) or a stream. A live writer of this process into ``path`` is
+    waited for first, so every step it finished is read.
     """
     reader = DumpReader(path)
     loaded = LoadedDump(reader.path, {}, {}, {})
@@ -55,7 +55,7 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
                 loaded.unfinished[rank] = by_state["unfinished"]
         files = [step_file for step_file in reader.step_files()
                  if step_file.rank is not None and config.wants_step(step_file.step)]
-        chunks = _read_files(reader, files, progress)
+        chunks = ((step_file.path, records) for step_file, records in reader.read_each(files, progress=progress))
     for file_path, records in chunks:
         for line, record in enumerate(records, 1):
             _check_record(file_path, line, record)
@@ -71,11 +71,11 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
                 continue
             key = record_key(record)
             if key in loaded.records:
-                if "renamed_from" in record or "renamed_from" in loaded.records[key]:
-                    first = loaded.records[key].get("renamed_from", record["name"])
-                    raise NameMapError(f"{name_map.source if name_map else 'name map'}: maps {first!r} and {record.get('renamed_from', key[3])!r} "
-                                       f"of {path} both to {key[3]!r} (rank {rank} step {step} {key[2]}); make the "
-                                       "patterns tell them apart")
+                if name_map is not None and ("renamed_from" in record or "renamed_from" in loaded.records[key]):
+                    first = loaded.records[key].get("renamed_from", key[3])
+                    raise NameMapError(f"{name_map.source}: maps {first!r} and {record.get('renamed_from', key[3])!r} "
+                                       f"of {path} both to {key[3]!r} (rank {rank} step {step} {key[2]}); make "
+                                       "the patterns tell them apart")
                 raise DumpFormatError(file_path, line, f"duplicate record: rank {rank} step {step} "
                                                        f"{record['phase']} {record['name']!r} appears twice")
             record.setdefault("seq", line - 1)
@@ -96,17 +96,6 @@ def _rename(record: Record, name_map: NameMap, renamed: dict[str, str]) -> None:
         renamed[original] = name
         record["renamed_from"] = original  # type: ignore[typeddict-unknown-key]
         record["name"] = name
-
-
-def _read_files(reader: DumpReader, files: list[StepFile],
-                progress: bool | TextIO) -> Iterator[tuple[Path, list[Record]]]:
-    meter = progress_meter(f"reading {reader.path}", len(files), progress)
-    for done, step_file in enumerate(files, 1):
-        yield step_file.path, reader.read(step_file)
-        if meter:
-            meter.update(done)
-    if meter:
-        meter.close()
 
 
 def _check_record(path: Path, line: int, record: Record) -> None:

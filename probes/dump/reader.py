@@ -4,6 +4,7 @@
     reader.steps()                             # {0: {"finished": [0, 1], "unfinished": [2]}}
     for step_file in reader.step_files():      # finished steps, sorted by (rank, step)
         records = reader.read(step_file)
+    for step_file, records in reader.read_each(files, progress=True):   # the same, with a progress bar
     records = load_dump("pt_out")              # = DumpReader("pt_out").records()
 
 A path may be a dump directory (all its ranks), one ``rank_<r>`` directory, or one step file. The
@@ -23,9 +24,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TextIO, cast
+
+from ..utils.progress import progress_meter
 
 from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
                      DumpLayout, read_manifest)
@@ -87,6 +91,19 @@ class DumpReader:
                                       "truncated last line (no newline at the end of a finished step file)")
             _check_complete(step_file, len(records))
         return records
+
+    def read_each(self, files: Sequence[StepFile], *, progress: bool | TextIO = False,
+                  label: str | None = None) -> Iterator[tuple[StepFile, list[Record]]]:
+        """(step file, its records) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        meter = progress_meter(label or f"reading {self.path}", len(files), progress)
+        try:
+            for done, step_file in enumerate(files, 1):
+                yield step_file, self.read(step_file)
+                if meter:
+                    meter.update(done)
+        finally:
+            if meter:
+                meter.close()
 
     def records(self, *, include_partial: bool = False) -> list[Record]:
         """Every record, sorted by (rank, step, line in the file); unfinished steps only with ``include_partial``.

@@ -21,7 +21,6 @@ from typing import TextIO
 
 from ..dump import StepFile, legacy_block, legacy_file_name, safe_component
 from ..dump.record import Record, execution_order
-from ..utils.progress import progress_meter
 from .output import ExportSummary, atomic_output, check_output, ranks_of, select_files
 
 __all__ = ["export_ort_layout"]
@@ -41,22 +40,15 @@ def export_ort_layout(dump: str | Path, output: str | Path, *, overwrite: bool =
     notes = []
     if len(all_ranks) > 1 and rank is None:
         notes.append(f"rank {chosen} of ranks {', '.join(map(str, all_ranks))} (choose with rank=, --rank)")
-    meter = progress_meter(f"exporting {dump}", len(files), progress)
     written = skipped = 0
-    try:
-        with atomic_output(output) as temporary:
-            temporary.mkdir()
-            for done, step_file in enumerate(files, 1):
-                step_written, step_skipped = _write_step(reader.read(step_file), step_file, temporary)
-                written, skipped = written + step_written, skipped + step_skipped
-                if meter:
-                    meter.update(done)
-    finally:
-        if meter:
-            meter.close()
+    with atomic_output(output) as temporary:
+        temporary.mkdir()
+        for step_file, records in reader.read_each(files, progress=progress, label=f"exporting {dump}"):
+            step_written, step_skipped = _write_step(records, step_file, temporary)
+            written, skipped = written + step_written, skipped + step_skipped
     if skipped:
         notes.append(f"{skipped} recomputation records left out (the original layout has no such phase)")
-    return ExportSummary("ort", output, written, len(files), (chosen,) if files else (), tuple(notes))
+    return ExportSummary.of("ort", output, written, files, tuple(notes))
 
 
 def _write_step(records: list[Record], step_file: StepFile, root: Path) -> tuple[int, int]:

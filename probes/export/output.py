@@ -34,6 +34,12 @@ class ExportSummary:
     ranks: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())
 
+    @classmethod
+    def of(cls, format: str, output: Path, records: int, files: list[StepFile],
+           notes: tuple[str, ...] = ()) -> "ExportSummary":
+        """The summary of an export of ``records`` records read from ``files``."""
+        return cls(format, output, records, len(files), ranks_of(files), notes)
+
     def __str__(self) -> str:
         ranks = ", ".join(str(rank) for rank in self.ranks) or "none"
         text = (f"{self.records} record{'s' * (self.records != 1)} of {self.steps} step{'s' * (self.steps != 1)} "

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..dump import DumpReader, Record
-from ..utils.progress import progress_meter
-from .output import ExportSummary, check_output, ranks_of, select_files
+from .output import ExportSummary, check_output, select_files
 
 __all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "write_tensorboard"]
 
@@ -117,21 +116,16 @@ def write_tensorboard(dump: str | Path, logdir: str | Path, *, modules: Sequence
     check_output(Path(logdir), dump, overwrite=True)  # an existing log directory is fine; its event files are not
     scalars = _Scalars(logdir, modules=modules, phases=phases, statistics=statistics, overwrite=overwrite)
     reader, files = select_files(dump)
-    meter = progress_meter(f"writing {dump} to TensorBoard", len(files), progress)
     selected = 0
     try:
-        for done, step_file in enumerate(files, 1):
-            selected += scalars.add(reader.read(step_file))
-            if meter:
-                meter.update(done)
+        for _, records in reader.read_each(files, progress=progress, label=f"writing {dump} to TensorBoard"):
+            selected += scalars.add(records)
     finally:
         scalars.close()
-        if meter:
-            meter.close()
     notes = [f"{scalars.scalars} scalars"]
     if not selected:
         notes.append("no record matched the module and phase filters")
-    return ExportSummary("tensorboard", Path(logdir), selected, len(files), ranks_of(files), tuple(notes))
+    return ExportSummary.of("tensorboard", Path(logdir), selected, files, tuple(notes))
 
 
 class LiveTensorBoard:
@@ -154,8 +148,8 @@ class LiveTensorBoard:
         self.steps = 0
 
     def __call__(self, step: int, path: Path) -> None:
-        reader = DumpReader(path, wait=False)  # on the writer's own thread: waiting would wait for itself
-        records = [record for item in reader.step_files() for record in reader.read(item)]
+        # On the writer's own thread: waiting for the writer would wait for itself.
+        records = DumpReader(path, wait=False).records()
         with self._lock:
             self._scalars.add(records)
             self._scalars.flush()

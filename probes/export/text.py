@@ -21,8 +21,7 @@ from typing import Any, TextIO
 
 from ..dump import Record
 from ..dump.record import REQUIRED_FIELDS
-from ..utils.progress import progress_meter
-from .output import ExportSummary, atomic_output, check_output, ranks_of, select_files
+from .output import ExportSummary, atomic_output, check_output, select_files
 
 __all__ = ["CSV_COLUMNS", "export_csv", "export_jsonl"]
 
@@ -73,25 +72,17 @@ def _export(kind: str, write: Callable[[Iterable[Record], TextIO], None], dump: 
     output = Path(output)
     check_output(output, dump, overwrite=overwrite)
     reader, files = select_files(dump, rank=rank)
-    meter = progress_meter(f"exporting {dump}", len(files), progress)
     count = 0
 
     def records() -> Iterable[Record]:
         nonlocal count
-        for done, step_file in enumerate(files, 1):
-            step_records = reader.read(step_file)
+        for _, step_records in reader.read_each(files, progress=progress, label=f"exporting {dump}"):
             count += len(step_records)
             yield from step_records
-            if meter:
-                meter.update(done)
 
-    try:
-        with atomic_output(output) as temporary, temporary.open("w", encoding="utf-8", newline="") as out:
-            write(records(), out)
-    finally:
-        if meter:
-            meter.close()
-    return ExportSummary(kind, output, count, len({(f.rank, f.step) for f in files}), ranks_of(files))
+    with atomic_output(output) as temporary, temporary.open("w", encoding="utf-8", newline="") as out:
+        write(records(), out)
+    return ExportSummary.of(kind, output, count, files)
 
 
 def export_jsonl(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
