@@ -6,7 +6,7 @@
 
 from .core import (GlobalSubscriberManager, ProbeEvent, ProbeSite, SubscriberBase, SubscriberManager, Subscription,
                    inspect_activation)
-from .dump import load_dump
+from .dump import load_dump, load_table
 from .stats import AnomalyError, AnomalySentinel, StatisticsSubscriber
 from .zero3 import ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3
 
@@ -24,4 +24,5 @@ __all__ = [
     "configure_ort_compatible_zero_stage3",
     "inspect_activation",
     "load_dump",
+    "load_table",
 ]

@@ -209,8 +209,8 @@ def synthetic_records(step: int, rank: int, layers: int = 4, bump: dict | None =
     return records
 
 
-def write_dump(root: Path, rank: int, steps: dict[int, list[dict]]) -> None:
-    with DumpWriter(root, rank=rank) as writer:
+def write_dump(root: Path, rank: int, steps: dict[int, list[dict]], *, format: str = "parquet") -> None:
+    with DumpWriter(root, rank=rank, format=format) as writer:
         for step, records in steps.items():
             for record in records:
                 writer.write(step, record)

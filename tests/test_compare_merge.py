@@ -74,11 +74,11 @@ def test_existing_output_needs_overwrite_which_keeps_other_files(tmp_path, capsy
 
 def test_bad_dump_exits_2_before_touching_the_output(tmp_path, capsys):
     pt, ort, _ = make_runs(tmp_path)
-    step_file = ort / "rank_0" / "step_000001.jsonl"
+    step_file = ort / "rank_0" / "step_000001.parquet"
     step_file.write_bytes(step_file.read_bytes()[:-10])
     out = tmp_path / "merged"
     assert main(["--pt_dir", str(pt), "--ort_dir", str(ort), "--output_dir", str(out)]) == 2
-    assert f"{step_file}, line" in capsys.readouterr().err and not out.exists()
+    assert f"{step_file}: not a readable Parquet step file" in capsys.readouterr().err and not out.exists()
 
 
 def test_module_runs_as_a_script(tmp_path):

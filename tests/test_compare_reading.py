@@ -21,8 +21,9 @@ def step_file(root: Path, step: int = 1) -> Path:
 
 @pytest.fixture
 def two_dumps(tmp_path) -> tuple[Path, Path]:
+    # JSON Lines: the damage below is done to lines (test_dump_parquet.py damages Parquet files).
     for name in ("base", "other"):
-        write_dump(tmp_path / name, 0, {s: synthetic_records(s, 0) for s in range(3)})
+        write_dump(tmp_path / name, 0, {s: synthetic_records(s, 0) for s in range(3)}, format="jsonl")
     return tmp_path / "base", tmp_path / "other"
 
 
@@ -63,10 +64,11 @@ def test_missing_and_non_dump_inputs_give_exit_2(two_dumps, tmp_path, capsys):
 
 def test_duplicate_and_incomplete_records_are_bad_input(tmp_path, capsys):
     records = synthetic_records(0, 0)
-    write_dump(tmp_path / "dup", 0, {0: records + [dict(records[1], seq=50)]})
+    write_dump(tmp_path / "dup", 0, {0: records + [dict(records[1], seq=50)]}, format="jsonl")
     code, _, err = run_cli(tmp_path / "dup", tmp_path / "dup", capsys=capsys)
     assert code == 2 and f"{step_file(tmp_path / 'dup', 0)}, line 9: duplicate record" in err
-    write_dump(tmp_path / "nophase", 0, {0: [{k: v for k, v in records[0].items() if k != "phase"}]})
+    write_dump(tmp_path / "nophase", 0, {0: [{k: v for k, v in records[0].items() if k != "phase"}]},
+               format="jsonl")
     code, _, err = run_cli(tmp_path / "nophase", tmp_path / "nophase", capsys=capsys)
     assert code == 2 and "line 1: record 'l0.output.0' has no 'phase'" in err
 

@@ -6,6 +6,7 @@ Over 400 lines: one page for the whole dump format, its writer and reader sharin
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -32,6 +33,10 @@ from probes.dump import (
     stepfiles,
 )
 from probes.cli import show as show_main
+
+# This page is the JSON Lines format's (format="jsonl", and every dump of format version 1);
+# tests/test_dump_parquet.py is the Parquet format's (the default) and what the two share.
+DumpWriter = functools.partial(DumpWriter, format="jsonl")
 
 DUMP_SOURCE = Path(dump.__file__).resolve().parent  # the package probes/dump
 ROOT = DUMP_SOURCE.parents[1]
@@ -89,7 +94,7 @@ def test_round_trip_keeps_records_and_adds_rank_and_step(tmp_path):
     assert len(loaded) == 6
     for loaded_record, (step, index) in zip(loaded, [(s, i) for s in (0, 1) for i in range(3)]):
         assert loaded_record == {**record(step, index), "rank": 0, "step": step}
-    assert json.loads((out / "manifest.json").read_text()) == {"format": "probes-dump", "version": 1}
+    assert json.loads((out / "manifest.json").read_text()) == {"format": "probes-dump", "version": 2}
     assert sorted(p.name for p in (out / "rank_0").iterdir()) == [
         "step_000000.jsonl",
         "step_000000.order.txt",
@@ -226,7 +231,7 @@ def test_close_finishes_open_steps_but_an_exception_leaves_them_unfinished(tmp_p
 CRASHING_CHILD = IMPORT_DUMP_WITHOUT_TORCH + r"""
 import time
 
-writer = dump.DumpWriter(sys.argv[1])
+writer = dump.DumpWriter(sys.argv[1], format="jsonl")
 pad = "x" * 200
 for step in (0, 1):
     for index in range(50):

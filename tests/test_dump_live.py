@@ -105,7 +105,7 @@ def test_the_path_read_may_be_any_spelling_of_the_writers_directory(tmp_path, sl
     if spelling == "rank_dir":
         assert [r["step"] for r in load_dump(out / "rank_0")][-1] == STEPS - 1
     elif spelling == "step_file":  # the renamed file exists only once the writer got to it
-        assert len(load_dump(out / "rank_0" / f"step_{STEPS - 1:06d}.jsonl")) == 3
+        assert len(load_dump(out / "rank_0" / f"step_{STEPS - 1:06d}.parquet")) == 3
     elif spelling == "relative":
         monkeypatch.chdir(tmp_path)
         assert finished("d") == list(range(STEPS))
@@ -346,7 +346,7 @@ def test_on_step_written_sees_each_finished_step_off_the_training_thread(tmp_pat
         for step in range(3):
             writer.write(step, {"name": f"n{step}", "phase": "forward", "seq": 0})
             writer.finish_step(step)
-    assert seen == [(s, f"step_{s:06d}.jsonl", [f"n{s}"], False) for s in range(3)]
+    assert seen == [(s, f"step_{s:06d}.parquet", [f"n{s}"], False) for s in range(3)]
 
     def broken(step, path):
         raise RuntimeError("tensorboard is gone")

@@ -285,8 +285,8 @@ def test_a_damaged_dump_leaves_the_previous_output_whole(tmp_path):
     writer.close()
     export_jsonl(tmp_path / "run", tmp_path / "out.jsonl")
     before = (tmp_path / "out.jsonl").read_bytes()
-    step_file = tmp_path / "run" / "rank_0" / "step_000001.jsonl"
-    step_file.write_bytes(step_file.read_bytes()[:-3])  # cut the last line
+    step_file = tmp_path / "run" / "rank_0" / "step_000001.parquet"
+    step_file.write_bytes(step_file.read_bytes()[:-3])  # cut the file short
     with pytest.raises(ValueError, match="truncated"):
         export_jsonl(tmp_path / "run", tmp_path / "out.jsonl", overwrite=True)
     assert (tmp_path / "out.jsonl").read_bytes() == before

@@ -548,10 +548,11 @@ def test_a_failure_inside_the_statistics_never_stops_training(tmp_path, monkeypa
 
 
 def test_a_dump_write_error_still_reaches_the_training_thread(tmp_path, monkeypatch):
-    def disk_full(path):
+    def disk_full(path, *args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(dump_module, "_open_step_file", disk_full)
+    monkeypatch.setattr(dump_module, "_open_step_file", disk_full)  # the .partial journal
+    monkeypatch.setattr(dump_module, "write_parquet", disk_full)  # a finished step
     model = LinearThen(to_complex)
     subscriber = StatisticsSubscriber(tmp_path / "out")
     manager = SubscriberManager()

@@ -275,7 +275,7 @@ def test_probes_hooks_train_exactly_like_deepspeeds(tmp_path, world_size):
 def check_dumps(stats_dir: Path, world_size: int) -> None:
     """debug=True dumped every step of every rank, each rank in its own directory."""
     for rank in range(world_size):
-        steps = sorted((stats_dir / f"rank_{rank}").glob("step_*.jsonl"))
+        steps = sorted((stats_dir / f"rank_{rank}").glob("step_*.parquet"))
         assert len(steps) == STEPS, (rank, steps)
         assert all(step.stat().st_size > 0 for step in steps)
 

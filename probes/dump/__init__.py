@@ -6,12 +6,13 @@ Usage:
     writer.finish_step(step)                          # the step becomes visible to readers
     writer.close()
     records = load_dump("pt_out")                     # or: python -m probes show pt_out --step 3
+    table = load_table("pt_out")                      # the same records as an Arrow table (.to_pandas())
     reader = DumpReader("pt_out")                     # step by step: reader.step_files(), reader.read(f)
 
-A record (``Record``) is a plain JSON-ready dict. Only "step", "rank", "name", "phase" and "seq" mean
+A record (``Record``) is a plain JSON-ready dict; on disk a row of a Parquet step file (``columns``). Only "step", "rank", "name", "phase" and "seq" mean
 something here; every other key is passed through untouched. Nothing is pickled.
 
-The rooms: ``record`` (the typed record), ``layout`` (the format on disk, directory rules, errors),
+The rooms: ``record`` (the typed record), ``columns`` (records as Arrow tables, Parquet), ``layout`` (the format on disk, directory rules, errors),
 ``writer`` and ``stepfiles`` (the background writer and the files its thread writes), ``live`` (readers
 of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``, ``anomaly`` (nan/inf in records),
 ``legacy`` (the original onnxruntime hooks' text block).
@@ -22,7 +23,7 @@ from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, DumpFormatError
                      safe_component)
 from .legacy import legacy_block, legacy_file_name
 from .live import flush_writers
-from .reader import DumpReader, StepFile, list_steps, load_dump
+from .reader import DumpReader, StepFile, list_steps, load_dump, load_table
 from .record import Record, RecordKey, TensorFields, record_key
 from .table import format_records
 from .writer import DumpWriter, WriterConfig
@@ -48,6 +49,7 @@ __all__ = [
     "legacy_file_name",
     "list_steps",
     "load_dump",
+    "load_table",
     "record_anomaly",
     "record_key",
     "safe_component",

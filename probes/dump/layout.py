@@ -1,23 +1,30 @@
 """The dump format on disk: names, the manifest, the directory rules, and the two errors.
 
     layout = DumpLayout(Path("pt_out"))
-    layout.step_file(rank=0, step=3)          # pt_out/rank_0/step_000003.jsonl
+    layout.step_file(rank=0, step=3)          # pt_out/rank_0/step_000003.parquet
+    layout.step_file(rank=0, step=3, format="jsonl")   # pt_out/rank_0/step_000003.jsonl
     prepare_output_dir(layout, 0, override=False)   # what DumpWriter does before its thread starts
 
 Layout of an output directory D (one writer per rank, all ranks may share D):
 
-    D/manifest.json                          {"format": "probes-dump", "version": 1}; marks D as a dump
-    D/rank_<r>/step_<NNNNNN>.jsonl           a finished step: one JSON object per line, in write order
-    D/rank_<r>/step_<NNNNNN>.jsonl.partial   a step still being written, or left unfinished by a crash
+    D/manifest.json                          {"format": "probes-dump", "version": 2}; marks D as a dump
+    D/rank_<r>/step_<NNNNNN>.parquet         a finished step (the default format): one row per record, the
+                                             columns of ``probes.dump.columns.SCHEMA``, in write order
+    D/rank_<r>/step_<NNNNNN>.jsonl           a finished step of the JSON Lines format (``format="jsonl"``,
+                                             and every dump of version 1): one JSON object per line
+    D/rank_<r>/step_<NNNNNN>.jsonl.partial   a step still being written, or left unfinished by a crash (both
+                                             formats: JSON Lines, so whatever reached it stays readable)
     D/rank_<r>/step_<NNNNNN>.order.txt       the finished step's records in execution order, one
                                              "<name>_<phase>" per line (like order.txt of onnxruntime's
                                              StatisticsSubscriber)
 
 <NNNNNN> is the step number zero-padded to six digits (more digits once steps reach a million).
 Paths contain only rank and step numbers; names from the model appear only inside files.
-A step is finished by flushing, fsync'ing and renaming its .partial file, so a crash loses at most
-the steps not finished yet and never damages a finished one. Lines are standard JSON except that
-non-finite floats are written as NaN / Infinity / -Infinity (Python's json reads them back).
+A step is finished by writing its file under a temporary name (a .partial or a .parquet.tmp), fsync'ing
+and renaming it, so a crash loses at most the steps not finished yet and never damages a finished one.
+JSON lines are standard JSON except that non-finite floats are written as NaN / Infinity / -Infinity
+(Python's json reads them back). Version 2 added the Parquet step files; readers read versions 1 and 2,
+and a writer joining a version 1 dump (another rank, an override) marks it version 2.
 """
 
 from __future__ import annotations
@@ -35,12 +42,14 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_NAME = "probes-dump"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+STEP_FORMATS = ("parquet", "jsonl")
 MANIFEST_NAME = "manifest.json"
 OVERRIDE_HINT = "pass override_output_dir=True (DumpWriter(..., override=True)) or choose another directory"
 
 RANK_DIR_RE = re.compile(r"rank_(0|[1-9][0-9]*)")
-STEP_FILE_RE = re.compile(r"step_([0-9]{6,})\.jsonl(\.partial)?")
+STEP_FILE_RE = re.compile(r"step_([0-9]{6,})\.(parquet|jsonl|jsonl\.partial)")  # step, kind
 _MANIFEST_RE = re.compile(re.escape(MANIFEST_NAME))
 _MANIFEST_TEMP_RE = re.compile(r"\.manifest\.json\.[0-9]+\.[0-9]+\.tmp")
 _PROBE_FILE_NAME = ".write-test"
@@ -81,8 +90,15 @@ class DumpLayout:
     def rank_dir(self, rank: int) -> Path:
         return self.root / f"rank_{rank}"
 
-    def step_file(self, rank: int, step: int, *, partial: bool = False) -> Path:
-        return self.rank_dir(rank) / (f"step_{step:06d}.jsonl" + (".partial" if partial else ""))
+    def step_file(self, rank: int, step: int, *, partial: bool = False, format: str = "parquet") -> Path:
+        """A finished step file of ``format``; ``partial``: the step being written (JSON Lines in both formats)."""
+        if partial:
+            return self.rank_dir(rank) / f"step_{step:06d}.jsonl.partial"
+        return self.rank_dir(rank) / f"step_{step:06d}.{format}"
+
+    def temporary_file(self, rank: int, step: int) -> Path:
+        """Where a Parquet step is written before its rename; readers never list it."""
+        return self.rank_dir(rank) / f"step_{step:06d}.parquet.tmp"
 
     def order_file(self, rank: int, step: int) -> Path:
         return self.rank_dir(rank) / f"step_{step:06d}.order.txt"
@@ -190,11 +206,11 @@ def _check_existing_output_dir(layout: DumpLayout, rank: int, override: bool) ->
             "it never deletes other directories",
             str(root),
         )
-    if manifest is not None and manifest.get("version") != FORMAT_VERSION:
+    if manifest is not None and manifest.get("version") not in READABLE_VERSIONS:
         raise FileExistsError(
             errno.EEXIST,
             f"the output directory {root} holds a probes dump of format version {manifest.get('version')!r}, "
-            f"this writer writes version {FORMAT_VERSION}; choose another directory",
+            f"this writer writes version {FORMAT_VERSION} (and joins version 1); choose another directory",
             str(root),
         )
     if not os.path.lexists(rank_dir):
@@ -220,8 +236,9 @@ def _create_output_dir(layout: DumpLayout, rank: int) -> None:
     root = layout.root
     rank_dir = layout.rank_dir(rank)
     root.mkdir(parents=True, exist_ok=True)
-    if read_manifest(root) is None:
-        _write_manifest(root)
+    manifest = read_manifest(root)
+    if manifest is None or manifest.get("version") != FORMAT_VERSION:
+        _write_manifest(root)  # version 2 reads every version 1 file: the upgrade only widens what may follow
     try:
         rank_dir.mkdir()
     except FileExistsError as error:

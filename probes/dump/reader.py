@@ -6,6 +6,7 @@
         records = reader.read(step_file)
     for step_file, records in reader.read_each(files, progress=True):   # the same, with a progress bar
     records = load_dump("pt_out")              # = DumpReader("pt_out").records()
+    table = load_table("pt_out")               # the same rows as one Arrow table (DumpReader.table())
 
 A path may be a dump directory (all its ranks), one ``rank_<r>`` directory, or one step file. The
 directory is listed once, when the reader is opened; a reader opened again sees what changed since.
@@ -13,8 +14,10 @@ Unfinished (``.partial``) steps are left out unless asked for; a finished file s
 ``.partial`` of the same step. Records come in file order, each with its ``rank`` and ``step`` (taken
 from the directory and file names when a record lacks them, an error when it says otherwise).
 
-A finished step must be whole: a last line without its newline is a cut, and a step file with fewer
-lines than its ``order.txt`` lists lost whole lines (a copy cut at a line boundary). In a ``.partial``
+Step files are Parquet (``step_<N>.parquet``) or JSON Lines (``step_<N>.jsonl``, ``.jsonl.partial``); both
+read as records and as tables. A finished step must be whole: a Parquet file that does not open, a last
+line without its newline is a cut, and a step file with fewer records than its ``order.txt`` lists lost
+some (a copy cut at a line boundary). In a ``.partial``
 file the unterminated last line is the write a crash interrupted: skipped. Every problem is a
 DumpFormatError naming the file and line.
 """
@@ -27,16 +30,22 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO, cast
+from typing import Callable, TextIO, TypeVar, cast
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..utils.progress import progress_meter
 
-from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
+from .layout import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
                      DumpLayout, read_manifest)
+from .columns import SCHEMA, read_parquet, records_to_table, table_to_records
 from .live import flush_writers
 from .record import Record
 
-__all__ = ["DumpReader", "StepFile", "list_steps", "load_dump"]
+_Read = TypeVar("_Read")
+
+__all__ = ["DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,11 @@ class StepFile:
     rank: int | None  # None: a lone step file outside a rank_<r> directory
     step: int
     finished: bool
+
+    @property
+    def columnar(self) -> bool:
+        """A Parquet step file (else JSON Lines)."""
+        return self.path.suffix == ".parquet"
 
 
 class DumpReader:
@@ -82,6 +96,11 @@ class DumpReader:
 
     def read(self, step_file: StepFile) -> list[Record]:
         """The records of one step file, checked (see the module docstring)."""
+        if step_file.columnar:
+            records = table_to_records(self.read_table(step_file))
+            for number, record in enumerate(records, 1):
+                _place(step_file, number, record)
+            return records
         lines = step_file.path.read_bytes().split(b"\n")
         tail = lines.pop()  # what follows the last newline: b"" unless the last line was cut short
         records = [_parse_line(step_file, number, raw) for number, raw in enumerate(lines, 1)]
@@ -92,13 +111,52 @@ class DumpReader:
             _check_complete(step_file, len(records))
         return records
 
+    def read_table(self, step_file: StepFile, columns: Sequence[str] | None = None) -> pa.Table:
+        """The records of one step file as a table of ``probes.dump.columns.SCHEMA`` (``columns``: only these),
+        with its rank and step filled in; checked like ``read``. JSON Lines files are converted."""
+        _check_columns(columns)
+        if not step_file.columnar:
+            return _select(records_to_table(self.read(step_file)), columns)
+        wanted = None if columns is None else list(dict.fromkeys([*columns, "step", "rank"]))
+        try:
+            table = read_parquet(step_file.path, wanted)
+        except pa.ArrowException as error:
+            raise DumpFormatError(step_file.path, None, f"not a readable Parquet step file (truncated or damaged?): {error}") from None
+        except OSError:
+            raise
+        missing = [name for name in ("step", "rank", "name") if name not in table.column_names]
+        if missing:
+            raise DumpFormatError(step_file.path, None, f"not a probes step file: no {', '.join(missing)} column")
+        if step_file.finished:
+            _check_complete(step_file, table.num_rows)
+        return _select(_placed(step_file, table), columns)
+
+    def tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
+               progress: bool | TextIO = False, label: str | None = None) -> Iterator[tuple[StepFile, pa.Table]]:
+        """(step file, its table) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        return self._each(files, lambda step_file: self.read_table(step_file, columns), progress, label)
+
+    def table(self, *, include_partial: bool = False, columns: Sequence[str] | None = None) -> pa.Table:
+        """Every record as one table (see ``read_table``), rows sorted like ``records()``."""
+        if self._lone and not self._files[0].finished and not include_partial:
+            raise ValueError(f"{self.path} is an unfinished step; load it with include_partial=True")
+        _check_columns(columns)
+        parts = [table for _, table in self.tables(self.step_files(include_partial=include_partial), columns=columns)]
+        if not parts:
+            return _select(SCHEMA.empty_table(), columns)
+        return pa.concat_tables(parts)
+
     def read_each(self, files: Sequence[StepFile], *, progress: bool | TextIO = False,
                   label: str | None = None) -> Iterator[tuple[StepFile, list[Record]]]:
         """(step file, its records) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        return self._each(files, self.read, progress, label)
+
+    def _each(self, files: Sequence[StepFile], read: Callable[[StepFile], _Read], progress: bool | TextIO,
+              label: str | None) -> Iterator[tuple[StepFile, _Read]]:
         meter = progress_meter(label or f"reading {self.path}", len(files), progress)
         try:
             for done, step_file in enumerate(files, 1):
-                yield step_file, self.read(step_file)
+                yield step_file, read(step_file)
                 if meter:
                     meter.update(done)
         finally:
@@ -127,6 +185,21 @@ def load_dump(path: str | Path, *, include_partial: bool = False) -> list[Record
     return DumpReader(path).records(include_partial=include_partial)
 
 
+def load_table(path: str | Path, *, include_partial: bool = False,
+               columns: Sequence[str] | None = None) -> pa.Table:
+    """The records of a dump as one Arrow table: one row per record, a column per record key.
+
+        table = load_table("pt_out")                       # pyarrow.Table, columns of probes.dump.columns.SCHEMA
+        frame = load_table("pt_out").to_pandas()           # pandas, if installed
+        means = load_table("pt_out", columns=["step", "name", "phase", "mean"])
+
+    The columnar view of ``load_dump`` (same rows, same order; dumps in JSON Lines are converted). An
+    integer ``min``/``max``/``samples`` is also in ``min_int``/``max_int``/``samples_int``; a key written
+    as None is listed in ``nulls``; keys without a column are in ``extra`` (JSON).
+    """
+    return DumpReader(path).table(include_partial=include_partial, columns=columns)
+
+
 def list_steps(path: str | Path) -> dict[int | None, dict[str, list[int]]]:
     """``{rank: {"finished": [steps], "unfinished": [steps]}}`` for the dump at ``path``, steps sorted.
 
@@ -142,11 +215,11 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
     if path.is_file():
         match = STEP_FILE_RE.fullmatch(path.name)
         if match is None:
-            expected = "expected step_<NNNNNN>.jsonl or step_<NNNNNN>.jsonl.partial"
+            expected = "expected step_<NNNNNN>.parquet, step_<NNNNNN>.jsonl or step_<NNNNNN>.jsonl.partial"
             raise DumpFormatError(path, None, f"not a step file ({expected})")
         rank_match = RANK_DIR_RE.fullmatch(path.parent.name)
         rank = int(rank_match[1]) if rank_match else None
-        return [rank], [StepFile(path, rank, int(match[1]), match[2] is None)]
+        return [rank], [StepFile(path, rank, int(match[1]), match[2] != "jsonl.partial")]
     if os.path.lexists(path / MANIFEST_NAME):
         _check_manifest(path)
         rank_dirs = [
@@ -165,7 +238,11 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
         for child in directory.iterdir():
             match = STEP_FILE_RE.fullmatch(child.name)
             if match and f"{int(match[1]):06d}" == match[1] and child.is_file():
-                found[(int(match[1]), match[2] is None)] = child
+                key = (int(match[1]), match[2] != "jsonl.partial")
+                if key in found and key[1]:
+                    raise DumpFormatError(child, None, f"step {key[0]} of rank {rank} is finished twice "
+                                                       f"({found[key].name} and {child.name}); remove one")
+                found[key] = child
         for (step, finished), file_path in sorted(found.items()):
             if not finished and (step, True) in found:
                 continue  # a finished file supersedes a leftover partial of the same step
@@ -178,9 +255,10 @@ def _check_manifest(root: Path) -> None:
     if manifest is None:
         raise DumpFormatError(root / MANIFEST_NAME, None,
                               f"not a probes dump manifest (expected format {FORMAT_NAME!r})")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise DumpFormatError(root / MANIFEST_NAME, None,
-                              f"format version {manifest.get('version')!r}; this reader reads {FORMAT_VERSION}")
+    if manifest.get("version") not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
+        raise DumpFormatError(root / MANIFEST_NAME, None, f"format version {manifest.get('version')!r}; this reader "
+                                                          f"reads versions {readable} (a newer probes wrote it?)")
 
 
 def _parse_line(step_file: StepFile, number: int, raw: bytes) -> Record:
@@ -197,6 +275,12 @@ def _parse_line(step_file: StepFile, number: int, raw: bytes) -> Record:
         raise DumpFormatError(path, number, f"expected a JSON object, found {type(record).__name__}")
     if "name" not in record:
         raise DumpFormatError(path, number, "missing key 'name'")
+    return _place(step_file, number, cast(Record, record))
+
+
+def _place(step_file: StepFile, number: int, record: Record) -> Record:
+    """Gives ``record`` the rank and step of its file, or raises when it says others."""
+    path = step_file.path
     for key, expected in (("step", step_file.step), ("rank", step_file.rank)):
         if expected is None:
             if key not in record:
@@ -207,7 +291,38 @@ def _parse_line(step_file: StepFile, number: int, raw: bytes) -> Record:
         elif record[key] != expected:
             problem = f"the record says {key} {record[key]!r} but the file belongs to {key} {expected}"
             raise DumpFormatError(path, number, problem)
-    return cast(Record, record)
+    return record
+
+
+def _placed(step_file: StepFile, table: pa.Table) -> pa.Table:
+    """``_place`` for a whole table: null ranks and steps filled in, others raise (naming the row)."""
+    for key, expected in (("step", step_file.step), ("rank", step_file.rank)):
+        column = table.column(key)
+        if expected is None:
+            if column.null_count:
+                problem = f"missing {key} (and the file is not inside a rank_<r> directory)"
+                raise DumpFormatError(step_file.path, None, problem)
+            continue
+        if column.null_count:
+            column = pc.fill_null(column, expected)
+            table = table.set_column(table.schema.get_field_index(key), key, column)
+        wrong = pc.not_equal(column, expected)
+        if pc.any(wrong).as_py():
+            row = pc.index(wrong, True).as_py()
+            problem = f"row {row + 1} says {key} {column[row].as_py()!r} but the file belongs to {key} {expected}"
+            raise DumpFormatError(step_file.path, None, problem)
+    return table
+
+
+def _check_columns(columns: Sequence[str] | None) -> None:
+    unknown = [name for name in columns or () if name not in SCHEMA.names]
+    if unknown:
+        raise ValueError(f"no column {', '.join(map(repr, unknown))} in a probes dump; the columns are "
+                         f"{', '.join(SCHEMA.names)}")
+
+
+def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
+    return table if columns is None else table.select(list(columns))
 
 
 def _check_complete(step_file: StepFile, count: int) -> None:

@@ -1,10 +1,14 @@
-"""The step files a writer thread has open: lines appended, a step finished durably, all synced or closed.
+"""The step files a writer thread has open: records appended, a step finished durably, all synced or closed.
 
-    steps = OpenSteps(layout, rank=0)
-    steps.append(3, record)      # opens rank_0/step_000003.jsonl.partial on the step's first record
-    steps.finish(3)              # fsync, write step_000003.order.txt, rename to step_000003.jsonl
-    steps.sync(durable=False)    # buffered lines reach the files (durable: and the disk)
+    steps = OpenSteps(layout, rank=0)              # format="parquet" (default) or "jsonl"
+    steps.append(3, record)      # parquet: kept in memory; jsonl: a line of rank_0/step_000003.jsonl.partial
+    steps.finish(3)              # write step_000003.order.txt and the step file, fsync'ed, renamed into place
+    steps.sync(durable=False)    # what was appended reaches the .partial files (durable: and the disk)
     steps.close()                # what is still open stays .partial
+
+In the Parquet format the ``.jsonl.partial`` file is a journal: records go there only when synced (a
+flush, a reader in this process, the end of the writer), so an unfinished step stays readable as in
+the JSON Lines format, and a step finished without a sync never writes a line of JSON.
 
 Only the writer thread uses an OpenSteps. A failure is a StepFileError naming the file and what was
 being done; the writer turns it into its DumpWriteError.
@@ -17,9 +21,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Sequence
 
-from .layout import DumpLayout, fsync_dir, write_durably
+import pyarrow as pa
+
+from .columns import records_to_table, write_parquet
+from .layout import STEP_FORMATS, DumpLayout, fsync_dir, write_durably
 
 _BUFFER_SIZE = 1 << 16
 
@@ -37,8 +44,10 @@ class StepFileError(Exception):
 @dataclass
 class _OpenStep:
     partial: Path
-    file: BinaryIO
+    file: BinaryIO | None = None  # the .partial file, once opened
     order: list[tuple[Any, str]] = field(default_factory=list)  # (seq, order.txt line), in write order
+    records: list[Mapping[str, Any]] = field(default_factory=list)  # parquet: every record of the step
+    journaled: int = 0  # parquet: how many of ``records`` are in the .partial file
 
 
 def _open_step_file(path: Path) -> BinaryIO:
@@ -49,9 +58,12 @@ def _open_step_file(path: Path) -> BinaryIO:
 class OpenSteps:
     """The open ``.partial`` files of one rank, by step."""
 
-    def __init__(self, layout: DumpLayout, *, rank: int) -> None:
+    def __init__(self, layout: DumpLayout, *, rank: int, format: str = "parquet") -> None:
+        if format not in STEP_FORMATS:
+            raise ValueError(f"unknown dump format {format!r}; expected one of {', '.join(STEP_FORMATS)}")
         self.layout = layout
         self.rank = rank
+        self.format = format
         self._open: dict[int, _OpenStep] = {}
 
     def steps(self) -> list[int]:
@@ -59,20 +71,30 @@ class OpenSteps:
         return list(self._open)
 
     def append(self, step: int, record: Mapping[str, Any]) -> None:
-        partial = self.layout.step_file(self.rank, step, partial=True)
-        try:
-            line = json.dumps(record).encode("ascii") + b"\n"
-        except (TypeError, ValueError) as error:
-            action = f"could not write record {record.get('name')!r} (not JSON-serialisable) to"
-            raise StepFileError(error, partial, action) from error
         entry = self._open.get(step)
-        try:
-            if entry is None:
-                entry = self._open[step] = _OpenStep(partial, _open_step_file(partial))
-            entry.file.write(line)
-        except OSError as error:
-            raise StepFileError(error, partial, "could not write") from error
+        if entry is None:
+            entry = self._open[step] = _OpenStep(self.layout.step_file(self.rank, step, partial=True))
+        if self.format == "parquet":
+            entry.records.append(record)
+        else:
+            self._journal(entry, [record])
         entry.order.append((record.get("seq"), _order_line(record)))
+
+    def _journal(self, entry: _OpenStep, records: Sequence[Mapping[str, Any]]) -> None:
+        """Appends ``records`` to the step's .partial file as JSON lines (opened on the first)."""
+        lines = []
+        for record in records:
+            try:
+                lines.append(json.dumps(record).encode("ascii") + b"\n")
+            except (TypeError, ValueError) as error:
+                action = f"could not write record {record.get('name')!r} (not JSON-serialisable) to"
+                raise StepFileError(error, entry.partial, action) from error
+        try:
+            if entry.file is None:
+                entry.file = _open_step_file(entry.partial)
+            entry.file.write(b"".join(lines))
+        except OSError as error:
+            raise StepFileError(error, entry.partial, "could not write") from error
 
     def finish(self, step: int) -> bool:
         """Makes ``step`` a finished step; False when it has no file (no records), so nothing was done."""
@@ -81,22 +103,35 @@ class OpenSteps:
             return False
         path = entry.partial
         try:
-            entry.file.flush()
-            os.fsync(entry.file.fileno())
-            entry.file.close()
+            if entry.file is not None:
+                entry.file.flush()
+                if self.format == "jsonl":  # a Parquet step's journal is removed below: no need to keep it
+                    os.fsync(entry.file.fileno())
+                entry.file.close()
             path = self.layout.order_file(self.rank, step)
             write_durably(path, "".join(line + "\n" for line in _execution_order(entry.order)).encode("utf-8"))
-            path = entry.partial
-            os.replace(entry.partial, self.layout.step_file(self.rank, step))
+            if self.format == "parquet":
+                path = self.layout.temporary_file(self.rank, step)
+                _write_step_table(path, entry, step=step, rank=self.rank)
+                os.replace(path, self.layout.step_file(self.rank, step))
+                if entry.file is not None:
+                    entry.partial.unlink()
+            else:
+                path = entry.partial
+                os.replace(entry.partial, self.layout.step_file(self.rank, step, format="jsonl"))
             fsync_dir(self.layout.rank_dir(self.rank))
         except OSError as error:
             _close_quietly(entry)
             raise StepFileError(error, path, "could not finish step") from error
+        except StepFileError:
+            _close_quietly(entry)
+            raise
         return True
 
     def remove_finished(self, step: int) -> None:
         """Removes a finished step (the ring buffer): the step file first, so no reader sees it without order."""
-        for path in (self.layout.step_file(self.rank, step), self.layout.order_file(self.rank, step)):
+        for path in (self.layout.step_file(self.rank, step, format=self.format),
+                     self.layout.order_file(self.rank, step)):
             try:
                 path.unlink(missing_ok=True)
             except OSError as error:
@@ -104,6 +139,11 @@ class OpenSteps:
 
     def sync(self, *, durable: bool = True) -> None:
         for entry in self._open.values():
+            if entry.journaled < len(entry.records):
+                self._journal(entry, entry.records[entry.journaled:])
+                entry.journaled = len(entry.records)
+            if entry.file is None:
+                continue
             try:
                 entry.file.flush()
                 if durable:
@@ -132,7 +172,19 @@ def _execution_order(order: list[tuple[Any, str]]) -> list[str]:
     return [line for _, line in order]
 
 
+def _write_step_table(path: Path, entry: _OpenStep, *, step: int, rank: int) -> None:
+    try:
+        table = records_to_table(entry.records, step=step, rank=rank)
+    except (TypeError, ValueError, pa.ArrowException) as error:
+        names = ", ".join(repr(record.get("name")) for record in entry.records[:3])
+        raise StepFileError(error, path, f"could not convert the records ({names}, ...) of the step to a table "
+                                         "(a value that is not JSON-serialisable?) for") from error
+    write_parquet(path, table)
+
+
 def _close_quietly(entry: _OpenStep) -> None:
+    if entry.file is None:
+        return
     try:
         entry.file.close()
     except OSError:

@@ -1,4 +1,4 @@
-"""The background writer: records leave the training thread at once and reach the disk as JSON Lines.
+"""The background writer: records leave the training thread at once and reach the disk, a Parquet file per step.
 
     writer = DumpWriter("pt_out", rank=0)             # raises now if the directory is unusable
     writer.write(step, {"name": "fc1", "phase": "forward", "seq": 0, "mean": 0.1})
@@ -7,9 +7,10 @@
 
     ring = DumpWriter("pt_out", rank=0, keep_last=8)  # only the newest 8 finished steps stay on disk
     ring.keep_all()                                   # from now on nothing is removed (an anomaly was found)
+    text = DumpWriter("pt_out", rank=0, format="jsonl")  # step files in JSON Lines instead
 
-Nothing is pickled: records travel to the writer thread as dicts and reach the disk as JSON (the
-layout is in ``probes.dump.layout``; what a reader of this process waits for, in ``probes.dump.live``).
+Nothing is pickled: records travel to the writer thread as dicts and reach the disk as Parquet or JSON
+(the layout is in ``probes.dump.layout``, the columns in ``probes.dump.columns``; what a reader of this process waits for, in ``probes.dump.live``).
 
 Interpreter exit: a writer that is still open is closed in the "writers" stage of
 ``probes.utils.at_exit`` (after the subscriptions finished their open steps). If something could not
@@ -33,7 +34,7 @@ from typing import Any, Callable
 
 from ..utils.checks import check_int
 from ..utils.exit import at_exit
-from .layout import DumpLayout, DumpWriteError, prepare_output_dir
+from .layout import STEP_FORMATS, DumpLayout, DumpWriteError, prepare_output_dir
 from .live import add_live, discard_live, resolved
 from .record import Record
 from .stepfiles import OpenSteps, StepFileError
@@ -51,8 +52,11 @@ class WriterConfig:
     # Called on the writer thread with (step, finished step file) after each step is finished; e.g. a live
     # TensorBoard export. It must not wait for this writer (read with DumpReader(path, wait=False)).
     on_step_written: Callable[[int, Path], None] | None = None
+    format: str = "parquet"  # of finished step files: "parquet" or "jsonl" (probes.dump.layout)
 
     def __post_init__(self) -> None:
+        if self.format not in STEP_FORMATS:
+            raise ValueError(f"unknown dump format {self.format!r}; expected one of {', '.join(STEP_FORMATS)}")
         check_int(self.rank, "rank")
         check_int(self.queue_size, "queue_size", minimum=1)
         if self.keep_last is not None:
@@ -95,14 +99,15 @@ class DumpWriter:
     def __init__(
         self, output_dir: str | Path, rank: int = 0, *, override: bool = False, queue_size: int = 4096,
         keep_last: int | None = None, on_step_written: Callable[[int, Path], None] | None = None,
+        format: str = "parquet",
     ) -> None:
-        self.config = WriterConfig(Path(output_dir), rank, override, queue_size, keep_last, on_step_written)
+        self.config = WriterConfig(Path(output_dir), rank, override, queue_size, keep_last, on_step_written, format)
         # Absolute: the writer thread opens files long after this call, maybe after an os.chdir().
         self.layout = DumpLayout(Path(os.path.abspath(self.config.output_dir)))
         prepare_output_dir(self.layout, self.config.rank, override=self.config.override)
         self._resolved_root = resolved(self.layout.root)
         self._queue: queue.Queue[tuple[str, int, Any]] = queue.Queue(maxsize=queue_size)
-        self._steps = OpenSteps(self.layout, rank=self.config.rank)  # used on the writer thread only
+        self._steps = OpenSteps(self.layout, rank=self.config.rank, format=format)  # used on the writer thread only
         self._finished: set[int] = set()
         self._kept: collections.deque[int] = collections.deque()  # finished step files, oldest first (ring only)
         self._pruning = keep_last is not None
@@ -324,7 +329,7 @@ class DumpWriter:
         if listener is None or self._listener_failed:
             return
         try:
-            listener(step, self.layout.step_file(self.config.rank, step))
+            listener(step, self.layout.step_file(self.config.rank, step, format=self.config.format))
         except Exception as error:
             self._listener_failed = True
             print(f"probes: warning: on_step_written ({getattr(listener, '__qualname__', listener)!r}) failed on step "

@@ -54,7 +54,7 @@ class StatisticsSubscriber(SubscriberBase):
     """Dumps statistics of module outputs (forward) and their gradients (backward), per rank and step.
 
     Args:
-        output_dir: where the dump goes (``<output_dir>/rank_<r>/step_<N>.jsonl``).
+        output_dir: where the dump goes (``<output_dir>/rank_<r>/step_<N>.parquet``).
         start_step, end_step: record steps in ``[start_step, end_step)``.
         override_output_dir: replace this rank's earlier dump in ``output_dir``.
         run_on_cpu: move one bucket at a time to the CPU to compute (saves device memory).
@@ -69,6 +69,8 @@ class StatisticsSubscriber(SubscriberBase):
         max_abs: with ``on_anomaly``, finite values beyond this magnitude are anomalies too.
         on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
             is finished, e.g. ``probes.export.LiveTensorBoard("tb")`` (TensorBoard while training).
+        dump_format: "parquet" (default: a Parquet file per rank and step, ``probes.dump.columns``) or
+            "jsonl" (JSON Lines, the format of earlier versions). Both load the same way.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class StatisticsSubscriber(SubscriberBase):
         on_anomaly: Action | None = None,
         max_abs: float | None = None,
         on_step_written: Callable[[int, Path], None] | None = None,
+        dump_format: str = "parquet",
     ) -> None:
         super().__init__(start_step, end_step)
         if max_abs is not None and on_anomaly is None:
@@ -98,7 +101,7 @@ class StatisticsSubscriber(SubscriberBase):
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
         self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last,
-                                 on_step_written=on_step_written)
+                                 on_step_written=on_step_written, format=dump_format)
         self._closed = False
         self._warned_closed = False
         self._warned_unsupported: set[tuple[str, str, int, str]] = set()
