@@ -283,7 +283,7 @@ def test_a_parquet_file_with_records_missing_or_misplaced_is_caught(finished):
     with pytest.raises(DumpFormatError, match="row 1 says step 0 but the file belongs to step 1"):
         load_table(finished)
     pq.write_table(pa.table({"x": [1]}), rank_dir / "step_000001.parquet")
-    with pytest.raises(DumpFormatError, match="not a probes step file: no step, rank, name column"):
+    with pytest.raises(DumpFormatError, match="not a probes step file: no step, rank, name, phase column"):
         load_dump(finished)
 
 

@@ -26,6 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from ..dump import Record, RecordKey
 from .model import Rename
 from .reading import LoadedDump
@@ -57,8 +61,8 @@ def _reference(base: LoadedDump, other: LoadedDump) -> tuple[int, int] | None:
     return None
 
 
-def _sequence(loaded: LoadedDump, rank: int, step: int, phase: str) -> list[Record]:
-    records = [record for (r, s, p, _), record in loaded.records.items() if (r, s, p) == (rank, step, phase)]
+def _sequence(at_step: dict[RecordKey, Record], phase: str) -> list[Record]:
+    records = [record for key, record in at_step.items() if key[2] == phase]
     return sorted(records, key=lambda record: record.get("seq", 0))
 
 
@@ -109,24 +113,20 @@ def fuzzy_renames(base: LoadedDump, other: LoadedDump, *,
     reference = _reference(base, other)
     if reference is None:
         return []
-    rank, step = reference
-    phases = sorted({key[2] for key in base.records if key[:2] == reference})
+    at_base, at_other = base.step_records(*reference), other.step_records(*reference)
+    phases = sorted({key[2] for key in at_base})
     found: list[Rename] = []
     for phase in phases:
-        base_sequence, other_sequence = (_sequence(loaded, rank, step, phase) for loaded in (base, other))
+        base_sequence, other_sequence = _sequence(at_base, phase), _sequence(at_other, phase)
         anchors = {r["name"] for r in base_sequence} & {r["name"] for r in other_sequence}
         segments_base, segments_other = _segments(base_sequence, anchors), _segments(other_sequence, anchors)
         for anchor, in_base in segments_base.items():
             in_other = segments_other.get(anchor, [])
             in_base, in_other = _pair(in_base, in_other, _strict, 1.0, anchor, phase, found)
             _pair(in_base, in_other, _loose, CLASS_CHANGED_FACTOR, anchor, phase, found)
-    order = {(r["phase"], r["name"]): r.get("seq", 0) for r in _all_at(base, reference)}
+    order = {(r["phase"], r["name"]): r.get("seq", 0) for r in at_base.values()}
     kept = [rename for rename in found if rename.confidence >= min_confidence]
     return sorted(kept, key=lambda rename: (rename.phase != "forward", order.get((rename.phase, rename.base), 0)))
-
-
-def _all_at(loaded: LoadedDump, reference: tuple[int, int]) -> Iterable[Record]:
-    return (record for key, record in loaded.records.items() if key[:2] == reference)
 
 
 def apply_renames(loaded: LoadedDump, renames: Iterable[Rename]) -> None:
@@ -135,11 +135,20 @@ def apply_renames(loaded: LoadedDump, renames: Iterable[Rename]) -> None:
     by_name = {(rename.phase, rename.other): rename.base for rename in renames}
     if not by_name:
         return
-    records: dict[RecordKey, Record] = {}
-    for (rank, step, phase, name), record in loaded.records.items():
+    names = [name for _, name in by_name]
+    involved = np.flatnonzero(pc.is_in(loaded.table.column("name"),
+                                       value_set=pa.array(names + list(by_name.values()), pa.string()))
+                              .to_numpy(zero_copy_only=False))
+    keys = loaded.keys(involved)
+    taken = set(keys)
+    new_names = loaded.column("name")
+    renamed_from = loaded.column("renamed_from")
+    for row, (rank, step, phase, name) in zip(involved.tolist(), keys):
         new = by_name.get((phase, name))
-        if new is not None and (rank, step, phase, new) not in loaded.records:
-            record = {**record, "name": new, "renamed_from": record.get("renamed_from", name)}  # type: ignore[misc]
-            name = new
-        records[(rank, step, phase, name)] = record  # type: ignore[assignment]
-    loaded.records = records
+        if new is not None and (rank, step, phase, new) not in taken:
+            new_names[row] = new
+            renamed_from[row] = renamed_from[row] or name
+    table = loaded.table
+    table = table.set_column(table.schema.get_field_index("name"), "name", pa.array(new_names, pa.string()))
+    loaded.table = table.set_column(table.schema.get_field_index("renamed_from"), "renamed_from",
+                                    pa.array(renamed_from, pa.string()))

@@ -22,14 +22,18 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..dump import Record, RecordKey, first_anomaly
+import numpy as np
+import pyarrow.compute as pc
+
+from ..dump import Anomaly, Record, RecordKey, first_anomaly
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
 from .model import (COUNTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
-                    CompareConfig, Divergence, MetricDiff, RecordDiff, Rename, Report, execution_order,
+                    CompareConfig, Divergence, MetricDiff, RecordDiff, RecordDiffs, Rename, Report, execution_order,
                     is_finite_number)
 from .names import NameMapLike, as_name_map
 from .reading import LoadedDump, read_dump
+from .vector import WORST, match, measure, noise_levels
 
 __all__ = ["compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient", "record_noise"]
 
@@ -140,49 +144,106 @@ def _compare_samples(record: RecordDiff, pairs: list[tuple[int, Any, Any]], conf
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                    noise: LoadedDump | None = None, *, progress: bool | TextIO = False) -> Report:
-    """Compares two loaded dumps (see ``compare_dumps``); with ``config.fuzzy``, renames ``other``'s records."""
+    """Compares two loaded dumps (see ``compare_dumps``); with ``config.fuzzy``, renames ``other``'s records.
+
+    The checks run on whole columns (``vector``); only the records a report shows become RecordDiff objects.
+    """
     renamed = [Rename(None, original, new, "map", 1.0, "the name map")
                for original, new in other.renamed.items()]
     if config.fuzzy:
         paired = fuzzy_renames(base, other)
         apply_renames(other, paired)
         renamed += paired
-    keys = sorted(base.records, key=lambda key: _order_of(key, base))
-    records: list[RecordDiff] = []
-    only_in_base: list[RecordKey] = []
-    noise_unmatched = 0
-    meter = progress_meter("comparing", len(keys), progress)
-    for done, key in enumerate(keys):
-        counterpart = other.records.get(key)
-        if counterpart is None:
-            only_in_base.append(key)
-            continue
-        level = None
-        if noise is not None:
-            baseline2 = noise.records.get(key)
-            level = record_noise(base.records[key], baseline2) if baseline2 is not None else None
-            noise_unmatched += level is None
-        records.append(compare_records(base.records[key], counterpart, config, level))
-        if meter and done % 1000 == 0:
-            meter.update(done)
+    meter = progress_meter("comparing", 4, progress)
+    natural = match(base, other)  # in base row order: both sides' columns are read in the order they are stored
     if meter:
-        meter.close()
-    only_in_other = sorted(set(other.records) - set(base.records),
-                           key=lambda key: _order_of(key, other))
+        meter.update(1)
+    levels, noise_unmatched = _noise(base, noise, natural[0]) if noise is not None else (None, 0)
+    measured = measure(base, other, natural, config, levels)
+    position = np.empty(len(base), np.int64)
+    position[base.order] = np.arange(len(base))
+    in_order = np.argsort(position[natural[0]], kind="stable")
+    pairs = (natural[0][in_order], natural[1][in_order])
+    measured = measured.take(in_order)
+    levels = None if levels is None else levels[in_order]
+    if meter:
+        meter.update(2)
+
+    def build(rows: np.ndarray) -> list[RecordDiff]:
+        records = zip(base.take(pairs[0][rows]), other.take(pairs[1][rows]))
+        return [compare_records(b, o, config, None if levels is None or math.isnan(levels[row]) else float(levels[row]))
+                for (b, o), row in zip(records, rows.tolist())]
+
+    irregular = np.flatnonzero(measured.irregular)
+    for row, diff in zip(irregular.tolist(), build(irregular)):  # what the columns cannot say: record by record
+        measured.ratio[row], measured.diverged[row], measured.rel_error[row] = diff.ratio, diff.diverged, diff.rel_error
+        measured.worst[row] = WORST.index("structure")  # plots build this record to show it
+        for name in MOMENTS:
+            for run in ("base", "other"):
+                value = diff.value(run, name)
+                measured.moments[(run, name)][row] = value if is_finite_number(value) else np.nan
+    phase_codes, phases = base.codes("phase")
+    name_codes, names = base.codes("name")
+    records = RecordDiffs(rank=base.rank[pairs[0]], step=base.step[pairs[0]], seq=base.seq[pairs[0]],
+                          phase=phase_codes[pairs[0]], name=name_codes[pairs[0]],
+                          labels=(phases.to_pylist(), names.to_pylist()), ratio=measured.ratio,
+                          diverged=measured.diverged, rel_error=measured.rel_error, build=build,
+                          worst=(WORST, measured.worst, measured.worst_base, measured.worst_other,
+                                 measured.worst_null),
+                          moments=measured.moments)
+    only_in_base = _unmatched(base, pairs[0])
+    only_in_other = _unmatched(other, pairs[1])
     zero_grads: list[tuple[RecordKey, str]] = []
     if not config.strict_zero_grads:
         only_in_base, zero_base = _split_zero_grads(only_in_base, base, other)
         only_in_other, zero_other = _split_zero_grads(only_in_other, other, base)
-        zero_grads = sorted([(key, "base") for key in zero_base] + [(key, "other") for key in zero_other],
-                            key=lambda item: _order_of(item[0], base if item[1] == "base" else other))
+        zero_grads = _merge_in_order([(row, "base") for row in zero_base], [(row, "other") for row in zero_other],
+                                     base, other)
+    if meter:
+        meter.update(3)
     report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
-                    only_in_base, only_in_other, base.steps, other.steps,
+                    base.keys(only_in_base), other.keys(only_in_other), base.steps, other.steps,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
                     zero_grads=zero_grads, renamed=renamed)
-    report.first_divergence = _first_divergence(report, base, other)
-    report.first_nonfinite = {"base": first_anomaly(base.records.values()),
-                              "other": first_anomaly(other.records.values())}
+    report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
+    report.first_nonfinite = {"base": _first_nonfinite(base), "other": _first_nonfinite(other)}
+    if meter:
+        meter.update(4)
+        meter.close()
     return report
+
+
+def _noise(base: LoadedDump, noise: LoadedDump, rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each matched base row's noise level (nan: none, no counterpart or another structure), and how many have none."""
+    base_rows, noise_rows = match(base, noise)
+    counterpart = np.full(len(base), -1, np.int64)
+    counterpart[base_rows] = noise_rows
+    levels = np.full(len(rows), np.nan)
+    has = np.flatnonzero(counterpart[rows] >= 0)
+    found, irregular = noise_levels(base, noise, (rows[has], counterpart[rows[has]]))
+    levels[has] = found
+    odd = has[irregular]
+    for row, b, n in zip(odd.tolist(), base.take(rows[odd]), noise.take(counterpart[rows[odd]])):
+        level = record_noise(b, n)
+        levels[row] = np.nan if level is None else level
+    return levels, int(np.isnan(levels).sum())
+
+
+def _unmatched(loaded: LoadedDump, matched: np.ndarray) -> np.ndarray:
+    """The rows of ``loaded`` without a counterpart, in its execution order."""
+    alone = np.ones(len(loaded), dtype=bool)
+    alone[matched] = False
+    return loaded.order[alone[loaded.order]]
+
+
+def _merge_in_order(first: list[tuple[int, str]], second: list[tuple[int, str]], base: LoadedDump,
+                    other: LoadedDump) -> list[tuple[RecordKey, str]]:
+    loaded = {"base": base, "other": other}
+    items = []
+    for row, side in first + second:
+        key = loaded[side].key(row)
+        items.append((execution_order(key[1], key[2], int(loaded[side].seq[row]), key[0]), key, side))
+    return [(key, side) for _, key, side in sorted(items, key=lambda item: item[0])]
 
 
 def is_zero_gradient(record: Record) -> bool:
@@ -202,51 +263,64 @@ def is_zero_gradient(record: Record) -> bool:
     return zero == numel and nan == 0 and inf == 0
 
 
-def _split_zero_grads(keys: list[RecordKey], has: LoadedDump,
-                      lacks: LoadedDump) -> tuple[list[RecordKey], list[RecordKey]]:
-    """``keys`` (records only in ``has``) split into (the rest, zero gradients of steps both runs finished).
+def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> tuple[np.ndarray, list[int]]:
+    """``rows`` (records only in ``has``) split into (the rest, zero gradients of steps both runs finished).
 
     In a step the other run never finished, every record is missing there: that is a different step
     count, so its zero gradients stay with the rest.
     """
-    rest: list[RecordKey] = []
-    zeros: list[RecordKey] = []
-    for key in keys:
-        in_both = _finished_in_both(key[0], key[1], has, lacks)
-        (zeros if in_both and is_zero_gradient(has.records[key]) else rest).append(key)
-    return rest, zeros
+    candidates = rows[_finished_in_both(has.rank[rows], has.step[rows], has, lacks)]
+    if len(candidates):
+        phase_codes, phases = has.codes("phase")
+        gradient = np.isin(phase_codes[candidates], [i for i, p in enumerate(phases.to_pylist()) if p in GRADIENT_PHASES])
+        candidates = candidates[gradient]
+    zeros = [row for row, record in zip(candidates.tolist(), has.take(candidates)) if is_zero_gradient(record)]
+    return rows[~np.isin(rows, zeros)], zeros
 
 
-def _finished_in_both(rank: int, step: int, one: LoadedDump, other: LoadedDump) -> bool:
-    """Whether both runs finished this (rank, step): only there is a record missing on one side a mismatch."""
-    return step in one.steps.get(rank, ()) and step in other.steps.get(rank, ())
+def _finished_in_both(rank: np.ndarray, step: np.ndarray, one: LoadedDump, other: LoadedDump) -> np.ndarray:
+    """Per (rank, step): whether both runs finished it; only there is a record missing on one side a mismatch."""
+    both = [(r, s) for r in set(one.steps) & set(other.steps) for s in set(one.steps[r]) & set(other.steps[r])]
+    if not both:
+        return np.zeros(len(rank), dtype=bool)
+    pairs = np.array(both, np.int64)
+    return np.isin(rank * (1 << 32) + step, pairs[:, 0] * (1 << 32) + pairs[:, 1])
 
 
-def _order_of(key: RecordKey, loaded: LoadedDump) -> tuple[int, int, int, int]:
-    """The execution-order sort key of a record of ``loaded``."""
-    return execution_order(key[1], key[2], loaded.records[key].get("seq"), key[0])
-
-
-def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump) -> Divergence | None:
+def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_in_base: np.ndarray,
+                      only_in_other: np.ndarray) -> Divergence | None:
     """The earliest value or presence mismatch in execution order.
 
     A record missing on one side counts only in a (rank, step) both runs finished: a step one run
     did not reach is reported as a different step count, not as thousands of divergences.
     """
     candidates: list[tuple[tuple[int, int, int, int], Divergence]] = []
-    first_value = next((r for r in report.records if r.diverged), None)
-    if first_value is not None:
+    diverged = np.flatnonzero(report.records.diverged)
+    if len(diverged):
+        first_value = report.records[int(diverged[0])]
         candidates.append((execution_order(first_value.step, first_value.phase, first_value.seq, first_value.rank),
                            first_value.divergence()))
-    for keys, loaded, present, missing in ((report.only_in_base, base, "present", "missing"),
-                                           (report.only_in_other, other, "missing", "present")):
-        for rank, step, phase, name in keys:
-            if _finished_in_both(rank, step, base, other):
-                seq = loaded.records[(rank, step, phase, name)].get("seq")
-                candidates.append((execution_order(step, phase, seq, rank),
-                                   Divergence(rank, step, phase, name, "record", present, missing, seq)))
-                break  # keys are in execution order: the first one in a common step is the earliest
+    for rows, loaded, present, missing in ((only_in_base, base, "present", "missing"),
+                                           (only_in_other, other, "missing", "present")):
+        common = rows[_finished_in_both(loaded.rank[rows], loaded.step[rows], base, other)]
+        if len(common):  # rows are in execution order: the first one in a common step is the earliest
+            row = int(common[0])
+            rank, step, phase, name = loaded.key(row)
+            seq = int(loaded.seq[row])
+            candidates.append((execution_order(step, phase, seq, rank),
+                               Divergence(rank, step, phase, name, "record", present, missing, seq)))
     return min(candidates, key=lambda item: item[0])[1] if candidates else None
+
+
+def _first_nonfinite(loaded: LoadedDump) -> Anomaly | None:
+    """``first_anomaly`` of every record, reading only the records whose counts (or odd values) may say so."""
+    table = loaded.table
+    nan = table.column("nan").to_numpy(zero_copy_only=False)
+    inf = table.column("inf").to_numpy(zero_copy_only=False)
+    with np.errstate(invalid="ignore"):
+        maybe = (np.nan_to_num(nan) > 0) | (np.nan_to_num(inf) > 0)
+    maybe |= pc.is_valid(table.column("extra")).to_numpy(zero_copy_only=False)
+    return first_anomaly(loaded.take(np.flatnonzero(maybe)))
 
 
 def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,

@@ -11,15 +11,18 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 from ..dump import Anomaly, RecordKey
 from ..dump.record import PHASE_ORDER, execution_order
 from ..utils.text import printable
 
-__all__ = ["CompareConfig", "Divergence", "MetricDiff", "RecordDiff", "Report", "StepSummary", "execution_order"]
+__all__ = ["CompareConfig", "Divergence", "MetricDiff", "RecordDiff", "RecordDiffs", "Report", "StepSummary",
+           "execution_order"]
 
 STRUCTURE = ("shape", "dtype", "numel")
 COUNTS = ("nan", "inf")
@@ -239,6 +242,132 @@ class RecordDiff:
 
 
 @dataclass(frozen=True)
+class CellView:
+    """What a plot shows of one matched record: its verdict and its worst metric (``RecordDiffs.views``)."""
+
+    rel_error: float
+    diverged: bool
+    ratio: float
+    metric: str | None  # the worst metric (None: nothing was compared)
+    base: Any
+    other: Any
+
+    @classmethod
+    def of(cls, record: RecordDiff) -> "CellView":
+        worst = record.worst
+        return cls(record.rel_error, record.diverged, record.ratio, worst.metric if worst else None,
+                   worst.base if worst else None, worst.other if worst else None)
+
+
+class RecordDiffs(Sequence[RecordDiff]):
+    """The matched records of a comparison, in execution order: the verdict of each as arrays, each
+    RecordDiff built only when asked for (a comparison of a million records builds the few a report shows).
+
+        records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
+        records[0]; records.take([3, 7]); list(records)       # RecordDiff objects
+    """
+
+    def __init__(self, *, rank: np.ndarray, step: np.ndarray, seq: np.ndarray, phase: np.ndarray, name: np.ndarray,
+                 labels: tuple[Sequence[str], Sequence[str]], ratio: np.ndarray, diverged: np.ndarray,
+                 rel_error: np.ndarray, build: Callable[[np.ndarray], list[RecordDiff]],
+                 worst: tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 moments: Mapping[tuple[str, str], np.ndarray] | None = None) -> None:
+        self.rank, self.step, self.seq = rank, step, seq
+        # (metric names, per record the code of its worst metric, its base and other values, and whether each
+        # is None); code 1 means a structure field or count, 0 nothing compared. None: only RecordDiffs know.
+        self._worst = worst
+        self.moments = moments  # ("base" | "other", moment) -> per record the value, nan where absent
+        self.phase, self.name = phase, name  # codes into labels[0] (phases) and labels[1] (names)
+        self.labels = labels
+        self.ratio, self.diverged, self.rel_error = ratio, diverged, rel_error
+        self._build = build
+        self._built: dict[int, RecordDiff] = {}
+
+    @classmethod
+    def of(cls, records: Sequence[RecordDiff]) -> "RecordDiffs":
+        """Arrays for RecordDiff objects already built (a report made by hand)."""
+        phases = sorted({r.phase for r in records})
+        names = sorted({r.name for r in records})
+        phase_code, name_code = {p: i for i, p in enumerate(phases)}, {n: i for i, n in enumerate(names)}
+        kept = list(records)
+        return cls(rank=np.array([r.rank for r in kept], np.int64), step=np.array([r.step for r in kept], np.int64),
+                   seq=np.array([r.seq for r in kept], np.int64),
+                   phase=np.array([phase_code[r.phase] for r in kept], np.int64),
+                   name=np.array([name_code[r.name] for r in kept], np.int64), labels=(phases, names),
+                   ratio=np.array([r.ratio for r in kept], np.float64),
+                   diverged=np.array([r.diverged for r in kept], bool),
+                   rel_error=np.array([r.rel_error for r in kept], np.float64),
+                   build=lambda rows: [kept[row] for row in rows.tolist()])
+
+    def __len__(self) -> int:
+        return len(self.ratio)
+
+    @overload
+    def __getitem__(self, index: int) -> RecordDiff: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[RecordDiff]: ...
+
+    def __getitem__(self, index: int | slice) -> RecordDiff | list[RecordDiff]:
+        if isinstance(index, slice):
+            return self.take(np.arange(len(self))[index])
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("record index out of range")
+        return self.take([index])[0]
+
+    def __iter__(self) -> Iterator[RecordDiff]:
+        for start in range(0, len(self), 4096):
+            yield from self.take(np.arange(start, min(start + 4096, len(self))))
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> list[RecordDiff]:
+        """The RecordDiff objects of ``rows`` (built once, then kept)."""
+        rows = [int(row) for row in rows]
+        missing = np.array(sorted({row for row in rows if row not in self._built}), np.int64)
+        if len(missing):
+            self._built.update(zip(missing.tolist(), self._build(missing)))
+        return [self._built[row] for row in rows]
+
+    def select(self, mask: np.ndarray) -> list[RecordDiff]:
+        return self.take(np.flatnonzero(mask))
+
+    def views(self, rows: Sequence[int] | np.ndarray) -> list[CellView]:
+        """What plots show of ``rows``, from the arrays where they say it (records are built for the rest)."""
+        rows = np.asarray(rows, np.int64)
+        if self._worst is None:
+            return [CellView.of(record) for record in self.take(rows)]
+        names, codes, base, other, nulls = self._worst
+        built = dict(zip(rows[codes[rows] == 1].tolist(), map(CellView.of, self.take(rows[codes[rows] == 1]))))
+        return [built[row] if row in built else
+                CellView(float(self.rel_error[row]), bool(self.diverged[row]), float(self.ratio[row]),
+                         names[codes[row]] or None, None if nulls[row, 0] else float(base[row]),
+                         None if nulls[row, 1] else float(other[row]))
+                for row in rows.tolist()]
+
+    def value(self, rows: np.ndarray, run: str, metric: str) -> list[Any]:
+        """A moment's base ("base") or other ("other") value of ``rows`` (None where it was not compared)."""
+        if self.moments is None:
+            return [record.value(run, metric) for record in self.take(rows)]
+        values = self.moments[(run, metric)][rows]
+        return [None if math.isnan(value) else value for value in values.tolist()]
+
+    def phase_name(self, row: int) -> tuple[str, str]:
+        return self.labels[0][int(self.phase[row])], self.labels[1][int(self.name[row])]
+
+    def where(self, *, rank: int, step: int, phase: str) -> np.ndarray:
+        """The mask of the records of one rank, step and phase."""
+        phases = list(self.labels[0])
+        code = phases.index(phase) if phase in phases else -1
+        return (self.rank == rank) & (self.step == step) & (self.phase == code)
+
+    def worst(self, count: int) -> list[RecordDiff]:
+        """The ``count`` records with the largest ratio above 0, largest first (ties: execution order)."""
+        rows = np.flatnonzero(self.ratio > 0)
+        return self.take(rows[np.argsort(-self.ratio[rows], kind="stable")][:count])
+
+
+@dataclass(frozen=True)
 class StepSummary:
     step: int
     matched: int
@@ -288,7 +417,7 @@ class Report:
     other: str
     noise: str | None
     config: CompareConfig
-    records: list[RecordDiff]  # matched records, in execution order
+    records: RecordDiffs  # matched records, in execution order (a list of RecordDiff is turned into one)
     only_in_base: list[RecordKey]
     only_in_other: list[RecordKey]
     base_steps: dict[int, list[int]]  # rank -> finished steps compared
@@ -304,6 +433,10 @@ class Report:
     # OTHER's names compared under BASE's names (name map, fuzzy alignment), in BASE's execution order.
     renamed: list[Rename] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.records, RecordDiffs):
+            self.records = RecordDiffs.of(self.records)
+
     @property
     def matched(self) -> int:
         return len(self.records)
@@ -311,12 +444,12 @@ class Report:
     @property
     def diverged_count(self) -> int:
         """How many matched records diverged."""
-        return sum(record.diverged for record in self.records)
+        return int(self.records.diverged.sum())
 
     @property
     def divergences(self) -> list[Divergence]:
         """Every diverged matched record, in execution order."""
-        return [record.divergence() for record in self.records if record.diverged]
+        return [record.divergence() for record in self.records.select(self.records.diverged)]
 
     @property
     def steps_only_in_base(self) -> list[int]:
@@ -332,18 +465,27 @@ class Report:
         return self.first_divergence is None and not self.only_in_base and not self.only_in_other
 
     def per_step(self) -> list[StepSummary]:
-        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps))
-        by_step: dict[int, list[RecordDiff]] = {step: [] for step in steps}
-        for record in self.records:
-            by_step.setdefault(record.step, []).append(record)
+        """One summary per step of either run (matched, diverged, only in one run, the worst record)."""
+        key = (len(self.records), len(self.only_in_base), len(self.only_in_other))
+        cached = self.__dict__.get("_per_step")
+        if cached is None or cached[0] != key:
+            self.__dict__["_per_step"] = cached = (key, self._per_step())
+        return list(cached[1])
+
+    def _per_step(self) -> list[StepSummary]:
+        records = self.records
+        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(records.step.tolist()))
+        # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
+        by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
+        found, first = np.unique(records.step[by_step], return_index=True)
+        worst = dict(zip(found.tolist(), records.take(by_step[first])))
+        index = np.searchsorted(steps, records.step)
+        matched = np.bincount(index, minlength=len(steps))
+        diverged = np.bincount(index, weights=records.diverged, minlength=len(steps))
         only_base = Counter(key[1] for key in self.only_in_base)
         only_other = Counter(key[1] for key in self.only_in_other)
-        summaries = []
-        for step, records in sorted(by_step.items()):
-            worst = max(records, key=lambda r: r.ratio, default=None)
-            summaries.append(StepSummary(step, len(records), sum(r.diverged for r in records),
-                                         only_base[step], only_other[step], worst))
-        return summaries
+        return [StepSummary(step, int(matched[i]), int(diverged[i]), only_base[step], only_other[step], worst.get(step))
+                for i, step in enumerate(steps)]
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document of docs/compare.md (strict JSON: non-finite numbers become strings)."""
@@ -376,7 +518,7 @@ class Report:
                                 for side, anomaly in self.first_nonfinite.items()},
             "renamed": [rename.to_json() for rename in self.renamed],
             "per_step": [summary.to_json() for summary in self.per_step()],
-            "divergences": [record.to_json() for record in self.records if record.diverged],
+            "divergences": [record.to_json() for record in self.records.select(self.records.diverged)],
         }
 
 

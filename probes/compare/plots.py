@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..dump import RecordKey
-from .model import MOMENTS, PHASE_ORDER, RecordDiff, Report, format_value
+import numpy as np
+
+from .model import MOMENTS, PHASE_ORDER, CellView, RecordDiffs, Report, format_value
 from .text import clip
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "Grid", "HtmlConfig", "escape", "heatmap", "trajectories"]
@@ -50,45 +51,88 @@ class HtmlConfig:
 
 @dataclass
 class Grid:
-    """Records by row and step; rows in execution order (phase, rank, the base's seq)."""
+    """Records by row and step; rows in execution order (phase, rank, the base's seq).
+
+    Built from the report's arrays; a plot reads the cells it shows (``bin_cells``, ``row_indices``).
+    """
 
     rows: list[Row]
     steps: list[int]
-    cells: dict[tuple[Row, int], RecordDiff | str]  # a RecordDiff, or "only in base" / "only in other"
     ratios: dict[Row, float]  # the largest |diff| / tolerance of each row over the steps
+    records: RecordDiffs
+    row_of: np.ndarray  # per matched record, its index in ``rows``
+    missing: dict[tuple[Row, int], str]  # "only in base" / "only in other" cells
 
     @classmethod
     def build(cls, report: Report) -> "Grid":
-        cells: dict[tuple[Row, int], RecordDiff | str] = {}
-        order: dict[Row, tuple[int, int, int, int]] = {}
-
-        def place(key: RecordKey, value: RecordDiff | str, seq: int) -> None:
-            rank, step, phase, name = key
-            row = (rank, phase, name)
-            cells[(row, step)] = value
-            position = (PHASE_ORDER.get(phase, len(PHASE_ORDER)), rank, step, seq)
-            if row not in order or position < order[row]:
-                order[row] = position
-
-        for record in report.records:
-            place(record.key, record, record.seq)
-        for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
-            for index, key in enumerate(keys):
-                place(key, label, 1 << 30 | index)
+        records = report.records
+        phases, names = records.labels
+        packed = (records.rank << 40) | (records.phase << 32) | records.name
+        unique, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
         # A row's place is its seq at its earliest step, so rows follow the execution order of one step.
+        order: dict[Row, tuple[int, int, int, int]] = {}
+        for index in first.tolist():
+            phase, name = phases[records.phase[index]], names[records.name[index]]
+            row = (int(records.rank[index]), phase, name)
+            order[row] = (PHASE_ORDER.get(phase, len(PHASE_ORDER)), row[0], int(records.step[index]),
+                          int(records.seq[index]))
+        matched_rows = list(order)
+        missing: dict[tuple[Row, int], str] = {}
+        for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
+            for index, (rank, step, phase, name) in enumerate(keys):
+                row = (rank, phase, name)
+                missing[(row, step)] = label
+                position = (PHASE_ORDER.get(phase, len(PHASE_ORDER)), rank, step, 1 << 30 | index)
+                if row not in order or position < order[row]:
+                    order[row] = position
         rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3]))
-        steps = sorted({step for _, step in cells})
-        ratios = dict.fromkeys(rows, 0.0)
-        for record in report.records:
-            row = (record.rank, record.phase, record.name)
-            ratios[row] = max(ratios[row], record.ratio)
-        return cls(rows, steps, cells, ratios)
+        place = {row: i for i, row in enumerate(rows)}
+        row_of = np.array([place[row] for row in matched_rows], np.int64)[inverse] if len(unique) \
+            else np.zeros(0, np.int64)
+        worst = np.zeros(len(rows))
+        np.maximum.at(worst, row_of, records.ratio)
+        steps = sorted(set(records.step.tolist()) | {step for _, step in missing})
+        return cls(rows, steps, dict(zip(rows, worst.tolist())), records, row_of, missing)
 
     def row_ratio(self, row: Row) -> float:
         return self.ratios[row]
 
+    def bin_cells(self, rows: Sequence[Row], columns: Sequence[Sequence[int]]
+                  ) -> dict[tuple[int, int], CellView | str]:
+        """(row position, column) -> what the cell shows: the worst record of the column's steps
+        (diverged first, then relative error, then ratio; the earliest on ties), else a missing label."""
+        place = {row: i for i, row in enumerate(self.rows)}
+        selected = np.full(len(self.rows), -1, np.int64)
+        for position, row in enumerate(rows):
+            selected[place[row]] = position
+        starts = np.array([column[0] for column in columns], np.int64)
+        which = selected[self.row_of]
+        column = np.searchsorted(starts, self.records.step, side="right") - 1
+        shown = np.flatnonzero(which >= 0)
+        cells: dict[tuple[int, int], CellView | str] = {}
+        if len(shown):
+            records = self.records
+            best = shown[np.lexsort((shown, -records.ratio[shown], -records.rel_error[shown],
+                                     ~records.diverged[shown], column[shown], which[shown]))]
+            cell = which[best] * (len(columns) + 1) + column[best]
+            keep = np.concatenate([[True], cell[1:] != cell[:-1]])
+            chosen = best[keep]
+            for index, view in zip(chosen.tolist(), records.views(chosen)):
+                cells[(int(which[index]), int(column[index]))] = view
+        for position, row in enumerate(rows):
+            for c, steps in enumerate(columns):
+                if (position, c) not in cells:
+                    label = next((self.missing[(row, step)] for step in steps if (row, step) in self.missing), None)
+                    if label is not None:
+                        cells[(position, c)] = label
+        return cells
 
-def _heat_color(record: RecordDiff) -> str:
+    def row_indices(self, row: Row) -> np.ndarray:
+        """The matched records of ``row``, in step order."""
+        return np.flatnonzero(self.row_of == self.rows.index(row))
+
+
+def _heat_color(record: CellView) -> str:
     value = record.rel_error
     if record.diverged and not value:
         value = math.inf  # broke on a count, the structure or the samples: show it as large
@@ -119,17 +163,16 @@ def _row_label(row: Row, multi_rank: bool) -> str:
     return (f"r{rank} " if multi_rank else "") + name
 
 
-def _cell_title(row: Row, step: int | str, cell: RecordDiff | str | None) -> str:
+def _cell_title(row: Row, step: int | str, cell: CellView | str | None) -> str:
     rank, phase, name = row
     where = f"rank {rank} step {step} {phase} {name}"
     if cell is None:
         return f"{where}: not recorded by either run"
     if isinstance(cell, str):
         return f"{where}: {cell}"
-    worst = cell.worst
     text = f"{where}: relative error {cell.rel_error:.3g}"
-    if worst is not None:
-        text += f"; worst {worst.metric} {format_value(worst.base)} vs {format_value(worst.other)}, ratio {worst.ratio:.3g}"
+    if cell.metric is not None:
+        text += f"; worst {cell.metric} {format_value(cell.base)} vs {format_value(cell.other)}, ratio {cell.ratio:.3g}"
     return text + ("; DIVERGED" if cell.diverged else "")
 
 
@@ -147,6 +190,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     bin_size = max(1, math.ceil(len(grid.steps) / max_columns))
     columns = [grid.steps[i:i + bin_size] for i in range(0, len(grid.steps), bin_size)]
     multi_rank = len({row[0] for row in grid.rows}) > 1
+    cells = grid.bin_cells(rows, columns)
     label_width = 8 + 6.2 * min(48, max((len(_row_label(r, multi_rank)) for r in rows), default=10))
     cell_w = min(36.0, max(8.0, 860.0 / max(1, len(columns))))
     cell_h = 14.0
@@ -169,7 +213,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
                      f'{escape(clip(_row_label(row, multi_rank), 48, ELLIPSIS))}</text>')
         for c, column in enumerate(columns):
             x = label_width + c * cell_w
-            cell = _bin_cell(grid, row, column)
+            cell = cells.get((r, c))
             step_label = column[0] if len(column) == 1 else f"{column[0]}-{column[-1]}"
             if cell is None:
                 fill, stroke = "#ffffff", ""
@@ -200,14 +244,6 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
         notes.append(f"Each column covers {bin_size} steps and shows the worst record of its steps.")
     note_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes)
     return f'<h3>{escape(phase)}</h3>{note_html}<div class="scroll">{"".join(parts)}</div>'
-
-
-def _bin_cell(grid: Grid, row: Row, steps: Sequence[int]) -> RecordDiff | str | None:
-    cells = [grid.cells.get((row, step)) for step in steps]
-    records = [c for c in cells if isinstance(c, RecordDiff)]
-    if records:
-        return max(records, key=lambda rec: (rec.diverged, rec.rel_error, rec.ratio))
-    return next((c for c in cells if c is not None), None)
 
 
 def _heat_legend(x: float, y: float) -> str:
@@ -303,15 +339,14 @@ def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
     multi_rank = len({row[0] for row in grid.rows}) > 1
     blocks = []
     for row in _trajectory_rows(grid, report, config.trajectories):
-        cells = {step: grid.cells.get((row, step)) for step in grid.steps}
-        records = {step: cell for step, cell in cells.items() if isinstance(cell, RecordDiff)}
-        steps = sorted(records)
-        diverged = {step for step, record in records.items() if record.diverged}
+        indices = grid.row_indices(row)
+        steps = grid.records.step[indices].tolist()
+        diverged = set(grid.records.step[indices][grid.records.diverged[indices]].tolist())
         mark = first.step if first is not None and (first.rank, first.phase, first.name) == row else None
         charts = []
         for stat in MOMENTS:
-            series = [("base", BASE_COLOR, [records[s].value("base", stat) for s in steps], ""),
-                      ("other", OTHER_COLOR, [records[s].value("other", stat) for s in steps], "5,3")]
+            series = [("base", BASE_COLOR, grid.records.value(indices, "base", stat), ""),
+                      ("other", OTHER_COLOR, grid.records.value(indices, "other", stat), "5,3")]
             charts.append(_line_chart(stat, steps, series, mark, diverged))
         heading = f"{row[1]} {_row_label(row, multi_rank)}"
         flag = ' <span class="bad">first divergence</span>' if mark is not None else ""

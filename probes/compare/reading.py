@@ -1,38 +1,132 @@
-"""Reading a dump for comparison: its records keyed by (rank, step, phase, name), after the filters.
+"""Reading a dump for comparison: one Arrow table of its records after the filters, keyed by (rank, step, phase, name).
 
     loaded = read_dump("pt_out", CompareConfig(steps=frozenset({3})), progress=True)
     loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
-    loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]; loaded.steps; loaded.unfinished
+    loaded.table; loaded.steps; loaded.unfinished; loaded.take([0, 1])        # rows, and records of rows
+    loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]                  # every record as a dict (small dumps)
 
 Parsing, completeness (the order files) and waiting for live writers are the dump reader's
-(``probes.dump.DumpReader``); here only what comparing needs on top: filters, the types of the key
-fields, no duplicate keys, which steps each rank finished, and names rewritten by a name map (before
-the name filter; the original name is kept in the record as ``renamed_from``).
+(``probes.dump.DumpReader``); here only what comparing needs on top, done on whole columns: filters,
+the types of the key fields, no duplicate keys, which steps each rank finished, names rewritten by a
+name map (before the name filter; the original name is kept in the ``renamed_from`` column), and each
+row's execution-order sort key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import fnmatch
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TextIO
 
-from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile, record_key
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile
+from ..dump.columns import SCHEMA, table_to_records
+from ..dump.record import PHASE_ORDER
 from .model import CompareConfig
 from .names import NameMap, NameMapError
 
-__all__ = ["LoadedDump", "read_dump"]
+__all__ = ["COLUMNS", "LoadedDump", "read_dump"]
+
+# What comparing reads of a record: the key, what is compared, what reports and fuzzy alignment show, and
+# what keeps the rest exact (the *_int twins, nulls, extra). Not legacy_name, depth, finite, m2, neg, pos.
+COLUMNS = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "shape", "dtype",
+           "layout", "stats_of", "unsupported", "numel", "mean", "min", "max", "nan", "inf", "zero", "std",
+           "samples", "sample_indices", "min_int", "max_int", "samples_int", "nulls", "extra")
 
 
 @dataclass
 class LoadedDump:
-    """The records of one dump, keyed by (rank, step, phase, name), after the config's filters."""
+    """The records of one dump after the config's filters: ``table`` (one row per record, file order)."""
 
     path: Path
-    records: dict[RecordKey, Record]
+    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from"
     steps: dict[int, list[int]]  # rank -> finished steps read
     unfinished: dict[int, list[int]]  # rank -> unfinished steps (not read)
     renamed: dict[str, str] = field(default_factory=dict)  # original name -> name after the map, those it changed
+    files: list[Path] = field(default_factory=list)  # row i comes from files[file_of[i]], line line_of[i]
+    file_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    line_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    @cached_property
+    def rank(self) -> np.ndarray:
+        return _ints(self.table, "rank")
+
+    @cached_property
+    def step(self) -> np.ndarray:
+        return _ints(self.table, "step")
+
+    @cached_property
+    def seq(self) -> np.ndarray:
+        return _ints(self.table, "seq")
+
+    def codes(self, column: str, values: pa.Array | None = None) -> tuple[np.ndarray, pa.Array]:
+        """(per row, the index of its value in ``values``; ``values``): a string column as integers.
+
+        ``values`` default to the column's distinct values; pass two dumps' common ones to compare codes.
+        """
+        data = self.table.column(column)
+        if values is None:
+            values = pc.unique(data)
+        codes = pc.index_in(data, value_set=values).to_numpy(zero_copy_only=False)
+        return codes.astype(np.int64, copy=False), values
+
+    @cached_property
+    def order(self) -> np.ndarray:
+        """Row indices in execution order: step, forward before backward, seq, rank (``execution_order``)."""
+        codes, phases = self.codes("phase")
+        ranks = np.array([PHASE_ORDER.get(phase, len(PHASE_ORDER)) for phase in phases.to_pylist()], np.int64)
+        phase_rank = ranks[codes] if len(self) else np.zeros(0, np.int64)
+        return np.lexsort((self.rank, self.seq, phase_rank, self.step))
+
+    def column(self, name: str, rows: np.ndarray | None = None) -> list:
+        """A column's values (of ``rows``) as Python objects."""
+        data = self.table.column(name)
+        return (data if rows is None else data.take(pa.array(rows, pa.int64()))).to_pylist()
+
+    def take(self, rows: np.ndarray | list[int]) -> list[Record]:
+        """The records of ``rows``, as the dump holds them (with ``renamed_from`` when a name map renamed them)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        part = self.table.take(rows)
+        records = table_to_records(part.select([name for name in part.column_names if name != "renamed_from"]))
+        for record, original in zip(records, part.column("renamed_from").to_pylist()):
+            if original is not None:
+                record["renamed_from"] = original  # type: ignore[typeddict-unknown-key]
+        return records
+
+    def key(self, row: int) -> RecordKey:
+        phase, name = (self.table.column(column)[row].as_py() for column in ("phase", "name"))
+        return int(self.rank[row]), int(self.step[row]), phase, name
+
+    def keys(self, rows: np.ndarray) -> list[RecordKey]:
+        return list(zip(self.rank[rows].tolist(), self.step[rows].tolist(), self.column("phase", rows),
+                        self.column("name", rows)))
+
+    def step_records(self, rank: int, step: int) -> dict[RecordKey, Record]:
+        """The records of one rank and step, by key."""
+        rows = np.flatnonzero((self.rank == rank) & (self.step == step))
+        return dict(zip(self.keys(rows), self.take(rows)))
+
+    @property
+    def records(self) -> dict[RecordKey, Record]:
+        """Every record by key, in file order. Materialises the whole dump: for small dumps and tests."""
+        rows = np.arange(len(self))
+        return dict(zip(self.keys(rows), self.take(rows)))
+
+    def where(self, row: int) -> tuple[Path, int]:
+        """(file, 1-based line or row) of a row, for messages."""
+        return self.files[int(self.file_of[row])], int(self.line_of[row])
+
+
+def _ints(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
 def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
@@ -45,67 +139,128 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     waited for first, so every step it finished is read.
     """
     reader = DumpReader(path)
-    loaded = LoadedDump(reader.path, {}, {}, {})
-    files: list[StepFile] = []
+    unfinished: dict[int, list[int]] = {}
     if reader.path.is_file():
-        chunks: Iterable[tuple[Path, list[Record]]] = [(reader.path, reader.records())]
+        files = reader.step_files()
+        if not files[0].finished:
+            raise ValueError(f"{reader.path} is an unfinished step; load it with include_partial=True "
+                             "(show: --include-partial)")
     else:
         for rank, by_state in reader.steps().items():
             if rank is not None and by_state["unfinished"]:
-                loaded.unfinished[rank] = by_state["unfinished"]
+                unfinished[rank] = by_state["unfinished"]
         files = [step_file for step_file in reader.step_files()
                  if step_file.rank is not None and config.wants_step(step_file.step)]
-        chunks = ((step_file.path, records) for step_file, records in reader.read_each(files, progress=progress))
-    for file_path, records in chunks:
-        for line, record in enumerate(records, 1):
-            _check_record(file_path, line, record)
-            step, rank = record["step"], record["rank"]
-            if not config.wants_step(step):
-                continue
-            steps = loaded.steps.setdefault(rank, [])
-            if not steps or steps[-1] != step:
-                steps.append(step)
-            if name_map is not None:
-                _rename(record, name_map, loaded.renamed)
-            if not config.wants_name(record["name"]):
-                continue
-            key = record_key(record)
-            if key in loaded.records:
-                if name_map is not None and ("renamed_from" in record or "renamed_from" in loaded.records[key]):
-                    first = loaded.records[key].get("renamed_from", key[3])
-                    raise NameMapError(f"{name_map.source}: maps {first!r} and {record.get('renamed_from', key[3])!r} "
-                                       f"of {path} both to {key[3]!r} (rank {rank} step {step} {key[2]}); make "
-                                       "the patterns tell them apart")
-                raise DumpFormatError(file_path, line, f"duplicate record: rank {rank} step {step} "
-                                                       f"{record['phase']} {record['name']!r} appears twice")
-            record.setdefault("seq", line - 1)
-            loaded.records[key] = record
-    for step_file in files:  # a finished step whose records were all filtered out is still a step
-        steps = loaded.steps.setdefault(step_file.rank, [])
-        if step_file.step not in steps:
-            steps.append(step_file.step)
-    for steps in loaded.steps.values():
-        steps.sort()
+    tables = [table for _, table in reader.tables(files, columns=COLUMNS, progress=progress)]
+    table = pa.concat_tables(tables).combine_chunks() if tables else SCHEMA.empty_table().select(list(COLUMNS))
+    sizes = np.array([part.num_rows for part in tables], dtype=np.int64)
+    loaded = LoadedDump(reader.path, table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())),
+                        {}, unfinished, files=[step_file.path for step_file in files],
+                        file_of=np.repeat(np.arange(len(files), dtype=np.int64), sizes),
+                        line_of=np.arange(table.num_rows, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1)
+    _check_keys(loaded)
+    _fill_seq(loaded)
+    keep = _wanted_steps(loaded, config)
+    loaded.steps = _steps(loaded, files, keep)
+    if name_map is not None:
+        _rename(loaded, name_map)
+    keep &= _wanted_names(loaded, config)
+    if not keep.all():
+        _keep(loaded, keep)
+    _check_unique(loaded, name_map)
     return loaded
 
 
-def _rename(record: Record, name_map: NameMap, renamed: dict[str, str]) -> None:
-    original = record["name"]
-    name = renamed.get(original) or name_map.apply(original)
-    if name != original:
-        renamed[original] = name
-        record["renamed_from"] = original  # type: ignore[typeddict-unknown-key]
-        record["name"] = name
-
-
-def _check_record(path: Path, line: int, record: Record) -> None:
+def _check_keys(loaded: LoadedDump) -> None:
     """The key fields have the types matching and ordering rely on (the dump reader checks they exist)."""
-    phase = record.get("phase")
-    if not isinstance(phase, str):
-        raise DumpFormatError(path, line, f"record {record.get('name')!r} has no 'phase' string")
-    if not isinstance(record["name"], str):
-        raise DumpFormatError(path, line, f"the record's 'name' is not a string: {record['name']!r}")
-    for key in ("step", "rank"):
-        value = record[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise DumpFormatError(path, line, f"the record's {key!r} is not an int: {value!r}")
+    table = loaded.table
+    for column, problem in (("phase", "has no 'phase' string"), ("name", "")):
+        missing = pc.is_null(table.column(column)).to_numpy(zero_copy_only=False)
+        if missing.any():
+            row = int(np.argmax(missing))
+            (record,) = loaded.take([row])
+            path, line = loaded.where(row)
+            text = (f"record {record.get('name')!r} {problem}" if column == "phase"
+                    else f"the record's 'name' is not a string: {record.get('name')!r}")
+            raise DumpFormatError(path, line, text)
+
+
+def _fill_seq(loaded: LoadedDump) -> None:
+    seq = loaded.table.column("seq")
+    if seq.null_count:  # a record without "seq": its line in the file stands for it
+        filled = pc.coalesce(seq, pa.array(loaded.line_of - 1, pa.int64()))
+        loaded.table = loaded.table.set_column(loaded.table.schema.get_field_index("seq"), "seq", filled)
+
+
+def _wanted_steps(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
+    if config.steps is None:
+        return np.ones(len(loaded), dtype=bool)
+    return np.isin(loaded.step, np.fromiter(config.steps, dtype=np.int64, count=len(config.steps)))
+
+
+def _steps(loaded: LoadedDump, files: list[StepFile], keep: np.ndarray) -> dict[int, list[int]]:
+    """Rank -> the finished steps read; a step whose records were all filtered out is still a step."""
+    steps: dict[int, set[int]] = {}
+    for rank, step in set(zip(loaded.rank[keep].tolist(), loaded.step[keep].tolist())):
+        steps.setdefault(rank, set()).add(step)
+    for step_file in files:
+        if step_file.rank is not None:
+            steps.setdefault(step_file.rank, set()).add(step_file.step)
+    return {rank: sorted(found) for rank, found in sorted(steps.items())}
+
+
+def _rename(loaded: LoadedDump, name_map: NameMap) -> None:
+    codes, unique = loaded.codes("name")
+    originals = unique.to_pylist()
+    mapped = [name_map.apply(name) for name in originals]
+    changed = np.array([new != old for new, old in zip(mapped, originals)], dtype=bool)
+    if not changed.any():
+        return
+    loaded.renamed.update({old: new for old, new, differs in zip(originals, mapped, changed) if differs})
+    table = loaded.table
+    renamed_from = pc.if_else(pa.array(changed[codes]), table.column("name"), pa.scalar(None, pa.string()))
+    table = table.set_column(table.schema.get_field_index("name"), "name",
+                             pa.array(mapped, pa.string()).take(pa.array(codes)))
+    loaded.table = table.set_column(table.schema.get_field_index("renamed_from"), "renamed_from", renamed_from)
+
+
+def _wanted_names(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
+    if not config.names:
+        return np.ones(len(loaded), dtype=bool)
+    codes, unique = loaded.codes("name")
+    wanted = np.array([any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
+                       for name in unique.to_pylist()], dtype=bool)
+    return wanted[codes] if len(wanted) else np.zeros(len(loaded), dtype=bool)
+
+
+def _keep(loaded: LoadedDump, keep: np.ndarray) -> None:
+    rows = np.flatnonzero(keep)
+    loaded.table = loaded.table.take(rows)
+    loaded.file_of, loaded.line_of = loaded.file_of[rows], loaded.line_of[rows]
+    for cached in ("rank", "step", "seq", "order"):
+        loaded.__dict__.pop(cached, None)
+
+
+def _check_unique(loaded: LoadedDump, name_map: NameMap | None) -> None:
+    """No two records share (rank, step, phase, name); the first repeat in file order is the error."""
+    if len(loaded) < 2:
+        return
+    phase_id, name_id = loaded.codes("phase")[0], loaded.codes("name")[0]
+    by_key = np.lexsort((np.arange(len(loaded)), name_id, phase_id, loaded.step, loaded.rank))
+    same = np.ones(len(by_key) - 1, dtype=bool)
+    for column in (loaded.rank, loaded.step, phase_id, name_id):
+        ordered = column[by_key]
+        same &= ordered[1:] == ordered[:-1]
+    if not same.any():
+        return
+    repeats = by_key[1:][same]
+    row = int(repeats.min())  # the earliest row that repeats a key
+    first = int(by_key[np.flatnonzero(by_key == row)[0] - 1])
+    rank, step, phase, name = loaded.key(row)
+    originals = loaded.table.column("renamed_from").take(pa.array([first, row])).to_pylist()
+    if name_map is not None and any(original is not None for original in originals):
+        first_name, second_name = (original or name for original in originals)
+        raise NameMapError(f"{name_map.source}: maps {first_name!r} and {second_name!r} of {loaded.path} both to "
+                           f"{name!r} (rank {rank} step {step} {phase}); make the patterns tell them apart")
+    path, line = loaded.where(row)
+    raise DumpFormatError(path, line, f"duplicate record: rank {rank} step {step} {phase} {name!r} appears twice")

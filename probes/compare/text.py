@@ -169,7 +169,7 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
              f"  {first.metric}: base {format_value(first.base)}  other {format_value(first.other)}"
              + (f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
                 f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")]
-    neighbours = [r for r in report.records if (r.rank, r.step, r.phase) == (first.rank, first.step, first.phase)]
+    neighbours = report.records.select(report.records.where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)
     if at is None:  # a missing record: show the matched records that precede it
         at = sum(1 for r in neighbours if (r.seq or 0) < (first.seq or 0))
@@ -213,7 +213,7 @@ def format_report(report: Report, top: int = 10) -> str:
     with_rank = len(set(report.base_steps) | set(report.other_steps)) > 1
     first = report.first_divergence
     lines = _header(report) + _first_divergence(report, with_rank)
-    worst = sorted((r for r in report.records if r.ratio > 0), key=lambda r: r.ratio, reverse=True)[:top]
+    worst = report.records.worst(top)
     if worst:
         lines += ["", "Worst records (ratio = |diff| / tolerance):"]
         lines += _record_table(worst, (first.rank, first.step, first.phase, first.name) if first else None,

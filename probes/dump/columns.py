@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from .record import Record
 
-__all__ = ["NUMBER_COLUMNS", "SCHEMA", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
+__all__ = ["NUMBER_COLUMNS", "SCHEMA", "NotAStepFile", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
 
 _INT, _FLOAT, _STR = pa.int64(), pa.float64(), pa.string()
 _INTS, _FLOATS = pa.list_(_INT), pa.list_(_FLOAT)
@@ -51,7 +51,10 @@ _KINDS = dict(_FIELDS)
 _FLOAT_ENCODED = [name for name, kind in _FIELDS if kind in (_FLOAT, _FLOATS)]
 _DELTA_ENCODED = ["sample_indices", "seq"]
 _DICTIONARY = ["phase", "module_class", "kind", "dtype", "layout", "stats_of", "unsupported"]
-_COMPRESSION = "zstd"
+_ENCODINGS = {**{name: "BYTE_STREAM_SPLIT" for name in _FLOAT_ENCODED},
+              **{name: "DELTA_BINARY_PACKED" for name in _DELTA_ENCODED}}
+_ZSTD = {"samples", "sample_indices", "name", "module", "legacy_name", "extra"}
+_ALWAYS = {"step", "rank", "name", "phase"}  # kept even when null: a step file says what it is
 
 
 def _is_int(value: Any) -> bool:
@@ -139,16 +142,47 @@ def table_to_records(table: pa.Table) -> list[Record]:
 
 
 def write_parquet(path: str | os.PathLike, table: pa.Table) -> None:
-    """Writes ``table`` to ``path`` as one Parquet file and fsyncs it (the caller renames it into place)."""
+    """Writes ``table`` to ``path`` as one Parquet file and fsyncs it (the caller renames it into place).
+
+    Columns null in every row are left out of the file (``read_parquet`` puts them back): each column costs
+    a reader time whatever it holds.
+    """
+    kept = table.select([name for name, column in zip(table.column_names, table.columns)
+                         if column.null_count < table.num_rows or name in _ALWAYS])
     with open(path, "wb") as file:
-        pq.write_table(table, file, compression=_COMPRESSION, use_dictionary=_DICTIONARY,
-                       column_encoding={**{name: "BYTE_STREAM_SPLIT" for name in _FLOAT_ENCODED},
-                                        **{name: "DELTA_BINARY_PACKED" for name in _DELTA_ENCODED}},
+        pq.write_table(kept, file, compression=_compression(kept), use_dictionary=_DICTIONARY,
+                       column_encoding={name: encoding for name, encoding in _ENCODINGS.items()
+                                        if name in kept.column_names},
                        write_statistics=["step", "rank"], store_schema=False)
         file.flush()
         os.fsync(file.fileno())
 
 
+def _compression(table: pa.Table) -> dict[str, str]:
+    # zstd where the bytes are (samples, names); lz4 elsewhere: small columns decode faster with it.
+    paths = {name: f"{name}.list.element" if pa.types.is_list(table.schema.field(name).type) else name
+             for name in table.column_names}
+    return {path: "zstd" if name in _ZSTD else "lz4" for name, path in paths.items()}
+
+
+class NotAStepFile(ValueError):
+    """A Parquet file without the columns every step file has."""
+
+
 def read_parquet(path: str | Path, columns: Sequence[str] | None = None) -> pa.Table:
-    """A Parquet step file as a table of ``SCHEMA`` (``columns``: only these). Raises ``pa.ArrowException``."""
-    return pq.read_table(path, columns=list(columns) if columns is not None else None)
+    """A Parquet step file as a table of ``SCHEMA`` (``columns``: only these). Raises ``pa.ArrowException``.
+
+    Columns the file leaves out are null. One thread per file (callers read files in parallel);
+    ParquetFile, not read_table: no dataset discovery.
+    """
+    wanted = list(SCHEMA.names if columns is None else columns)
+    with pq.ParquetFile(path) as file:
+        present = set(file.schema_arrow.names)
+        missing = [name for name in _ALWAYS if name not in present]
+        if missing:
+            raise NotAStepFile(f"no {', '.join(sorted(missing, key=SCHEMA.names.index))} column")
+        table = file.read(columns=[name for name in wanted if name in present], use_threads=False)
+    for name in wanted:
+        if name not in present and name in SCHEMA.names:
+            table = table.append_column(SCHEMA.field(name), pa.nulls(table.num_rows, SCHEMA.field(name).type))
+    return table.select([name for name in wanted if name in table.column_names])

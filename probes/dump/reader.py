@@ -24,10 +24,12 @@ DumpFormatError naming the file and line.
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO, TypeVar, cast
@@ -39,11 +41,12 @@ from ..utils.progress import progress_meter
 
 from .layout import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
                      DumpLayout, read_manifest)
-from .columns import SCHEMA, read_parquet, records_to_table, table_to_records
+from .columns import SCHEMA, NotAStepFile, read_parquet, records_to_table, table_to_records
 from .live import flush_writers
 from .record import Record
 
 _Read = TypeVar("_Read")
+_READERS = min(4, os.cpu_count() or 1)
 
 __all__ = ["DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
 
@@ -122,11 +125,8 @@ class DumpReader:
             table = read_parquet(step_file.path, wanted)
         except pa.ArrowException as error:
             raise DumpFormatError(step_file.path, None, f"not a readable Parquet step file (truncated or damaged?): {error}") from None
-        except OSError:
-            raise
-        missing = [name for name in ("step", "rank", "name") if name not in table.column_names]
-        if missing:
-            raise DumpFormatError(step_file.path, None, f"not a probes step file: no {', '.join(missing)} column")
+        except NotAStepFile as error:
+            raise DumpFormatError(step_file.path, None, f"not a probes step file: {error}") from None
         if step_file.finished:
             _check_complete(step_file, table.num_rows)
         return _select(_placed(step_file, table), columns)
@@ -154,12 +154,23 @@ class DumpReader:
     def _each(self, files: Sequence[StepFile], read: Callable[[StepFile], _Read], progress: bool | TextIO,
               label: str | None) -> Iterator[tuple[StepFile, _Read]]:
         meter = progress_meter(label or f"reading {self.path}", len(files), progress)
+        # Files are read a few at a time on threads (Parquet decoding releases the GIL), yielded in order.
+        workers = ThreadPoolExecutor(max_workers=_READERS) if len(files) > 1 else None
         try:
+            ahead: collections.deque[Future[_Read]] = collections.deque()
             for done, step_file in enumerate(files, 1):
-                yield step_file, read(step_file)
+                if workers is None:
+                    result = read(step_file)
+                else:
+                    while len(ahead) < 2 * _READERS and done - 1 + len(ahead) < len(files):
+                        ahead.append(workers.submit(read, files[done - 1 + len(ahead)]))
+                    result = ahead.popleft().result()
+                yield step_file, result
                 if meter:
                     meter.update(done)
         finally:
+            if workers is not None:
+                workers.shutdown(wait=True, cancel_futures=True)
             if meter:
                 meter.close()
 
