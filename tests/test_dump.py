@@ -335,6 +335,7 @@ def test_disk_full_is_raised_by_the_next_write_or_by_close(tmp_path, disk_full_o
     disk_full_on(1)
     writer = DumpWriter(tmp_path / "a")
     writer.write(0, record(0, 0))
+    writer.wait_written()  # records reach the writer thread in batches: this one now (a reader's barrier)
     deadline = time.monotonic() + 10
     while writer.error is None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -67,6 +67,7 @@ class WriterConfig:
 # A barrier is a reader's flush: it makes buffered lines visible but does not fsync.
 _WRITE, _FINISH, _FLUSH, _BARRIER, _STOP, _KEEP_ALL = "write", "finish", "flush", "barrier", "stop", "keep all"
 _NO_STEP = -1
+_BATCH = 256  # records per hand-over to the writer thread
 
 
 def _at_exit() -> bool:
@@ -107,6 +108,9 @@ class DumpWriter:
         prepare_output_dir(self.layout, self.config.rank, override=self.config.override)
         self._resolved_root = resolved(self.layout.root)
         self._queue: queue.Queue[tuple[str, int, Any]] = queue.Queue(maxsize=queue_size)
+        self._pending: list[tuple[int, Record]] = []  # written, not queued yet (see _send_pending)
+        self._pending_lock = threading.Lock()
+        self._batch = min(_BATCH, queue_size)
         self._steps = OpenSteps(self.layout, rank=self.config.rank, format=format)  # used on the writer thread only
         self._finished: set[int] = set()
         self._kept: collections.deque[int] = collections.deque()  # finished step files, oldest first (ring only)
@@ -153,7 +157,22 @@ class DumpWriter:
                 f"record {record['name']!r} says rank {record['rank']!r} but this writer is rank {self.config.rank}"
             )
         # A shallow copy, so the caller may reuse its dict; nested values must not change after the call.
-        self._put((_WRITE, step, dict(record)))
+        with self._pending_lock:
+            self._pending.append((step, dict(record)))
+            full = len(self._pending) >= self._batch
+        if full:
+            self._send_pending()
+
+    def _send_pending(self, *, quiet: bool = False) -> bool:
+        """Queues the records written since the last batch (in call order: the lock is held while queueing).
+
+        Records cross to the writer thread in batches: one wake-up of that thread per batch, not per record.
+        """
+        with self._pending_lock:
+            if not self._pending:
+                return True
+            batch, self._pending = self._pending, []
+            return self._put((_WRITE, _NO_STEP, batch), quiet=quiet)
 
     def finish_step(self, step: int) -> None:
         """Queues the finalisation of ``step`` (flush, fsync, rename). A step without records writes no file."""
@@ -161,6 +180,7 @@ class DumpWriter:
             return
         check_int(step, "step")
         self._finished.add(step)
+        self._send_pending()
         self._put((_FINISH, step, None))
 
     def keep_all(self) -> None:
@@ -170,6 +190,7 @@ class DumpWriter:
         queued like a record, so the steps finished before the call are pruned exactly as without it.
         """
         if self.config.keep_last is not None and self._usable(_NO_STEP):
+            self._send_pending()
             self._put((_KEEP_ALL, _NO_STEP, None))
 
     def flush(self) -> None:
@@ -177,6 +198,7 @@ class DumpWriter:
         if self._closed or not self._usable(_NO_STEP):
             return
         done = threading.Event()
+        self._send_pending()
         self._put((_FLUSH, _NO_STEP, done))
         while not done.wait(0.5):
             self._check_thread_alive()
@@ -194,6 +216,8 @@ class DumpWriter:
             self._closed = True
             self._exit_handle.remove()
             discard_live(self)
+            if self._error is None:
+                self._send_pending(quiet=True)
             self._put((_STOP, _NO_STEP, finish_open_steps))
             self._thread.join()
         if _at_exit():
@@ -259,7 +283,7 @@ class DumpWriter:
         if self._closed or self._error is not None or threading.current_thread() is self._thread:
             return
         done = threading.Event()
-        if not self._put((_BARRIER, _NO_STEP, done), quiet=True):
+        if not self._send_pending(quiet=True) or not self._put((_BARRIER, _NO_STEP, done), quiet=True):
             return
         while not done.wait(0.5):
             if not self._thread.is_alive():
@@ -305,13 +329,14 @@ class DumpWriter:
                 if kind == _KEEP_ALL:
                     self._pruning = False
                     continue
+                if kind == _WRITE:
+                    self._append(payload)
+                    continue
                 if self._error is not None:
                     self._lost.add(step)
                     continue  # drain without writing, so a blocked put() on the training thread returns
                 with self._stop_on_failure(step):
-                    if kind == _WRITE:
-                        self._steps.append(step, payload)
-                    elif self._steps.finish(step):
+                    if self._steps.finish(step):
                         self._step_written(step)
                         if self.config.keep_last is not None:
                             self._prune(step)
@@ -322,6 +347,14 @@ class DumpWriter:
             finally:
                 if kind in (_FLUSH, _BARRIER):
                     payload.set()
+
+    def _append(self, batch: list[tuple[int, Record]]) -> None:
+        for position, (step, record) in enumerate(batch):
+            if self._error is not None:  # drain without writing: the steps are lost, and said so at exit
+                self._lost.update(step for step, _ in batch[position:])
+                return
+            with self._stop_on_failure(step):
+                self._steps.append(step, record)
 
     def _step_written(self, step: int) -> None:
         """``on_step_written``: its failure is one warning line and no more calls, never a lost step."""
