@@ -12,7 +12,9 @@ fixed (``atol + rtol * |base|``) or, given a second baseline run, derived from h
 baselines differ. The first divergence is searched in execution order: earliest step, then the
 forward records in the base run's order (``seq``), then the backward ones, across ranks.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
-The result model is ``model``, reading ``reading``, the terminal summary ``text``.
+The checks on whole columns are ``vector`` (``compare_records`` is the same rules for one pair, used where
+the columns cannot decide and to build the RecordDiff objects a report shows). The result model is
+``model``, reading ``reading``, the terminal summary ``text``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,7 +46,6 @@ _TWINS = {"min": _INT, "max": _INT, "samples": _INTS}
 SCHEMA = pa.schema([pa.field(name, kind) for name, kind in _FIELDS]
                    + [pa.field(f"{name}_int", kind) for name, kind in _TWINS.items()]
                    + [pa.field("nulls", pa.list_(_STR)), pa.field("extra", _STR)])
-_KINDS = dict(_FIELDS)
 
 _FLOAT_ENCODED = [name for name, kind in _FIELDS if kind in (_FLOAT, _FLOATS)]
 _DELTA_ENCODED = ["sample_indices", "seq"]
@@ -57,25 +56,21 @@ _ZSTD = {"samples", "sample_indices", "name", "module", "legacy_name", "extra"}
 _ALWAYS = {"step", "rank", "name", "phase"}  # kept even when null: a step file says what it is
 
 
+_LOW, _HIGH = -(1 << 63), 1 << 63  # what an int64 column holds (a uint64 tensor's max goes to ``extra``)
+
+
 def _is_int(value: Any) -> bool:
-    """An int an int64 column holds (a larger one, e.g. a uint64 tensor's max, goes to ``extra``)."""
-    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
+    return isinstance(value, int) and value.__class__ is not bool and _LOW <= value < _HIGH
 
 
-def _accepts(kind: pa.DataType) -> Callable[[Any], bool]:
-    if kind == _INT:
-        return _is_int
-    if kind == _FLOAT:
-        return lambda value: isinstance(value, float)
-    if kind == _STR:
-        return lambda value: isinstance(value, str)
-    if kind == _FLOATS:
-        return lambda value: isinstance(value, list) and all(isinstance(item, float) for item in value)
-    # shape (an element may be None: a ragged dimension) and sample_indices
-    return lambda value: isinstance(value, list) and all(item is None or _is_int(item) for item in value)
+def _ints(values: list) -> bool:
+    return all(_LOW <= value < _HIGH for value in values)
 
 
-_ACCEPTS = {name: _accepts(kind) for name, kind in _FIELDS}
+_INT_CODE, _FLOAT_CODE, _STR_CODE, _FLOATS_CODE, _INTS_CODE = range(5)
+_CODES = {_INT: _INT_CODE, _FLOAT: _FLOAT_CODE, _STR: _STR_CODE, _FLOATS: _FLOATS_CODE, _INTS: _INTS_CODE}
+_CODE = {name: _CODES[kind] for name, kind in _FIELDS}
+_FLOAT_TYPES, _INT_TYPES = frozenset({float}), frozenset({int, type(None)})
 
 
 def records_to_table(records: Sequence[Mapping[str, Any]], *, step: int | None = None,
@@ -88,16 +83,42 @@ def records_to_table(records: Sequence[Mapping[str, Any]], *, step: int | None =
     for row, record in enumerate(records):
         nulls: list[str] = []
         extra: dict[str, Any] = {}
+        # One type test per key (the writer thread runs this for every record, the GIL held).
         for key, value in record.items():
-            if value is None and key in _KINDS:
-                nulls.append(key)
-            elif key in _TWINS and _is_int_number(value):
-                columns[f"{key}_int"][row] = value
-                columns[key][row] = [float(item) for item in value] if key == "samples" else float(value)
-            elif key in _ACCEPTS and _ACCEPTS[key](value):
-                columns[key][row] = value
-            else:
+            code = _CODE.get(key)
+            if code is None:
                 extra[key] = value
+            elif value is None:
+                nulls.append(key)
+            elif code == _FLOAT_CODE:
+                if isinstance(value, float):
+                    columns[key][row] = value
+                elif key in _TWINS and _is_int(value):
+                    columns[f"{key}_int"][row], columns[key][row] = value, float(value)
+                else:
+                    extra[key] = value
+            elif code == _INT_CODE:
+                if _is_int(value):
+                    columns[key][row] = value
+                else:
+                    extra[key] = value
+            elif code == _STR_CODE:
+                if isinstance(value, str):
+                    columns[key][row] = value
+                else:
+                    extra[key] = value
+            elif value.__class__ is not list:
+                extra[key] = value
+            else:
+                types = set(map(type, value))
+                if code == _FLOATS_CODE and types <= _FLOAT_TYPES:
+                    columns[key][row] = value
+                elif code == _FLOATS_CODE and types == {int} and key in _TWINS and _ints(value):
+                    columns[f"{key}_int"][row], columns[key][row] = value, [float(item) for item in value]
+                elif code == _INTS_CODE and types <= _INT_TYPES and _ints([item for item in value if item is not None]):
+                    columns[key][row] = value
+                else:
+                    extra[key] = value
         for key, value in (("step", step), ("rank", rank)):
             if key not in record:
                 columns[key][row] = value
@@ -106,12 +127,6 @@ def records_to_table(records: Sequence[Mapping[str, Any]], *, step: int | None =
         if extra:
             columns["extra"][row] = json.dumps(extra)  # the JSON Lines format's own rules: non-finite as NaN
     return pa.table({field.name: pa.array(columns[field.name], type=field.type) for field in SCHEMA}, schema=SCHEMA)
-
-
-def _is_int_number(value: Any) -> bool:
-    if isinstance(value, list):
-        return bool(value) and all(_is_int(item) for item in value)
-    return _is_int(value)
 
 
 def table_to_records(table: pa.Table) -> list[Record]:
