@@ -13,7 +13,9 @@ into its graph as a PythonOp and calls its Python code on every step:
 - ``pre_forward_outmost_module_apply`` / ``post_forward_outmost_module_apply``: same, root only.
 
 *Per-step calls* come from the manager's own probe Function, in eager PyTorch and in ORT alike,
-only for steps in ``[start_step, end_step)`` and never during an export:
+only for the steps, sites and phases the subscriber selects (``start_step``/``end_step``,
+``every_n_steps``/``steps``, ``modules``/``exclude_modules``, ``phases``: ``probes.core.selection``)
+and never during an export:
 
 - ``on_forward(event, tensors)``: the tensors of a module's outputs (``event.site.kind ==
   "output"``), of its inputs (``"input"``, only if ``observe_inputs``) or of an
