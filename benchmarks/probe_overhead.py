@@ -1,11 +1,15 @@
-"""Per-probe overhead: step cost vs number of probed modules (10 to 1,000).
+"""Per-probe overhead: step cost vs number of probed modules (10 to 1,000), and what selection saves.
 
-    python -m benchmarks.probe_overhead [--quick]
+    python -m benchmarks.probe_overhead [--quick] [--selection]     (--selection: only the selection table)
 
 A chain of N tiny Linear(8, 8) modules, so the step is dominated by per-module costs. Each case is
 timed against the unprobed chain in the same run; the overhead is reported per probed module and
 step (forward + backward), in microseconds, for a no-op observing subscriber (the manager's own
 cost: hooks, pytree, the probe Function) and for the StatisticsSubscriber (plus statistics and dump).
+
+The selection table (``run_selection``) takes the chain of 100 and compares recording everything with
+recording every 10th step or 10% of the modules, and measures what a left-out step and left-out
+modules cost against the no-op subscriber.
 """
 
 from __future__ import annotations
@@ -63,10 +67,67 @@ def run(quick: bool = False) -> str:
     return (f"### Per-probe overhead ({'quick' if quick else 'full'}; chain of Linear(8, 8), batch 4)\n\n"
             f"{environment()}\n\n"
             + table(["modules", "plain step ms", "no-op subscriber µs / module", "statistics µs / module",
-                     "statistics step / plain"], rows))
+                     "statistics step / plain"], rows)
+            + "\n\n" + run_selection(quick))
+
+
+SELECTION_MODULES = 100
+EVERY = 10
+
+
+def run_selection(quick: bool = False) -> str:
+    """Statistics with selection vs everything, on the chain of 100; left-out costs vs the no-op subscriber."""
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="probes-bench-select-"))
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(SELECTION_MODULES)))
+    tenth = r"re:\d*0"  # the modules 0, 10, ..., 90: 10% of them
+    cases: dict[str, list[SubscriberBase]] = {
+        "no-op subscriber": [NoOp()],
+        "statistics, everything": [StatisticsSubscriber(work / "all")],
+        f"statistics, every_n_steps={EVERY}": [StatisticsSubscriber(work / "every", every_n_steps=EVERY)],
+        "statistics, modules=10%": [StatisticsSubscriber(work / "tenth", modules=tenth)],
+        "left-out step (statistics, steps=[never])": [StatisticsSubscriber(work / "never", steps=[10**12])],
+        "left-out modules (statistics, modules=none)": [StatisticsSubscriber(work / "none", modules="nothing")],
+    }
+    models = {"plain": plain, **{name: copy.deepcopy(plain) for name in cases}}
+    managers = []
+    for name, subscribers in cases.items():
+        managers.append(SubscriberManager())
+        managers[-1].subscribe(models[name], subscribers)
+    x = torch.randn(4, 8)
+
+    def steps(model: nn.Module):
+        def run_steps():  # EVERY steps per timing: a cadence's cost is its average over a whole period
+            for _ in range(EVERY):
+                model(x).sum().backward()
+        return run_steps
+
+    times = interleaved({name: steps(model) for name, model in models.items()}, repeats=3 if quick else 15)
+    for manager in managers:
+        manager.unsubscribe()
+    per_step = {name: median(values) / EVERY for name, values in times.items()}
+    base = per_step["plain"]
+    probes_count = SELECTION_MODULES + 1  # every Linear and the Sequential itself
+    noop = per_step["no-op subscriber"] - base
+
+    def row(name: str) -> list[object]:
+        extra = per_step[name] - base
+        left_out = f"{extra / noop:.2f}" if name.startswith("left-out") else ""
+        return [name, f"{per_step[name] * 1e3:.2f}", f"{extra / probes_count * 1e6:.1f}", left_out]
+
+    return (f"### Selection ({'quick' if quick else 'full'}; chain of {SELECTION_MODULES} Linear(8, 8), batch 4, "
+            f"per-step averages over {EVERY} steps)\n\n"
+            "`python -m benchmarks.probe_overhead --selection` (the µs are per module of the chain and per step; "
+            "the last column is the left-out cost over the no-op subscriber's)\n\n"
+            f"{environment()}\n\n"
+            + table(["case", "step ms", "µs / module", "left-out cost / no-op cost"],
+                    [["plain", f"{base * 1e3:.2f}", "0", ""]] + [row(name) for name in cases]))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    print(run(parser.parse_args().quick))
+    parser.add_argument("--selection", action="store_true", help="only the selection table")
+    arguments = parser.parse_args()
+    print(run_selection(arguments.quick) if arguments.selection else run(arguments.quick))

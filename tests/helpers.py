@@ -59,8 +59,8 @@ class Call:
 class Recorder(SubscriberBase):
     """Records every per-step call; ``by_ort`` tells whether ORT's runtime made it."""
 
-    def __init__(self, start_step=None, end_step=None, observe_inputs=False):
-        super().__init__(start_step, end_step)
+    def __init__(self, start_step=None, end_step=None, observe_inputs=False, **selection):
+        super().__init__(start_step, end_step, **selection)
         self.observe_inputs = observe_inputs
         self.calls: list[Call] = []
         self.step_ends: list[int] = []

@@ -89,7 +89,6 @@ class SubscriberManager:
 
     def __init__(self) -> None:
         self.steps = StepTracker(forward_running=self._forward_running)
-        self._probe_inputs = False
         self._handles: list[RemovableHandle | Handle] = []
         self._sites: list[ProbeSite] = []
         self._inspect_sites: dict[str, ProbeSite] = {}
@@ -135,7 +134,6 @@ class SubscriberManager:
             previous.unsubscribe()
 
         self.steps.reset(subscribers)
-        self._probe_inputs = any(s.observe_inputs for s in self.steps.observers)
         self._register_hooks(root)
         _HOLDERS[root] = self
         _LIVE.add(self)
@@ -198,7 +196,10 @@ class SubscriberManager:
             return tensor
         if torch.compiler.is_compiling():  # the site is made by name when the compiled probe first runs
             return compiled.inspect(self._sites[0], name, tensor)
-        (probed,) = TensorProbe.apply(self.inspect_site(name, type(tensor).__name__), tensor)
+        site = self.inspect_site(name, type(tensor).__name__)
+        if not self.steps.wants_site(site):
+            return tensor
+        (probed,) = TensorProbe.apply(site, tensor)
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
@@ -211,21 +212,28 @@ class SubscriberManager:
     # Hooks ------------------------------------------------------------------------------------
 
     def _register_hooks(self, root: torch.nn.Module) -> None:
+        # Which sites get a probe is fixed here, at subscribe time: under ORTModule the exported graph
+        # then holds exactly the wanted probes, and step cadences are decided per call, never by a re-export.
+        builders = any(s.builds_graph for s in self.steps.subscribers)
         for index, (name, module) in enumerate(wrappers.user_named_modules(root)):
             qualified = name or ROOT_NAME
             depth = 0 if not name else name.count(".") + 1
             sites = {kind: ProbeSite(qualified, kind, index, depth, type(module).__name__, self)
                      for kind in ("input", "output")}
             self._sites.append(sites["output"])
-            pre = functools.partial(self._pre_forward_hook, sites["input"], index == 0)
-            post = functools.partial(self._post_forward_hook, sites["output"], index == 0)
+            probe_inputs = self.steps.wants_site(sites["input"])
+            probe_outputs = self.steps.wants_site(sites["output"])
+            if index != 0 and not (builders or probe_inputs or probe_outputs):
+                continue  # nobody wants this module: no hook, no cost
+            pre = functools.partial(self._pre_forward_hook, sites["input"], index == 0, probe_inputs)
+            post = functools.partial(self._post_forward_hook, sites["output"], index == 0, probe_outputs)
             if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
                 self._handles.append(rootcall.wrap_forward(module, pre, post))
             else:
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(post))
 
-    def _pre_forward_hook(self, site: ProbeSite, is_root: bool, module: torch.nn.Module,
+    def _pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         subscribers = self.steps.subscribers
         if is_root:
@@ -236,16 +244,16 @@ class SubscriberManager:
                 args, kwargs = subscriber.pre_forward_outmost_module_apply(site, module, args, kwargs)
         for subscriber in subscribers:
             args, kwargs = subscriber.pre_forward_module_apply(site, module, args, kwargs)
-        if self._probe_inputs:
+        if probe:
             args, kwargs = self._apply_to_tensors(site, (args, kwargs))
         return args, kwargs
 
-    def _post_forward_hook(self, site: ProbeSite, is_root: bool, module: torch.nn.Module,
+    def _post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                            args: tuple, outputs: Any) -> Any:
         subscribers = self.steps.subscribers
         for subscriber in subscribers:
             outputs = subscriber.post_forward_module_apply(site, module, args, outputs)
-        if self.steps.observers:
+        if probe:
             outputs = self._apply_to_tensors(site, outputs)
         if is_root:
             for subscriber in subscribers:

@@ -95,6 +95,8 @@ class StepTracker:
         self.state = RunState()
         self._subscribers: tuple[SubscriberBase, ...] = ()
         self._observers: tuple[SubscriberBase, ...] = ()
+        # Per site and phase, the observers whose selection wants it (steps are asked per call).
+        self._wanting: dict[ProbeSite, dict[str, tuple[SubscriberBase, ...]]] = {}
         self._forward_running = forward_running
         # torch.compile: forward events waiting for their backward, per compiled probe call (slot), and the
         # last one each slot's backward took (what a second backward of the same forward differentiates).
@@ -112,12 +114,14 @@ class StepTracker:
         self._taken.clear()
         self._subscribers = tuple(subscribers)
         self._observers = tuple(s for s in subscribers if s.observes_tensors)
+        self._wanting.clear()
 
     def stop(self) -> None:
         """The subscription ended: the open step closes, and no subscriber gets another call (the
         count of steps begun stays until the next ``reset``)."""
         self.close_open_step()
         self._subscribers = self._observers = ()
+        self._wanting.clear()
         self._queued.clear()
         self._taken.clear()
 
@@ -134,6 +138,11 @@ class StepTracker:
     def observers(self) -> tuple[SubscriberBase, ...]:
         """The subscribers that get tensors (``on_forward``/``on_backward``), so probes are inserted."""
         return self._observers
+
+    def wants_site(self, site: ProbeSite) -> bool:
+        """Whether some observer wants ``site`` in some phase (if not, the manager inserts no probe there)."""
+        wanting = self._wanting_at(site)
+        return bool(wanting["forward"] or wanting["backward"])
 
     # Called by the probe Functions ------------------------------------------------------------
 
@@ -155,7 +164,7 @@ class StepTracker:
         event = ProbeEvent(site, step, "forward", state.seq, call)
         state.seq += 1
         state.unmatched.setdefault(id(site), []).append(event)
-        for subscriber in self._receivers(site, step):
+        for subscriber in self._receivers(site, step, "forward"):
             subscriber.on_forward(event, tensors)
         return event
 
@@ -177,7 +186,7 @@ class StepTracker:
             state.calls[id(site)] = call + 1
             event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
         state.seq += 1
-        for subscriber in self._receivers(site, step):
+        for subscriber in self._receivers(site, step, "backward"):
             subscriber.on_backward(event, grads)
 
     def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
@@ -256,12 +265,23 @@ class StepTracker:
         state.backward_tasks.clear()
         return self._open()
 
-    def _receivers(self, site: ProbeSite, step: int | None, *, recompute: bool = False) -> list[SubscriberBase]:
-        """The observers that get this site's calls in ``step``."""
+    def _receivers(self, site: ProbeSite, step: int | None, phase: str) -> list[SubscriberBase]:
+        """The observers that get this site's ``phase`` call in ``step``."""
         if step is None:
             return []
-        return [s for s in self._observers if s.is_active(step) and (site.kind != "input" or s.observe_inputs)
-                and (s.observe_recompute or not recompute)]
+        return [s for s in self._wanting_at(site)[phase] if s.is_active(step)]
+
+    def _wanting_at(self, site: ProbeSite) -> dict[str, tuple[SubscriberBase, ...]]:
+        wanting = self._wanting.get(site)
+        if wanting is None:
+            eligible = [s for s in self._observers
+                        if (site.kind != "input" or s.observe_inputs) and s.selection.wants_site(site)]
+            wanting = self._wanting[site] = {
+                phase: tuple(s for s in eligible if s.selection.wants_phase(phase)
+                             and (phase != "recompute" or s.observe_recompute))
+                for phase in ("forward", "backward", "recompute")
+            }
+        return wanting
 
     def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:
         """A forward run inside backward (activation checkpointing): matched to its original later."""
@@ -269,7 +289,7 @@ class StepTracker:
         token = Recomputed(site)
         state.recomputing.append((id(site), token))
         step = state.open_step
-        wanted = self._receivers(site, step, recompute=True)
+        wanted = self._receivers(site, step, "recompute")
         if wanted:
             count = state.recomputes.get(id(site), 0)
             state.recomputes[id(site)] = count + 1

@@ -13,7 +13,9 @@ into its graph as a PythonOp and calls its Python code on every step:
 - ``pre_forward_outmost_module_apply`` / ``post_forward_outmost_module_apply``: same, root only.
 
 *Per-step calls* come from the manager's own probe Function, in eager PyTorch and in ORT alike,
-only for steps in ``[start_step, end_step)`` and never during an export:
+only for the steps, sites and phases the subscriber selects (``start_step``/``end_step``,
+``every_n_steps``/``steps``, ``modules``/``exclude_modules``, ``phases``: ``probes.core.selection``)
+and never during an export:
 
 - ``on_forward(event, tensors)``: the tensors of a module's outputs (``event.site.kind ==
   "output"``), of its inputs (``"input"``, only if ``observe_inputs``) or of an
@@ -38,14 +40,15 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 import torch
 
-from ..utils import check_int
 from . import compiled
+from .selection import Selection
 
 if TYPE_CHECKING:
     from .manager import SubscriberManager
@@ -107,31 +110,71 @@ class ProbeEvent:
         return self.site.record_name(tensor_index, self.call)
 
 
+_GRAPH_BUILDING_CALLS = ("pre_forward_module_apply", "post_forward_module_apply", "pre_forward_outmost_module_apply",
+                         "post_forward_outmost_module_apply")
+
+
 class SubscriberBase:
     """Base class of every subscriber; override the calls you need (all default to no-ops).
 
-    Steps in ``[start_step, end_step)`` get per-step calls; ``None`` means 0 and unbounded.
+    Which steps, sites and phases get per-step calls (``probes.core.selection``; all by default):
+
+    - ``start_step``, ``end_step``: steps in ``[start_step, end_step)``; ``None`` means 0 and unbounded.
+    - ``every_n_steps``: only ``start_step``, ``start_step + n``, ... (or ``steps``: only those listed).
+    - ``modules``, ``exclude_modules``: glob patterns (or ``"re:<regex>"``) matched against each
+      module's qualified name (the root is ``"<root>"``) and its class name; inspect sites by name.
+    - ``phases``: ``"forward"``, ``"backward"`` or both (None).
+
+    Usage::
+
+        PrintShapes(every_n_steps=100, modules=["blocks.*.attn"], phases="forward")
+
+    Left-out steps still count (step numbers do not change) and get no call at all, ``on_step_end``
+    included; a site no subscriber wants gets no probe.
     """
 
     observe_inputs: bool = False  # also probe module inputs (outputs and inspect calls always)
     observe_recompute: bool = False  # also get forwards recomputed by activation checkpointing (phase "recompute")
+    selection: Selection = Selection()  # subclasses that never call __init__ record everything
 
-    def __init__(self, start_step: int | None = None, end_step: int | None = None) -> None:
-        start = 0 if start_step is None else check_int(start_step, "start_step (or None)")
-        end = sys.maxsize if end_step is None else check_int(end_step, "end_step (or None)")
-        if start > end:
-            raise ValueError(f"start_step ({start}) must not be greater than end_step ({end})")
-        self.start_step = start
-        self.end_step = end
+    def __init__(self, start_step: int | None = None, end_step: int | None = None, *,
+                 every_n_steps: int | None = None, steps: Iterable[int] | None = None,
+                 modules: str | Sequence[str] | None = None, exclude_modules: str | Sequence[str] | None = None,
+                 phases: str | Sequence[str] | None = None) -> None:
+        self.selection = Selection.of(start_step, end_step, every_n_steps=every_n_steps, steps=steps,
+                                      modules=modules, exclude_modules=exclude_modules, phases=phases)
+
+    @property
+    def start_step(self) -> int:
+        return self.selection.start_step
+
+    @start_step.setter
+    def start_step(self, value: int | None) -> None:
+        self.selection = dataclasses.replace(self.selection, start_step=0 if value is None else value)
+
+    @property
+    def end_step(self) -> int:
+        return self.selection.end_step
+
+    @end_step.setter
+    def end_step(self, value: int | None) -> None:
+        self.selection = dataclasses.replace(self.selection, end_step=sys.maxsize if value is None else value)
 
     def is_active(self, step: int) -> bool:
-        return self.start_step <= step < self.end_step
+        """Whether ``step`` gets per-step calls (its steps rule; sites and phases are asked per probe)."""
+        return self.selection.wants_step(step)
 
     @property
     def observes_tensors(self) -> bool:
         """True when this subscriber overrides on_forward or on_backward (so probes are inserted)."""
         cls = type(self)
         return cls.on_forward is not SubscriberBase.on_forward or cls.on_backward is not SubscriberBase.on_backward
+
+    @property
+    def builds_graph(self) -> bool:
+        """True when this subscriber overrides a graph-building call (so every module keeps its hooks)."""
+        cls = type(self)
+        return any(getattr(cls, name) is not getattr(SubscriberBase, name) for name in _GRAPH_BUILDING_CALLS)
 
     # Graph-building calls (eager: every forward; ORT: at export).
     def pre_forward_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, kwargs: dict):

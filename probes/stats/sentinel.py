@@ -24,7 +24,7 @@ the sentinel changes nothing: it only reads tensors.
 from __future__ import annotations
 
 import warnings
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 
@@ -123,6 +123,8 @@ class AnomalySentinel(SubscriberBase):
         max_abs: also flag finite values beyond this magnitude (e.g. 65504.0 for float16), or None.
         start_step, end_step: check steps in ``[start_step, end_step)``.
         observe_inputs: also check module inputs.
+        every_n_steps, steps, modules, exclude_modules, phases: check only those steps, modules and
+            phases (``SubscriberBase``; ``probes.core.selection`` has the rules).
 
     It writes nothing. Each tensor is read once by the statistics kernel's counting pass (the same
     single pass ``StatisticsSubscriber`` makes); with a ``StatisticsSubscriber`` already subscribed,
@@ -131,8 +133,12 @@ class AnomalySentinel(SubscriberBase):
     """
 
     def __init__(self, *, action: Action = "raise", max_abs: float | None = None, start_step: int | None = None,
-                 end_step: int | None = None, observe_inputs: bool = False) -> None:
-        super().__init__(start_step, end_step)
+                 end_step: int | None = None, observe_inputs: bool = False, every_n_steps: int | None = None,
+                 steps: Iterable[int] | None = None, modules: str | Sequence[str] | None = None,
+                 exclude_modules: str | Sequence[str] | None = None,
+                 phases: str | Sequence[str] | None = None) -> None:
+        super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
+                         exclude_modules=exclude_modules, phases=phases)
         self.watch = AnomalyWatch(action=action, max_abs=max_abs)
         self.observe_inputs = observe_inputs
         self.rank = process_rank()

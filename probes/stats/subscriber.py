@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -53,6 +53,8 @@ class SubscriberClosedWarning(UserWarning):
 class StatisticsSubscriber(SubscriberBase):
     """Dumps statistics of module outputs (forward) and their gradients (backward), per rank and step.
 
+        StatisticsSubscriber("out", every_n_steps=10, modules=["blocks.*", "Linear"], phases="forward")
+
     Args:
         output_dir: where the dump goes (``<output_dir>/rank_<r>/step_<N>.parquet``).
         start_step, end_step: record steps in ``[start_step, end_step)``.
@@ -67,6 +69,15 @@ class StatisticsSubscriber(SubscriberBase):
         on_anomaly: "raise" or "warn" at the first nan/inf in a record (see ``probes.stats.sentinel``),
             read from the record's own counts; None (default): no check.
         max_abs: with ``on_anomaly``, finite values beyond this magnitude are anomalies too.
+        every_n_steps: record only steps ``start_step``, ``start_step + n``, ... (left-out steps still
+            count and leave no step file); or ``steps``: only the steps listed (not both).
+        modules, exclude_modules: glob patterns (or ``"re:<regex>"``) matched against each module's
+            qualified name (``"<root>"`` for the root) and its class name; a module is recorded when an
+            include pattern matches (or none is given) and no exclude pattern does. Patterns match each
+            module on its own (``"blocks.*"`` selects the descendants of ``blocks``); modules nobody
+            records get no probe.
+        phases: "forward", "backward" or both (None).
+            The selection decides what is recorded, and so what ``on_anomaly`` checks: only recorded records.
         on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
             is finished, e.g. ``probes.export.LiveTensorBoard("tb")`` (TensorBoard while training).
         dump_format: "parquet" (default: a Parquet file per rank and step, ``probes.dump.columns``) or
@@ -89,8 +100,14 @@ class StatisticsSubscriber(SubscriberBase):
         max_abs: float | None = None,
         on_step_written: Callable[[int, Path], None] | None = None,
         dump_format: str = "parquet",
+        every_n_steps: int | None = None,
+        steps: Iterable[int] | None = None,
+        modules: str | Sequence[str] | None = None,
+        exclude_modules: str | Sequence[str] | None = None,
+        phases: str | Sequence[str] | None = None,
     ) -> None:
-        super().__init__(start_step, end_step)
+        super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
+                         exclude_modules=exclude_modules, phases=phases)
         if max_abs is not None and on_anomaly is None:
             raise ValueError("max_abs needs on_anomaly='warn' or 'raise' (it is the sentinel's threshold)")
         self.watch = AnomalyWatch(action=on_anomaly, max_abs=max_abs) if on_anomaly is not None else None
