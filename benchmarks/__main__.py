@@ -15,6 +15,7 @@ BENCHMARKS = (
     "benchmarks.compile_overhead",
     "benchmarks.stats_kernel",
     "benchmarks.probe_overhead",
+    "benchmarks.gpt2_overhead",
     "benchmarks.dump_compare",
     "benchmarks.zero3_bench",
 )

@@ -151,9 +151,9 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
                 unfinished[rank] = by_state["unfinished"]
         files = [step_file for step_file in reader.step_files()
                  if step_file.rank is not None and config.wants_step(step_file.step)]
-    tables = [table for _, table in reader.tables(files, columns=COLUMNS, progress=progress)]
-    table = pa.concat_tables(tables).combine_chunks() if tables else SCHEMA.empty_table().select(list(COLUMNS))
-    sizes = np.array([part.num_rows for part in tables], dtype=np.int64)
+    # One chunk per column: taking rows (matching, building the records a report shows) is slow across chunks.
+    table = reader.concat_tables(files, columns=COLUMNS, progress=progress).combine_chunks()
+    sizes = _rows_per_file(table, files)
     loaded = LoadedDump(reader.path, table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())),
                         {}, unfinished, files=[step_file.path for step_file in files],
                         file_of=np.repeat(np.arange(len(files), dtype=np.int64), sizes),
@@ -169,6 +169,17 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
         _keep(loaded, keep)
     _check_unique(loaded, name_map)
     return loaded
+
+
+def _rows_per_file(table: pa.Table, files: list[StepFile]) -> np.ndarray:
+    """How many rows of ``table`` (the files' rows, in order) each file gave."""
+    if len(files) <= 1:
+        return np.array([table.num_rows] * len(files), dtype=np.int64)
+    ranks, steps = _ints(table, "rank"), _ints(table, "step")
+    starts = np.flatnonzero(np.concatenate([[True], (ranks[1:] != ranks[:-1]) | (steps[1:] != steps[:-1])]))
+    found = dict(zip(zip(ranks[starts].tolist(), steps[starts].tolist()),
+                     np.diff(np.append(starts, table.num_rows)).tolist()))
+    return np.array([found.get((f.rank, f.step), 0) for f in files], dtype=np.int64)
 
 
 def _check_keys(loaded: LoadedDump) -> None:
@@ -201,7 +212,13 @@ def _wanted_steps(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
 def _steps(loaded: LoadedDump, files: list[StepFile], keep: np.ndarray) -> dict[int, list[int]]:
     """Rank -> the finished steps read; a step whose records were all filtered out is still a step."""
     steps: dict[int, set[int]] = {}
-    for rank, step in set(zip(loaded.rank[keep].tolist(), loaded.step[keep].tolist())):
+    ranks, found = loaded.rank[keep], loaded.step[keep]
+    if len(ranks) and found.min() >= 0 and ranks.min() >= 0 and found.max() < (1 << 32):
+        packed = np.unique((ranks << 32) | found)  # one sort of one int64 column
+        pairs = zip((packed >> 32).tolist(), (packed & 0xFFFFFFFF).tolist())
+    else:
+        pairs = set(zip(ranks.tolist(), found.tolist()))
+    for rank, step in pairs:
         steps.setdefault(rank, set()).add(step)
     for step_file in files:
         if step_file.rank is not None:

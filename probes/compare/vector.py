@@ -93,7 +93,7 @@ class _Columns:
         table = loaded.table.select(list(_COMPARED))
         if not (len(rows) == table.num_rows and np.array_equal(rows, np.arange(len(rows)))):
             table = table.take(pa.array(rows, pa.int64()))
-        self.table = table.combine_chunks()
+        self.table = table
 
     def floats(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         column = self.table.column(name)
@@ -107,13 +107,20 @@ class _Columns:
         return np.array(self.table.column(name).to_pylist(), dtype=object)
 
     def lists(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(flat values, start offset per row, length per row; -1 for a null list)."""
-        column = self.table.column(name).combine_chunks()
-        offsets = column.offsets.to_numpy()
-        lengths = np.diff(offsets)
-        lengths = np.where(column.is_null().to_numpy(zero_copy_only=False), -1, lengths)
-        values = column.values.to_numpy(zero_copy_only=False)  # offsets index the whole child array
-        return values, offsets[:-1], lengths
+        """(flat values, start offset per row, length per row; -1 for a null list), over every chunk."""
+        values, starts, lengths = [], [], []
+        base = 0
+        for chunk in self.table.column(name).chunks:
+            offsets = chunk.offsets.to_numpy()  # they index the chunk's whole child array
+            child = chunk.values.to_numpy(zero_copy_only=False)
+            values.append(child)
+            starts.append(offsets[:-1] + base)
+            lengths.append(np.where(chunk.is_null().to_numpy(zero_copy_only=False), -1, np.diff(offsets)))
+            base += len(child)
+        if not values:
+            return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (np.concatenate(values), np.concatenate(starts).astype(np.int64, copy=False),
+                np.concatenate(lengths).astype(np.int64, copy=False))
 
 
 def _same_lists(a: tuple, b: tuple) -> np.ndarray:

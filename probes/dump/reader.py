@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO, TypeVar, cast
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pa_dataset
 
 from ..utils.progress import progress_meter
 
@@ -135,6 +137,25 @@ class DumpReader:
                progress: bool | TextIO = False, label: str | None = None) -> Iterator[tuple[StepFile, pa.Table]]:
         """(step file, its table) for each of ``files`` in turn; ``progress``: a bar after a second."""
         return self._each(files, lambda step_file: self.read_table(step_file, columns), progress, label)
+
+    def concat_tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
+                      progress: bool | TextIO = False) -> pa.Table:
+        """The tables of ``files`` as one (see ``read_table``), rows in file order.
+
+        Finished Parquet files in rank directories are read in one go by Arrow's own threads, then checked
+        (ranks and steps, the order files' counts) on whole columns; anything else, or any problem, is read
+        file by file, which names the file and what is wrong.
+        """
+        _check_columns(columns)
+        if files and all(f.columnar and f.finished and f.rank is not None for f in files):
+            try:
+                table = _read_at_once(files, columns)
+            except (pa.ArrowException, OSError, _NotPlaced):
+                table = None
+            if table is not None:
+                return table
+        parts = [table for _, table in self.tables(files, columns=columns, progress=progress)]
+        return pa.concat_tables(parts) if parts else _select(SCHEMA.empty_table(), columns)
 
     def table(self, *, include_partial: bool = False, columns: Sequence[str] | None = None) -> pa.Table:
         """Every record as one table (see ``read_table``), rows sorted like ``records()``."""
@@ -334,6 +355,31 @@ def _check_columns(columns: Sequence[str] | None) -> None:
 
 def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     return table if columns is None else table.select(list(columns))
+
+
+class _NotPlaced(Exception):
+    """What ``_read_at_once`` cannot vouch for: the file-by-file read says what is wrong."""
+
+
+def _read_at_once(files: Sequence[StepFile], columns: Sequence[str] | None) -> pa.Table:
+    wanted = list(dict.fromkeys([*(columns if columns is not None else SCHEMA.names), "step", "rank"]))
+    dataset = pa_dataset.dataset([str(f.path) for f in files], format="parquet",
+                                 schema=pa.schema([SCHEMA.field(name) for name in wanted]))
+    counts = np.array([fragment.metadata.num_rows for fragment in dataset.get_fragments()], np.int64)
+    for step_file, count in zip(files, counts.tolist()):
+        _check_complete(step_file, count)
+    table = dataset.to_table(columns=wanted)
+    if table.num_rows != int(counts.sum()):
+        raise _NotPlaced()
+    for key in ("step", "rank"):
+        expected = np.repeat(np.array([getattr(f, key) for f in files], np.int64), counts)
+        column = table.column(key)
+        if column.null_count:
+            column = pc.fill_null(column, pa.array(expected))
+            table = table.set_column(table.schema.get_field_index(key), key, column)
+        if not np.array_equal(column.to_numpy(), expected):
+            raise _NotPlaced()  # a record that says another step or rank, or rows out of file order
+    return _select(table, columns)
 
 
 def _check_complete(step_file: StepFile, count: int) -> None:
