@@ -161,11 +161,7 @@ class DumpReader:
         """Every record as one table (see ``read_table``), rows sorted like ``records()``."""
         if self._lone and not self._files[0].finished and not include_partial:
             raise ValueError(f"{self.path} is an unfinished step; load it with include_partial=True")
-        _check_columns(columns)
-        parts = [table for _, table in self.tables(self.step_files(include_partial=include_partial), columns=columns)]
-        if not parts:
-            return _select(SCHEMA.empty_table(), columns)
-        return pa.concat_tables(parts)
+        return self.concat_tables(self.step_files(include_partial=include_partial), columns=columns)
 
     def read_each(self, files: Sequence[StepFile], *, progress: bool | TextIO = False,
                   label: str | None = None) -> Iterator[tuple[StepFile, list[Record]]]:
