@@ -144,6 +144,26 @@ def _same_lists(a: tuple, b: tuple) -> np.ndarray:
     return same
 
 
+def _exact_only(*sides: _Columns) -> np.ndarray:
+    """The pairs with a value only a record holds exactly (in ``extra`` or an ``*_int`` column)."""
+    found = np.zeros(sides[0].table.num_rows, dtype=bool)
+    for side in sides:
+        for name in ("extra", "min_int", "max_int", "samples_int"):
+            found |= side.present(name)
+    return found
+
+
+def _samples(a: _Columns, b: _Columns) -> tuple[tuple, tuple, np.ndarray, np.ndarray]:
+    """Both sides' samples, the pairs where both have samples and positions, and those of them (``regular``)
+    whose samples are at the same positions, as many as the positions: the ones compared on columns."""
+    samples_a, samples_b = a.lists("samples"), b.lists("samples")
+    indices_a, indices_b = a.lists("sample_indices"), b.lists("sample_indices")
+    have = (samples_a[2] >= 0) & (samples_b[2] >= 0) & (indices_a[2] >= 0) & (indices_b[2] >= 0)
+    regular = have & _same_lists(indices_a, indices_b) & (samples_a[2] == samples_b[2]) \
+        & (samples_a[2] == indices_a[2])
+    return samples_a, samples_b, have, regular
+
+
 def _rows_of(lists: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray, length: int) -> np.ndarray:
     """The ``rows``' lists, each of ``length`` values, as a (rows, length) array (a view when they are stored
     back to back, as a step file stores them)."""
@@ -203,10 +223,7 @@ def measure(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray, np.nda
     count = len(pairs[0])
     ratio = np.zeros(count)
     diverged = np.zeros(count, dtype=bool)
-    irregular = np.zeros(count, dtype=bool)
-    for side in (b, o):
-        for name in ("extra", "min_int", "max_int", "samples_int"):
-            irregular |= side.present(name)
+    irregular = _exact_only(b, o)
 
     worst = np.zeros(count, np.int8)
     worst_base, worst_other = np.full(count, np.nan), np.full(count, np.nan)
@@ -261,11 +278,9 @@ def measure(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray, np.nda
         rel_error = np.where(compared & (diff != 0), np.maximum(rel_error, error), rel_error)
 
     # Samples, where the shapes are equal and both records have them at the same positions.
-    samples_b, samples_o = b.lists("samples"), o.lists("samples")
-    indices_b, indices_o = b.lists("sample_indices"), o.lists("sample_indices")
-    have = same_shape & (samples_b[2] >= 0) & (samples_o[2] >= 0) & (indices_b[2] >= 0) & (indices_o[2] >= 0)
-    regular = have & _same_lists(indices_b, indices_o) & (samples_b[2] == samples_o[2]) \
-        & (samples_b[2] == indices_b[2])
+    samples_b, samples_o, have, regular = _samples(b, o)
+    have &= same_shape
+    regular &= same_shape
     irregular |= have & ~regular
     for length in np.unique(samples_b[2][regular & (samples_b[2] > 0)]):
         rows = np.flatnonzero(regular & (samples_b[2] == length))
@@ -300,10 +315,7 @@ def noise_levels(base: LoadedDump, noise: LoadedDump, pairs: tuple[np.ndarray, n
     """``engine.record_noise`` per pair (nan where there is none), and the pairs it must decide itself."""
     b, n = _Columns(base, pairs[0]), _Columns(noise, pairs[1])
     count = len(pairs[0])
-    irregular = np.zeros(count, dtype=bool)
-    for side in (b, n):
-        for name in ("extra", "min_int", "max_int", "samples_int"):
-            irregular |= side.present(name)
+    irregular = _exact_only(b, n)
     same = _same_lists(b.lists("shape"), n.lists("shape")) & (b.strings("dtype") == n.strings("dtype"))
     values_b, null_b = b.floats("numel")
     values_n, null_n = n.floats("numel")
@@ -314,15 +326,11 @@ def noise_levels(base: LoadedDump, noise: LoadedDump, pairs: tuple[np.ndarray, n
         usable = np.isfinite(values_b) & np.isfinite(values_n)
         with np.errstate(invalid="ignore", over="ignore"):
             level = np.where(usable, np.maximum(level, np.abs(values_n - values_b)), level)
-    samples_b, samples_n = b.lists("samples"), n.lists("samples")
-    indices_b, indices_n = b.lists("sample_indices"), n.lists("sample_indices")
-    have = (samples_b[2] >= 0) & (samples_n[2] >= 0) & (indices_b[2] >= 0) & (indices_n[2] >= 0)
-    regular = have & _same_lists(indices_b, indices_n) & (samples_b[2] == samples_n[2]) & (samples_b[2] == indices_b[2])
+    samples_b, samples_n, have, regular = _samples(b, n)
     irregular |= same & have & ~regular
     for length in np.unique(samples_b[2][same & regular & (samples_b[2] > 0)]):
         rows = np.flatnonzero(same & regular & (samples_b[2] == length))
-        block_b = samples_b[0][samples_b[1][rows, None] + np.arange(length)]
-        block_n = samples_n[0][samples_n[1][rows, None] + np.arange(length)]
+        block_b, block_n = _rows_of(samples_b, rows, length), _rows_of(samples_n, rows, length)
         usable = np.isfinite(block_b) & np.isfinite(block_n)
         with np.errstate(invalid="ignore", over="ignore"):
             level[rows] = np.maximum(level[rows], np.where(usable, np.abs(block_n - block_b), 0.0).max(axis=1))

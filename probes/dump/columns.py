@@ -187,8 +187,8 @@ class NotAStepFile(ValueError):
 def read_parquet(path: str | Path, columns: Sequence[str] | None = None) -> pa.Table:
     """A Parquet step file as a table of ``SCHEMA`` (``columns``: only these). Raises ``pa.ArrowException``.
 
-    Columns the file leaves out are null. One thread per file (callers read files in parallel);
-    ParquetFile, not read_table: no dataset discovery.
+    Columns the file leaves out are null. Arrow's threads off: a step file is small, starting them costs
+    more than they save; ParquetFile, not read_table: no dataset discovery.
     """
     wanted = list(SCHEMA.names if columns is None else columns)
     with pq.ParquetFile(path) as file:

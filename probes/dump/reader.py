@@ -24,12 +24,10 @@ DumpFormatError naming the file and line.
 
 from __future__ import annotations
 
-import collections
 import errno
 import json
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO, TypeVar, cast
@@ -48,7 +46,6 @@ from .live import flush_writers
 from .record import Record
 
 _Read = TypeVar("_Read")
-_READERS = min(4, os.cpu_count() or 1)
 
 __all__ = ["DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
 
@@ -102,10 +99,7 @@ class DumpReader:
     def read(self, step_file: StepFile) -> list[Record]:
         """The records of one step file, checked (see the module docstring)."""
         if step_file.columnar:
-            records = table_to_records(self.read_table(step_file))
-            for number, record in enumerate(records, 1):
-                _place(step_file, number, record)
-            return records
+            return table_to_records(self.read_table(step_file))  # read_table placed the rank and step
         lines = step_file.path.read_bytes().split(b"\n")
         tail = lines.pop()  # what follows the last newline: b"" unless the last line was cut short
         records = [_parse_line(step_file, number, raw) for number, raw in enumerate(lines, 1)]
@@ -149,11 +143,9 @@ class DumpReader:
         _check_columns(columns)
         if files and all(f.columnar and f.finished and f.rank is not None for f in files):
             try:
-                table = _read_at_once(files, columns)
+                return _read_at_once(files, columns)
             except (pa.ArrowException, OSError, _NotPlaced):
-                table = None
-            if table is not None:
-                return table
+                pass  # read file by file below, which says which file is wrong and how
         parts = [table for _, table in self.tables(files, columns=columns, progress=progress)]
         return pa.concat_tables(parts) if parts else _select(SCHEMA.empty_table(), columns)
 
@@ -171,23 +163,12 @@ class DumpReader:
     def _each(self, files: Sequence[StepFile], read: Callable[[StepFile], _Read], progress: bool | TextIO,
               label: str | None) -> Iterator[tuple[StepFile, _Read]]:
         meter = progress_meter(label or f"reading {self.path}", len(files), progress)
-        # Files are read a few at a time on threads (Parquet decoding releases the GIL), yielded in order.
-        workers = ThreadPoolExecutor(max_workers=_READERS) if len(files) > 1 else None
         try:
-            ahead: collections.deque[Future[_Read]] = collections.deque()
             for done, step_file in enumerate(files, 1):
-                if workers is None:
-                    result = read(step_file)
-                else:
-                    while len(ahead) < 2 * _READERS and done - 1 + len(ahead) < len(files):
-                        ahead.append(workers.submit(read, files[done - 1 + len(ahead)]))
-                    result = ahead.popleft().result()
-                yield step_file, result
+                yield step_file, read(step_file)
                 if meter:
                     meter.update(done)
         finally:
-            if workers is not None:
-                workers.shutdown(wait=True, cancel_futures=True)
             if meter:
                 meter.close()
 
