@@ -124,7 +124,7 @@ class CompiledProbe(torch.autograd.Function):
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         torch.ops.probes.observe(_FORWARD_TOKEN, list(tensors), key, slot, what, name, queued)
         ctx.key, ctx.slot, ctx.what, ctx.name = key, slot, what, name
-        outputs = tuple(tensor.view_as(tensor) for tensor in tensors)
+        outputs = tuple(tensor.detach() for tensor in tensors)  # not a view: see functions.passes_through
         frozen = [output for output, tensor in zip(outputs, tensors) if not tensor.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -137,8 +137,12 @@ class CompiledProbe(torch.autograd.Function):
 
 
 def _pass(site: "ProbeSite", what: int, tensors: Sequence[torch.Tensor], name: str = "") -> tuple[torch.Tensor, ...]:
-    queued = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    return CompiledProbe.apply(site.compiled_key, _new_slot(), what, name, queued, *tensors)
+    if not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)):
+        # No backward will come: the forward op alone, no autograd Function. (Dynamo also binds a Function's
+        # arguments wrongly when it inlines one under no_grad, as around a rotary embedding's (cos, sin).)
+        torch.ops.probes.observe(_FORWARD_TOKEN, list(tensors), site.compiled_key, 0, what, name, False)
+        return tuple(tensors)
+    return CompiledProbe.apply(site.compiled_key, _new_slot(), what, name, True, *tensors)
 
 
 def probe(site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -34,14 +34,37 @@ def mark_frozen(ctx: Any, outputs: Sequence[torch.Tensor], inputs: Sequence[torc
     frozen = [output for output, tensor in zip(outputs, inputs) if not tensor.requires_grad]
     if frozen:
         ctx.mark_non_differentiable(*frozen)
+    # ORT needs a tensor for every gradient its graph routes through a probe (see ``grads_for_inputs``).
+    ctx.shapes = None if len(inputs) < 2 else [
+        (tensor.shape, tensor.dtype, tensor.device) if tensor.requires_grad else None for tensor in inputs]
 
 
-def _passes_through(tensor: torch.Tensor) -> torch.Tensor:
-    # A Function returning its input makes autograd take a view of it, which sparse and jagged tensors
-    # do not support; a detached alias carries the same data (gradients still flow through backward).
-    if tensor.layout != torch.strided or tensor.is_nested:
-        return tensor.detach()
-    return tensor
+def grads_for_inputs(ctx: Any, grads: Sequence[torch.Tensor | None]) -> Sequence[torch.Tensor | None]:
+    """The gradients a probe's backward returns for its tensor inputs: ``grads``, except under ORTModule.
+
+    A module output that gets no gradient (unused downstream, as a decoder's last cache or position bias)
+    reaches the probe's backward as None. Eager autograd takes None as zero; ORT's graph does not: the
+    input's gradient is a declared output of the PythonOpGrad node, summed with the input's other
+    gradients, and a None leaves that sum without an input ("Missing Input" in a later node). So inside
+    ORT's graph a missing gradient of an input that requires one is returned as zeros.
+    """
+    shapes = getattr(ctx, "shapes", None)
+    if shapes is None or all(grad is not None for grad in grads) or not _ort_compat.inside_ort_graph():
+        return grads
+    return tuple(torch.zeros(shape[0], dtype=shape[1], device=shape[2]) if grad is None and shape is not None
+                 else grad for grad, shape in zip(grads, shapes))
+
+
+def passes_through(tensor: torch.Tensor) -> torch.Tensor:
+    """What a probe Function returns for ``tensor``: a detached alias, the same data under a new tensor.
+
+    Returning the input itself would make autograd return a view created in a custom Function, which no
+    in-place op may modify afterwards (``loss *= scale`` in a training loop, ``hidden += residual`` in a
+    model): "Output 0 of TensorProbeBackward is a view and is being modified inplace". An alias is not a
+    view for autograd; it shares the input's version counter, so autograd still sees in-place changes.
+    Sparse and jagged tensors, which support no view, need it as well.
+    """
+    return tensor.detach()
 
 
 def can_probe(tensor: torch.Tensor) -> bool:
@@ -56,7 +79,7 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None if _ort_compat.is_exporting() else site.manager.steps.probe_forward(site, tensors)
-        outputs = tuple(_passes_through(tensor) for tensor in tensors)
+        outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
 
@@ -64,7 +87,7 @@ class TensorProbe(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.event is not None:
             ctx.event.site.manager.steps.probe_backward(ctx.event, grads)
-        return (None, *grads)
+        return (None, *grads_for_inputs(ctx, grads))
 
 
 class StepBoundary(torch.autograd.Function):
@@ -75,7 +98,7 @@ class StepBoundary(torch.autograd.Function):
         ctx.tracker = None if _ort_compat.is_exporting() else tracker
         if ctx.tracker is not None:
             tracker.forward_returned()
-        outputs = tuple(_passes_through(tensor) for tensor in tensors)
+        outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
 
@@ -83,7 +106,7 @@ class StepBoundary(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.tracker is not None:
             ctx.tracker.backward_reached_root()
-        return (None, *grads)
+        return (None, *grads_for_inputs(ctx, grads))
 
 
 def _describe_site(non_tensor_args: Sequence[Any]) -> str:

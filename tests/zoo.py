@@ -1,0 +1,173 @@
+"""The model zoo: Hugging Face architectures from tiny configs built in code (no downloads), as users train them.
+
+    for arch in ARCHITECTURES.values():
+        model = arch.build(seed=0)               # a fresh model, deterministic weights, no dropout
+        loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
+
+Each entry names the family it stands for (decoder with learned or rotary positions, grouped-query attention,
+sliding window, mixture of experts, encoder, encoder-decoder, vision, tied embeddings). Configs use the
+arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on the modern one) accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+VOCAB = 96
+SEQ = 12
+BATCH = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """One architecture of the zoo: how to build it, feed it and take its loss."""
+
+    name: str
+    family: str
+    make: Callable[[Any], torch.nn.Module]  # transformers module -> model
+    inputs: str = "causal"  # causal | masked | seq2seq | image
+
+    def build(self, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
+        import transformers
+
+        torch.manual_seed(seed)
+        model = self.make(transformers)
+        _set_attention(model, attention)
+        model.train()
+        return model
+
+    def batch(self, step: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 + step)
+        if self.inputs == "image":
+            pixels = torch.randn(BATCH, 3, 16, 16, generator=generator)
+            labels = torch.randint(0, 4, (BATCH,), generator=generator)
+            batch = {"pixel_values": pixels, "labels": labels}
+        else:
+            tokens = torch.randint(4, VOCAB, (BATCH, SEQ), generator=generator)
+            batch = {"input_ids": tokens, "labels": tokens.clone()}
+            if self.inputs == "seq2seq":
+                batch["labels"] = torch.randint(4, VOCAB, (BATCH, SEQ // 2), generator=generator)
+        return {key: value.to(device) for key, value in batch.items()}
+
+    @staticmethod
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        output = model(**batch)
+        return output["loss"] if isinstance(output, dict) or hasattr(output, "keys") else output[0]
+
+
+def _set_attention(model: torch.nn.Module, attention: str) -> None:
+    # ``from_config(attn_implementation=...)`` differs between the pinned versions; the config field is common.
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            try:
+                config._attn_implementation = attention
+            except Exception:  # pragma: no cover - a version that refuses: keep its default
+                pass
+
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, use_cache=False, attention_dropout=0.0)
+
+
+def _gpt2(t: Any) -> torch.nn.Module:
+    return t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=64,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+
+
+def _llama(t: Any) -> torch.nn.Module:
+    return t.LlamaForCausalLM(t.LlamaConfig(**_DECODER, num_key_value_heads=2))
+
+
+def _mistral(t: Any) -> torch.nn.Module:
+    return t.MistralForCausalLM(t.MistralConfig(**_DECODER, num_key_value_heads=2, sliding_window=4))
+
+
+def _qwen2(t: Any) -> torch.nn.Module:
+    return t.Qwen2ForCausalLM(t.Qwen2Config(**_DECODER, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def _mixtral(t: Any) -> torch.nn.Module:
+    return t.MixtralForCausalLM(t.MixtralConfig(**_DECODER, num_key_value_heads=2, num_local_experts=4,
+                                                num_experts_per_tok=2, router_jitter_noise=0.0))
+
+
+def _gpt_neox(t: Any) -> torch.nn.Module:
+    return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.5,
+                                                max_position_embeddings=64, use_cache=False, hidden_dropout=0.0,
+                                                attention_dropout=0.0))
+
+
+def _opt(t: Any) -> torch.nn.Module:
+    return t.OPTForCausalLM(t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                        num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64,
+                                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                        layerdrop=0.0, use_cache=False))
+
+
+def _bert(t: Any) -> torch.nn.Module:
+    return t.BertForMaskedLM(t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _roberta(t: Any) -> torch.nn.Module:
+    return t.RobertaForMaskedLM(t.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=64,
+                                                max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                                attention_probs_dropout_prob=0.0))
+
+
+def _t5(t: Any) -> torch.nn.Module:
+    return t.T5ForConditionalGeneration(t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                                   relative_attention_num_buckets=8, decoder_start_token_id=0,
+                                                   pad_token_id=0, use_cache=False))
+
+
+def _bart(t: Any) -> torch.nn.Module:
+    return t.BartForConditionalGeneration(t.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2,
+                                                       decoder_layers=2, encoder_attention_heads=4,
+                                                       decoder_attention_heads=4, encoder_ffn_dim=64,
+                                                       decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+                                                       attention_dropout=0.0, activation_dropout=0.0,
+                                                       pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                                       decoder_start_token_id=2, use_cache=False))
+
+
+def _vit(t: Any) -> torch.nn.Module:
+    return t.ViTForImageClassification(t.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   intermediate_size=64, num_labels=4, hidden_dropout_prob=0.0,
+                                                   attention_probs_dropout_prob=0.0))
+
+
+def _phi3(t: Any) -> torch.nn.Module:
+    return t.Phi3ForCausalLM(t.Phi3Config(**_DECODER, num_key_value_heads=2, pad_token_id=0, resid_pdrop=0.0,
+                                          embd_pdrop=0.0))
+
+
+def _gemma(t: Any) -> torch.nn.Module:
+    return t.GemmaForCausalLM(t.GemmaConfig(**_DECODER, num_key_value_heads=1, head_dim=8))
+
+
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
+    Architecture(name="gpt2", family="decoder, learned positions, tied embeddings", make=_gpt2),
+    Architecture(name="llama", family="decoder, rotary, grouped-query attention", make=_llama),
+    Architecture(name="mistral", family="decoder, rotary, sliding window", make=_mistral),
+    Architecture(name="qwen2", family="decoder, rotary, tied embeddings", make=_qwen2),
+    Architecture(name="gemma", family="decoder, rotary, multi-query attention", make=_gemma),
+    Architecture(name="phi3", family="decoder, rotary, fused qkv", make=_phi3),
+    Architecture(name="mixtral", family="decoder, mixture of experts", make=_mixtral),
+    Architecture(name="gpt_neox", family="decoder, partial rotary, parallel residual", make=_gpt_neox),
+    Architecture(name="opt", family="decoder, learned positions", make=_opt),
+    Architecture(name="bert", family="encoder (masked LM)", make=_bert, inputs="masked"),
+    Architecture(name="roberta", family="encoder (masked LM)", make=_roberta, inputs="masked"),
+    Architecture(name="t5", family="encoder-decoder, relative positions", make=_t5, inputs="seq2seq"),
+    Architecture(name="bart", family="encoder-decoder, learned positions", make=_bart, inputs="seq2seq"),
+    Architecture(name="vit", family="vision transformer", make=_vit, inputs="image"),
+)}
