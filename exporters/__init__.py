@@ -13,12 +13,13 @@ from ._ort_compat import is_exporting
 from .embedding import partitioned_embedding_export
 from .export import export_onnx
 from .ort import inference_session, install_for_ort
-from .pythonop import PythonOpExportError
+from .pythonop import ProbeExportWarning, PythonOpExportError
 from .registry import ProbeFunctionSpec, register_probe_function, unregister_probe_function
 from .symbolic import python_op_symbolic
 
 __all__ = [
     "ProbeFunctionSpec",
+    "ProbeExportWarning",
     "PythonOpExportError",
     "export_onnx",
     "inference_session",

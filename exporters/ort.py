@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from . import _ort_compat
 
-from .pythonop import emit_python_op, identity_alias_input, identity_infer_shape
+from .pythonop import emit_probe, identity_alias_input, identity_infer_shape
 from .registry import ProbeFunctionSpec, on_register, registered_specs, spec_for
 
 _ORTMODULE = "onnxruntime.training.ortmodule"
@@ -38,7 +38,7 @@ def _ort_handler(spec: ProbeFunctionSpec) -> Callable[..., Any]:
         current = spec_for(spec.function)
         if current is None:  # unregistered since: None makes ORT use its default exporter
             return None
-        return emit_python_op(g, node, current, args)
+        return emit_probe(g, node, current, args)
 
     handler.__qualname__ = f"export_{spec.function.__qualname__}"
     return handler

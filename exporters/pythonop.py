@@ -20,6 +20,7 @@ object's state at run time, but always the same object.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -178,6 +179,26 @@ def emit_python_op(g: Any, node: torch._C.Node, spec: ProbeFunctionSpec, args: S
     for traced, exported in zip(outputs, results):
         exported.setType(traced.type())  # keep the traced shapes: ONNX shape inference cannot see into PythonOp
     return result
+
+
+class ProbeExportWarning(UserWarning):
+    """A probe could not be exported; the exported graph passes its tensors through without it."""
+
+
+def emit_probe(g: Any, node: torch._C.Node, spec: ProbeFunctionSpec, args: Sequence[Any]) -> Any:
+    """``emit_python_op``, except that an identity probe that cannot become a PythonOp is left out of the
+    graph (one ``ProbeExportWarning``) instead of failing the export: the model trains, that site unobserved."""
+    try:
+        return emit_python_op(g, node, spec, args)
+    except PythonOpExportError as error:
+        if not spec.identity:
+            raise
+        cconv = node.cconv()
+        site = spec.describe([value for convention, value in zip(cconv, args) if convention == "c"]) or spec.name
+        warnings.warn(f"{error}. The exported graph leaves this probe out: training goes on, and {site} is not "
+                      "observed in the exported graph.", ProbeExportWarning, stacklevel=2)
+        tensors = [value for convention, value in zip(cconv, args) if convention == "d"]
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
 # ORT schema supplements for identity probes ---------------------------------------------------------

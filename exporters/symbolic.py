@@ -17,7 +17,7 @@ import functools
 from typing import Any, Iterator
 
 from . import _torch_compat as compat
-from .pythonop import PythonOpExportError, emit_python_op
+from .pythonop import PythonOpExportError, emit_probe
 from .registry import qualified_name, spec_for
 
 PYTHON_OP_SYMBOLIC = "prim::PythonOp"
@@ -28,7 +28,7 @@ def _dispatch(previous: compat.Symbolic | None, g: Any, *args: Any, **kwargs: An
     function = compat.python_op_class(node)
     spec = spec_for(function)
     if spec is not None:
-        return emit_python_op(g, node, spec, args)
+        return emit_probe(g, node, spec, args)
     if previous is None:
         raise PythonOpExportError(
             f"cannot export the autograd Function {qualified_name(function)}: it has no `symbolic` staticmethod, "

@@ -4,7 +4,7 @@
     SubscriberManager.subscribe(model, [StatisticsSubscriber("pt_out", override_output_dir=True)])
 """
 
-from .core import (GlobalSubscriberManager, ProbeEvent, ProbeSite, SubscriberBase, SubscriberManager, Subscription,
+from .core import (GlobalSubscriberManager, ProbeEvent, ProbeFailureWarning, ProbeSite, SubscriberBase, SubscriberManager, Subscription,
                    inspect_activation)
 from .dump import load_dump, load_table
 from .stats import AnomalyError, AnomalySentinel, StatisticsSubscriber
@@ -15,6 +15,7 @@ __all__ = [
     "AnomalySentinel",
     "GlobalSubscriberManager",
     "ProbeEvent",
+    "ProbeFailureWarning",
     "ProbeSite",
     "StatisticsSubscriber",
     "SubscriberBase",

@@ -16,7 +16,7 @@ from torch import nn
 
 from exporters.handles import Handle
 from helpers import Recorder, Square, hook_count
-from probes import GlobalSubscriberManager, ProbeSite, SubscriberBase, SubscriberManager, inspect_activation
+from probes import GlobalSubscriberManager, ProbeFailureWarning, ProbeSite, SubscriberBase, SubscriberManager, inspect_activation
 from probes.core.steps import StepTracker
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
@@ -337,9 +337,14 @@ def test_inspect_activation_records_and_rejects_duplicate_names():
     x = torch.randn(2, 3)
     assert inspect_activation("hidden", x) is x  # nothing subscribed: a no-op
     twice = Inspecting(repeat=2)
-    with SubscriberManager().subscribe(twice, [Recorder()]):
-        with pytest.raises(ValueError, match="'hidden' was used twice in step 0"):
-            twice(torch.randn(2, 3))
+    recorder = Recorder()
+    with SubscriberManager().subscribe(twice, [recorder]):
+        # A probe never stops training: the duplicate name switches that inspect site off, with one warning.
+        with pytest.warns(ProbeFailureWarning, match="'hidden' was used twice in step 0.*switched off"):
+            twice(torch.randn(2, 3)).backward()
+        twice(torch.randn(2, 3)).backward()
+    assert recorder.names(0, "forward") == ["linear.output.0", "hidden", "<root>.output.0"]
+    assert recorder.names(1, "forward") == ["linear.output.0", "<root>.output.0"]
 
 
 def test_module_called_twice_gets_distinct_record_names():

@@ -3,8 +3,9 @@
     from probes.core import SubscriberManager, SubscriberBase
 """
 
+from .failures import ProbeFailureWarning
 from .manager import GlobalSubscriberManager, SubscriberManager, Subscription, inspect_activation
 from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
 
-__all__ = ["GlobalSubscriberManager", "ProbeEvent", "ProbeSite", "SubscriberBase", "SubscriberManager",
+__all__ = ["GlobalSubscriberManager", "ProbeEvent", "ProbeFailureWarning", "ProbeSite", "SubscriberBase", "SubscriberManager",
            "Subscription", "inspect_activation"]

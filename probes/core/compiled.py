@@ -89,12 +89,16 @@ def _report(tensors: list[torch.Tensor | None], key: int, slot: int | None, what
     if site is None:
         return
     steps = site.manager.steps
-    if what == _BOUNDARY:
+    if what == _BOUNDARY:  # may raise on purpose where a phase ends (the anomaly sentinel): not caught
         steps.backward_reached_root() if backward else steps.forward_returned()
-    elif backward:
-        steps.compiled_backward(site, tensors, slot=slot)
-    else:
-        steps.compiled_forward(site, tensors, slot=slot)
+        return
+    try:
+        if backward:
+            steps.compiled_backward(site, tensors, slot=slot)
+        else:
+            steps.compiled_forward(site, tensors, slot=slot)
+    except Exception as error:  # the op's body runs inside the compiled step: it must not end it
+        steps.failures.switch_off(site, None, None, error)
 
 
 def _observe(token: torch.Tensor, tensors: list[torch.Tensor], key: int, slot: int, what: int, name: str,

@@ -245,7 +245,7 @@ class SubscriberManager:
         for subscriber in subscribers:
             args, kwargs = subscriber.pre_forward_module_apply(site, module, args, kwargs)
         if probe:
-            args, kwargs = self._apply_to_tensors(site, (args, kwargs))
+            args, kwargs = self._guarded_apply(site, (args, kwargs))
         return args, kwargs
 
     def _post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
@@ -254,7 +254,7 @@ class SubscriberManager:
         for subscriber in subscribers:
             outputs = subscriber.post_forward_module_apply(site, module, args, outputs)
         if probe:
-            outputs = self._apply_to_tensors(site, outputs)
+            outputs = self._guarded_apply(site, outputs)
         if is_root:
             for subscriber in subscribers:
                 outputs = subscriber.post_forward_outmost_module_apply(site, module, args, outputs)
@@ -262,6 +262,19 @@ class SubscriberManager:
             if _RUNNING and _RUNNING[-1] is self:
                 _RUNNING.pop()
         return outputs
+
+    def _guarded_apply(self, site: ProbeSite, structure: Any) -> Any:
+        """``_apply_to_tensors``; should inserting the probe itself fail, the module runs without it (one
+        warning; the site stays off), since a probe never stops training."""
+        if self.steps.failures.is_off(site):
+            return structure
+        try:
+            return self._apply_to_tensors(site, structure)
+        except Exception as error:
+            if torch.compiler.is_compiling():
+                raise  # dynamo's own errors while tracing: it breaks the graph there, or reports the failure
+            self.steps.failures.switch_off(site, None, None, error)
+            return structure
 
     def _apply_to_tensors(self, site: ProbeSite, structure: Any, *, boundary: bool = False) -> Any:
         """Pass the tensors of a nested structure through ``site``'s probe (``boundary``: through the step

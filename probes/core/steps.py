@@ -36,6 +36,7 @@ import torch
 
 from exporters import _torch_compat
 
+from .failures import SiteFailures
 from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
 
 
@@ -102,6 +103,7 @@ class StepTracker:
         # last one each slot's backward took (what a second backward of the same forward differentiates).
         self._queued: dict[int, collections.deque[ProbeEvent | Recomputed]] = {}
         self._taken: dict[int, ProbeEvent | Recomputed] = {}
+        self.failures = SiteFailures()  # sites whose probe code raised: switched off, training goes on
 
     def __deepcopy__(self, memo: dict) -> "StepTracker":
         # ORT deep-copies the model (hooks and their Function arguments included) before exporting.
@@ -115,6 +117,7 @@ class StepTracker:
         self._subscribers = tuple(subscribers)
         self._observers = tuple(s for s in subscribers if s.observes_tensors)
         self._wanting.clear()
+        self.failures.clear()
 
     def stop(self) -> None:
         """The subscription ended: the open step closes, and no subscriber gets another call (the
@@ -146,8 +149,17 @@ class StepTracker:
 
     # Called by the probe Functions ------------------------------------------------------------
 
-    def probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
-        """A probe's forward fired: its event (kept by the probe for its backward)."""
+    def probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed | None:
+        """A probe's forward fired: its event (kept by the probe for its backward), None once the site is off."""
+        if self.failures.is_off(site):
+            return None
+        try:
+            return self._probe_forward(site, tensors)
+        except Exception as error:  # the probe's own bookkeeping: never the training step's problem
+            self.failures.switch_off(site, None, None, error)
+            return None
+
+    def _probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
         if _torch_compat.current_backward() is not None:
             return self._recomputed_forward(site, tensors)
         state = self.state
@@ -165,11 +177,19 @@ class StepTracker:
         state.seq += 1
         state.unmatched.setdefault(id(site), []).append(event)
         for subscriber in self._receivers(site, step, "forward"):
-            subscriber.on_forward(event, tensors)
+            self._deliver(subscriber, subscriber.on_forward, event, tensors)
         return event
 
     def probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
         """A probe's backward fired with the gradients of its outputs; ``token`` is what its forward returned."""
+        if self.failures.is_off(token.site):
+            return
+        try:
+            self._probe_backward(token, grads)
+        except Exception as error:
+            self.failures.switch_off(token.site, None, None, error)
+
+    def _probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
         self._match_recomputed()
         forward = token.event if isinstance(token, Recomputed) else token
         if forward is None:
@@ -187,7 +207,7 @@ class StepTracker:
             event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
         state.seq += 1
         for subscriber in self._receivers(site, step, "backward"):
-            subscriber.on_backward(event, grads)
+            self._deliver(subscriber, subscriber.on_backward, event, grads)
 
     def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
         """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``); its event waits
@@ -269,7 +289,14 @@ class StepTracker:
         """The observers that get this site's ``phase`` call in ``step``."""
         if step is None:
             return []
-        return [s for s in self._wanting_at(site)[phase] if s.is_active(step)]
+        return [s for s in self._wanting_at(site)[phase] if s.is_active(step) and not self.failures.is_off(site, s)]
+
+    def _deliver(self, subscriber: SubscriberBase, call: Callable, event: ProbeEvent, tensors: Sequence) -> None:
+        """One per-step call; a subscriber that raises loses this site, and training goes on."""
+        try:
+            call(event, tensors)
+        except Exception as error:
+            self.failures.switch_off(event.site, subscriber, event, error)
 
     def _wanting_at(self, site: ProbeSite) -> dict[str, tuple[SubscriberBase, ...]]:
         wanting = self._wanting.get(site)
@@ -296,7 +323,7 @@ class StepTracker:
             event = ProbeEvent(site, step, "recompute", state.seq, count)
             state.seq += 1
             for subscriber in wanted:
-                subscriber.on_forward(event, tensors)
+                self._deliver(subscriber, subscriber.on_forward, event, tensors)
         return token
 
     def _match_recomputed(self) -> None:

@@ -26,6 +26,8 @@ and never during an export:
 - ``on_backward(event, grads)``: their gradients (None where a tensor got no gradient).
 - ``on_forward_end(step)``: the root module's forward returned (the step's forward records are all in).
 - ``on_step_end(step)``: the step is complete (its backward is done); flush what it produced.
+- ``on_site_failed(event, reason)``: an ``on_forward``/``on_backward`` call raised; that site is switched
+  off for this subscriber (one ``ProbeFailureWarning``), and training goes on.
 
 ``on_forward_end`` and ``on_step_end`` may raise (the anomaly sentinel does, to stop training): every
 other subscriber still gets its call first, then the first error is raised where the phase ended (out
@@ -198,6 +200,10 @@ class SubscriberBase:
 
     def on_forward_end(self, step: int) -> None:
         pass
+
+    def on_site_failed(self, event: ProbeEvent, reason: str) -> None:
+        """This subscriber's call for ``event`` raised (``reason``); its site gets no more calls from now on
+        (``probes.core.failures``). Record that the site went dark, if you keep records."""
 
     def on_step_end(self, step: int) -> None:
         pass

@@ -140,6 +140,11 @@ class StatisticsSubscriber(SubscriberBase):
             if grad is not None:
                 self._write(event, index, grad)
 
+    def on_site_failed(self, event: ProbeEvent, reason: str) -> None:
+        if not self._closed:
+            self._writer.write(event.step, {**self._identity(event, 0), "shape": None, "dtype": None, "layout": None,
+                                            "stats_of": None, "unsupported": f"probe switched off: {reason}"})
+
     def on_forward_end(self, step: int) -> None:
         if self.watch is not None and not self._closed:
             self._writer.flush()  # the anomalous step's records are on disk before the error leaves
@@ -198,8 +203,16 @@ class StatisticsSubscriber(SubscriberBase):
         return unsupported_record(tensor, reason)
 
     def _write(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
+        record = self._identity(event, index)
+        record.update(self._statistics(event, index, tensor))
+        self._writer.write(event.step, record)  # outside _statistics: dump errors reach the training thread
+        if self.watch is not None and self.watch.check(record) is not None:
+            self._writer.keep_all()  # before this step finishes: it and the keep_last steps before it stay
+
+    def _identity(self, event: ProbeEvent, index: int) -> Record:
+        """What names a record: step, rank, name, phase, position, module."""
         site = event.site
-        record: Record = {
+        return {
             "step": event.step,
             "rank": self.rank,
             "name": event.record_name(index),
@@ -212,7 +225,3 @@ class StatisticsSubscriber(SubscriberBase):
             "depth": site.depth,
             "legacy_name": site.legacy_name(index),
         }
-        record.update(self._statistics(event, index, tensor))
-        self._writer.write(event.step, record)  # outside _statistics: dump errors reach the training thread
-        if self.watch is not None and self.watch.check(record) is not None:
-            self._writer.keep_all()  # before this step finishes: it and the keep_last steps before it stay
