@@ -75,7 +75,8 @@ _DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidd
 
 def _gpt2(t: Any) -> torch.nn.Module:
     return t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=64,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                          bos_token_id=1, eos_token_id=2))
 
 
 def _llama(t: Any) -> torch.nn.Module:

@@ -55,6 +55,18 @@ def grads_for_inputs(ctx: Any, grads: Sequence[torch.Tensor | None]) -> Sequence
                  else grad for grad, shape in zip(grads, shapes))
 
 
+def differentiated(ctx: Any, grads: Sequence[torch.Tensor | None]) -> Sequence[torch.Tensor | None]:
+    """The gradients a probe reports: None for a tensor that did not require grad in its forward.
+
+    Eager autograd never computes those. ORT may: it differentiates a PythonOp's outputs as a whole, so
+    a tensor that needs no gradient, passed through a probe beside one that does, gets one downstream.
+    """
+    shapes = getattr(ctx, "shapes", None)
+    if shapes is None or None not in shapes:
+        return grads
+    return tuple(None if shape is None else grad for grad, shape in zip(grads, shapes))
+
+
 def passes_through(tensor: torch.Tensor) -> torch.Tensor:
     """What a probe Function returns for ``tensor``: a detached alias, the same data under a new tensor.
 
@@ -86,7 +98,7 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.event is not None:
-            ctx.event.site.manager.steps.probe_backward(ctx.event, grads)
+            ctx.event.site.manager.steps.probe_backward(ctx.event, differentiated(ctx, grads))
         return (None, *grads_for_inputs(ctx, grads))
 
 

@@ -1,0 +1,218 @@
+"""The model zoo on every backend of the lane: probes never change or stop the training of a real architecture.
+
+For each (architecture, backend) of ``zoo.ARCHITECTURES`` x {eager, ORTModule (ort lane), torch.compile}:
+- training with probes runs, and its losses and gradients equal those without probes on the same backend;
+- eager+probes against backend+probes compares clean (``assert_parity``) at the default tolerances;
+- under torch.compile, probes add no graph and no graph break (one fresh dynamo cache per run: recompiles
+  across the steps count as graphs too);
+- ORTModule runs with fallback disabled and the test proves ORT's runtime called the probes.
+A combination is skipped only when the backend fails on the model without probes, with that error.
+
+With ``PROBES_ZOO_MATRIX=<file>`` each outcome is appended as a JSON line; ``tests/support_matrix.py``
+renders those lines as docs/support.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+from helpers import called_by_ort_runtime
+from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from probes.compare import compare_dumps
+from probes.testing import assert_parity, parity_message
+from zoo import ARCHITECTURES, Architecture
+
+pytest.importorskip("transformers")
+
+LANE = os.environ.get("PROBES_LANE", "unknown")
+STEPS = 3
+# The attention each lane trains with: ORT 1.19 exports only eager attention for every architecture
+# (scaled_dot_product_attention fails to export for some); the modern lane uses transformers' default.
+ATTENTION = "eager" if LANE == "ort" else "sdpa"
+COMPILE_BACKEND = "aot_eager"  # dynamo + AOT autograd + the partitioner: what probes meet; inductor: slow test
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    grads: dict[str, torch.Tensor]
+    graphs: int = 0
+    breaks: int = 0
+    by_ort: int = 0
+    seconds: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+
+class _OrtWitness(SubscriberBase):
+    """Counts the per-step calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_ort = 0
+
+    def on_forward(self, event, tensors) -> None:
+        self.by_ort += called_by_ort_runtime()
+
+    def on_backward(self, event, grads) -> None:
+        self.by_ort += called_by_ort_runtime()
+
+
+def _counting_backend(run: Run, backend: str):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiler = lookup_backend(backend)
+
+    def count(gm, example_inputs):
+        run.graphs += 1
+        return compiler(gm, example_inputs)
+
+    return count
+
+
+def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend: str = COMPILE_BACKEND) -> Run:
+    """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given."""
+    model = arch.build(seed=0, attention=ATTENTION)
+    manager = None
+    witness = _OrtWitness() if backend == "ort" else None
+    if out is not None:
+        manager = SubscriberManager()
+        manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True)] + ([witness] if witness else []))
+    run = Run([], {})
+    runner = model
+    if backend == "ort":
+        from onnxruntime.training.ortmodule import ORTModule
+
+        runner = ORTModule(model)
+    elif backend == "compile":
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        runner = torch.compile(model, backend=_counting_backend(run, compile_backend))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    started = time.perf_counter()
+    try:
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = arch.loss(runner, arch.batch(step))
+            loss.backward()
+            run.losses.append(loss.item())
+            if step == STEPS - 1:
+                run.grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            optimizer.step()
+    finally:
+        if manager is not None:
+            manager.unsubscribe()
+    run.seconds = time.perf_counter() - started
+    if backend == "compile":
+        breaks = torch._dynamo.utils.counters["graph_break"]
+        run.breaks = sum(breaks.values())
+        run.reasons = sorted(breaks)
+        torch._dynamo.reset()
+    if witness is not None:
+        run.by_ort = witness.by_ort
+    return run
+
+
+def _record(arch: str, backend: str, status: str, reason: str = "", seconds: float = 0.0) -> None:
+    path = os.environ.get("PROBES_ZOO_MATRIX")
+    if path:
+        row = {"lane": LANE, "torch": torch.__version__.split("+")[0], "arch": arch, "family": ARCHITECTURES[arch].family,
+               "backend": backend, "status": status, "reason": reason[:300], "seconds": round(seconds, 1)}
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps(row) + "\n")
+
+
+def _backends() -> list[str]:
+    backends = ["eager", "compile"]
+    if LANE != "modern":
+        backends.insert(1, "ort")
+    return backends
+
+
+# Records one backend has and eager has not, all of them gradients, with why (the training itself is identical).
+EXTRA_GRADIENTS: dict[tuple[str, str], tuple[frozenset[str], str]] = {
+    ("t5", "ort"): (frozenset({"decoder.block.0.output.2", "decoder.block.0.layer.1.output.1"}),
+                    "ORT also differentiates the decoder's cross-attention position bias (a constant zeros+mask "
+                    "tensor in eager) where it passes a probe beside a hidden state: 2 extra gradient records "
+                    "per step"),
+}
+
+_EAGER: dict[str, tuple[Run, Run, Path]] = {}
+
+
+def _eager(arch: Architecture, root: Path) -> tuple[Run, Run, Path]:
+    """Eager without and with probes, once per architecture (every backend compares against them)."""
+    if arch.name not in _EAGER:
+        out = root / f"{arch.name}-eager"
+        _EAGER[arch.name] = (train(arch, "eager", None), train(arch, "eager", out), out)
+    return _EAGER[arch.name]
+
+
+@pytest.fixture(scope="module")
+def zoo_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoo")
+
+
+def _assert_same_training(plain: Run, probed: Run, exact: bool) -> None:
+    if exact:
+        assert probed.losses == plain.losses
+        assert plain.grads.keys() == probed.grads.keys()
+        for name, grad in plain.grads.items():
+            assert torch.equal(grad, probed.grads[name]), name
+        return
+    torch.testing.assert_close(torch.tensor(probed.losses), torch.tensor(plain.losses), rtol=1e-6, atol=1e-7)
+    assert plain.grads.keys() == probed.grads.keys()
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(probed.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("arch_name", list(ARCHITECTURES))
+def test_zoo_trains_identically_with_probes(arch_name, backend, zoo_root):
+    arch = ARCHITECTURES[arch_name]
+    started = time.perf_counter()
+    eager_plain, eager_probed, eager_out = _eager(arch, zoo_root)
+    if backend == "eager":
+        _assert_same_training(eager_plain, eager_probed, exact=True)
+        _record(arch_name, backend, "ok", seconds=time.perf_counter() - started)
+        return
+    if backend == "ort":
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
+    try:
+        plain = train(arch, backend, None)
+    except Exception as error:  # the backend cannot run this model at all: not ours to prove
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        _record(arch_name, backend, "fails without probes", reason)
+        pytest.skip(f"{backend} fails on {arch_name} without probes too: {reason[:200]}")
+    out = zoo_root / f"{arch_name}-{backend}"
+    probed = train(arch, backend, out)
+    # Exactly equal where probes are identities in the same program; ORT and inductor may plan kernels
+    # around the opaque probe nodes differently, so there the values agree to float32 rounding.
+    _assert_same_training(plain, probed, exact=backend == "compile" and COMPILE_BACKEND == "aot_eager")
+    if backend == "ort":
+        assert probed.by_ort > 0, "ORT's runtime never called a probe: the probed run did not run in ORT"
+    if backend == "compile":
+        # A model whose own forward breaks the graph makes dynamo resume every frame on the stack, the
+        # root's forward wrapper too: the root's output probes then run in one small graph of their own
+        # (docs/compile.md). Otherwise probes add no graph; they never add a break of their own.
+        extra = 1 if plain.breaks else 0
+        assert probed.graphs <= plain.graphs + extra, (probed.graphs, plain.graphs)
+        assert set(probed.reasons) <= set(plain.reasons), (probed.reasons, plain.reasons)
+    known = EXTRA_GRADIENTS.get((arch_name, backend))
+    if known is None:
+        assert_parity(eager_out, out)
+        _record(arch_name, backend, "ok", seconds=time.perf_counter() - started)
+        return
+    report = compare_dumps(eager_out, out)
+    assert report.diverged_count == 0 and not report.only_in_base, parity_message(report)
+    extra = {(phase, name) for _rank, _step, phase, name in report.only_in_other}
+    assert extra and all(phase == "backward" and name in known[0] for phase, name in extra), sorted(extra)
+    _record(arch_name, backend, "ok, note", known[1], seconds=time.perf_counter() - started)
