@@ -185,6 +185,17 @@ def extension_build_directory(name: str) -> str | None:
 
 # torch.compile -----------------------------------------------------------------------------------
 
+# torch 2.4's AOT autograd loses the backward of a Function whose output is a detached alias when
+# another probe follows it (the root's last probes): there the alias stays a view.
+_DETACHED_ALIAS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def compiled_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """What a compiled probe Function returns for ``tensor``: a detached alias (in-place ops after the
+    probe stay legal) where the compiler keeps its backward, else a view of it."""
+    return tensor.detach() if _DETACHED_ALIAS else tensor.view_as(tensor)
+
+
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compiler.assume_constant_result`` without importing torch._dynamo.
 

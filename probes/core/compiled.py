@@ -128,7 +128,7 @@ class CompiledProbe(torch.autograd.Function):
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         torch.ops.probes.observe(_FORWARD_TOKEN, list(tensors), key, slot, what, name, queued)
         ctx.key, ctx.slot, ctx.what, ctx.name = key, slot, what, name
-        outputs = tuple(tensor.detach() for tensor in tensors)  # not a view: see functions.passes_through
+        outputs = tuple(_torch_compat.compiled_alias(tensor) for tensor in tensors)
         frozen = [output for output, tensor in zip(outputs, tensors) if not tensor.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
