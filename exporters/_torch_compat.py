@@ -185,15 +185,14 @@ def extension_build_directory(name: str) -> str | None:
 
 # torch.compile -----------------------------------------------------------------------------------
 
-# torch 2.4's AOT autograd loses the backward of a Function whose output is a detached alias when
-# another probe follows it (the root's last probes): there the alias stays a view.
-_DETACHED_ALIAS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-
-
 def compiled_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """What a compiled probe Function returns for ``tensor``: a detached alias (in-place ops after the
-    probe stay legal) where the compiler keeps its backward, else a view of it."""
-    return tensor.detach() if _DETACHED_ALIAS else tensor.view_as(tensor)
+    """What a compiled probe Function returns for ``tensor``: an alias autograd does not take for a view (so
+    in-place ops after the probe stay legal), made by an op that keeps ``requires_grad`` where torch 2.4's
+    dynamo traces it (it takes the outputs of a Function's traced forward for the Function's: a ``detach()``
+    there made every probe output look constant to the probes after it, which then got no backward)."""
+    if tensor.layout != torch.strided or tensor.is_nested:
+        return tensor.detach()
+    return torch.ops.aten._unsafe_view.default(tensor, tensor.shape)
 
 
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
