@@ -567,14 +567,16 @@ def test_a_dump_write_error_still_reaches_the_training_thread(tmp_path, monkeypa
         manager.unsubscribe()
 
 
-def test_a_closed_writer_still_raises_on_the_training_thread(tmp_path):
+def test_a_closed_writer_shows_on_the_training_thread_without_stopping_training(tmp_path):
     model = LinearThen(torch.relu)
     subscriber = StatisticsSubscriber(tmp_path / "out")
     manager = SubscriberManager()
     manager.subscribe(model, [subscriber])
     subscriber._writer.close()  # the writer, not the subscriber: something is broken, and it must show
-    with pytest.raises(RuntimeError, match="is closed"):
-        model(torch.randn(3, 4))
+    from probes import ProbeFailureWarning  # but a probe never stops training (docs/robustness.md)
+
+    with pytest.warns(ProbeFailureWarning, match="is closed"):
+        model(torch.randn(3, 4)).sum().backward()
     subscriber.close()
     manager.unsubscribe()
 

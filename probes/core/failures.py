@@ -11,8 +11,9 @@ lets its records say so (``StatisticsSubscriber`` writes a record whose ``unsupp
     failures.switch_off(site, subscriber, event, error)   # in an except clause, never raises
     failures.is_off(site, subscriber)                     # True from then on
 
-Errors a subscriber raises on purpose where a phase ends (the anomaly sentinel's ``on_forward_end``,
-``on_step_end``) are not probe failures: they are not routed here.
+Where a phase ends (``on_forward_end``, ``on_step_end``) only errors meant to stop training, whose class
+sets ``stops_training = True`` (the anomaly sentinel's ``AnomalyError``), are raised; any other error there
+is one ``ProbeFailureWarning`` per subscriber (``phase_failed``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,25 @@ class SiteFailures:
 
     def __init__(self) -> None:
         self._off: dict["ProbeSite", set] = {}
+        self._phase_warned: set = set()
 
     def clear(self) -> None:
         self._off.clear()
+        self._phase_warned.clear()
 
     def is_off(self, site: "ProbeSite", subscriber: "SubscriberBase | None" = _ALL) -> bool:
         off = self._off.get(site)
         return off is not None and (_ALL in off or subscriber in off)
+
+    def phase_failed(self, subscriber: "SubscriberBase", step: int, error: BaseException) -> None:
+        """A subscriber raised where a phase ended (finishing a step), not on purpose: one warning per
+        subscriber; training goes on and the subscriber keeps its calls."""
+        if subscriber in self._phase_warned:
+            return
+        self._phase_warned.add(subscriber)
+        warnings.warn(f"probes: {type(subscriber).__qualname__} raised at the end of a phase of step {step}: "
+                      f"{failure_reason(error)}. Training goes on; this warning is not repeated for it.",
+                      ProbeFailureWarning, stacklevel=4)
 
     def switch_off(self, site: "ProbeSite", subscriber: "SubscriberBase | None", event: "ProbeEvent | None",
                    error: BaseException, subscribers: tuple["SubscriberBase", ...] = ()) -> None:

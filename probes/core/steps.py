@@ -252,14 +252,18 @@ class StepTracker:
 
     def _tell_each(self, step: int, call: Callable[[SubscriberBase], None]) -> None:
         """``call`` on every subscriber active in ``step``; one that raises does not stop the others
-        (their step must still be finished): the first error is raised once all were called."""
+        (their step must still be finished). Once all were called, the first error meant to stop training
+        (``stops_training``, the anomaly sentinel's) is raised; any other is one ``ProbeFailureWarning``."""
         error: BaseException | None = None
         for subscriber in self._subscribers:
             if subscriber.is_active(step):
                 try:
                     call(subscriber)
                 except Exception as raised:
-                    error = error or raised
+                    if getattr(raised, "stops_training", False):
+                        error = error or raised
+                    else:
+                        self.failures.phase_failed(subscriber, step, raised)
         if error is not None:
             raise error
 

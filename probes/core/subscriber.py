@@ -29,9 +29,10 @@ and never during an export:
 - ``on_site_failed(event, reason)``: an ``on_forward``/``on_backward`` call raised; that site is switched
   off for this subscriber (one ``ProbeFailureWarning``), and training goes on.
 
-``on_forward_end`` and ``on_step_end`` may raise (the anomaly sentinel does, to stop training): every
-other subscriber still gets its call first, then the first error is raised where the phase ended (out
-of the model's forward, out of ``backward()``).
+``on_forward_end`` and ``on_step_end`` may raise an error whose class sets ``stops_training = True`` (the
+anomaly sentinel does, to stop training): every other subscriber still gets its call first, then the first
+such error is raised where the phase ended (out of the model's forward, out of ``backward()``). Any other
+error raised there is one ``ProbeFailureWarning``: a probe never stops training by accident.
 
 Usage::
 

@@ -49,6 +49,8 @@ class AnomalyError(FloatingPointError):
     phase, name, module, tensor_index, nan, inf, numel).
     """
 
+    stops_training = True  # the one error a probe raises on purpose (probes.core.failures)
+
     def __init__(self, anomaly: Anomaly, message: str) -> None:
         super().__init__(message)
         self.anomaly = anomaly
