@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from probes.compare.model import MOMENTS
+
 from probes.compare import HtmlConfig, compare_dumps, render_html
 from probes.compare.html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, write_html
 from probes.dump import load_dump
@@ -53,8 +55,8 @@ def test_html_report_is_self_contained_with_plots(base_run, tmp_path, capsys):
     assert counter.classes["heatmap"] == 2  # forward and backward
     assert counter.classes["cell"] == records_per_step * STEPS
     assert counter.classes["first-divergence"] == 1
-    assert counter.classes["chart"] == 6 * 4  # six layers x (min, max, mean, std)
-    assert counter.classes["divergence-step"] == 4  # the first divergence's layer marks its step
+    assert counter.classes["chart"] == 6 * len(MOMENTS)  # six layers x (min, max, mean, std, norm)
+    assert counter.classes["divergence-step"] == len(MOMENTS)  # the first divergence's layer marks its step in each chart
     assert "DIVERGED at rank 0, step 1, forward, blocks.0.mlp.0.output.0" in text
 
 
@@ -69,7 +71,7 @@ def test_html_report_reduces_big_dumps_visibly(tmp_path):
     assert counter.classes["cell"] == 2 * 2 * 2  # per phase: 2 rows x 2 columns (steps 0-2, 3-4)
     assert text.count("rows with the smallest errors are not shown (limit 2)") == 2
     assert text.count("Each column covers 3 steps") == 2
-    assert counter.classes["first-divergence"] == 1 and counter.classes["chart"] == 4
+    assert counter.classes["first-divergence"] == 1 and counter.classes["chart"] == len(MOMENTS)
     assert "rank 0 step 3-4 forward l0.output.0: relative error 0.5" in text
 
 

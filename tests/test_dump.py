@@ -628,7 +628,7 @@ def test_format_records_table():
         {**record(3, 1, phase="backward"), "rank": 0, "step": 3, "name": "evil\x1b[2J"},
     ]
     lines = format_records(rows).splitlines()
-    header = ["step", "phase", "seq", "name", "shape", "dtype", "min", "max", "mean", "std", "nan", "inf"]
+    header = ["step", "phase", "seq", "name", "shape", "dtype", "min", "max", "mean", "std", "norm", "nan", "inf"]
     assert lines[0].split() == header
     first = ["3", "forward", "0", "layer0", "[2,", "3]", "torch.float32", "-1.5", "2.25", "0", "-", "0", "0"]
     assert lines[1].split() == first

@@ -11,6 +11,8 @@ import threading
 import warnings
 
 import pytest
+
+from probes.export import DEFAULT_STATISTICS
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager
@@ -24,7 +26,7 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 CONFIG = TransformerConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 STEPS = 3
-STATS = ("min", "max", "mean", "std", "nan", "inf")
+STATS = DEFAULT_STATISTICS  # ("min", "max", "mean", "std", "norm", "nan", "inf")
 
 
 def train(model: torch.nn.Module, subscriber, steps: int = STEPS, manager_type=SubscriberManager) -> None:

@@ -38,6 +38,7 @@ def reference(t: torch.Tensor) -> dict:
         "finite": good.size,
         "mean": float(np.mean(good)) if good.size else None,
         "std": float(np.std(good, ddof=1)) if good.size >= 2 else None,
+        "norm": float(np.sqrt(np.sum(good * good))) if good.size else None,
         "min": lo,
         "max": hi,
         "nan": int(np.isnan(f).sum()),
@@ -62,13 +63,17 @@ def assert_matches(s: TensorSummary, ref: dict, rtol: float = 1e-12) -> None:
         assert s.std is None
     else:
         assert s.std == pytest.approx(ref["std"], rel=rtol, abs=1e-300), (s.std, ref["std"])
+    if ref["norm"] is None:
+        assert s.norm is None
+    elif math.isfinite(ref["norm"]):  # numpy's sum of squares overflows where m2 + n * mean^2 may not
+        assert s.norm == pytest.approx(ref["norm"], rel=rtol, abs=1e-300), (s.norm, ref["norm"])
 
 
 def assert_close(a: TensorSummary, b: TensorSummary, rtol: float = 1e-12) -> None:
     """Same counts/min/max exactly, same mean/std to rtol."""
     for key in ("numel", "finite", "min", "max", "nan", "inf", "neg", "pos", "zero"):
         assert getattr(a, key) == getattr(b, key), key
-    for key in ("mean", "std"):
+    for key in ("mean", "std", "norm"):
         x, y = getattr(a, key), getattr(b, key)
         assert (x is None) == (y is None), key
         if x is not None:
@@ -294,7 +299,7 @@ def test_dict_round_trip_and_json(dtype: torch.dtype) -> None:
     d = s.to_dict()
     assert d["std"] == s.std
     fields = {"numel", "finite", "mean", "m2", "min", "max", "nan", "inf", "neg", "pos", "zero"}
-    assert set(d) == fields | {"std"}
+    assert set(d) == fields | {"std", "norm"}
     assert TensorSummary.from_dict(d) == s
     back = TensorSummary.from_dict(json.loads(json.dumps(d)))
     assert back == s

@@ -212,7 +212,7 @@ def test_ordinary_records_keep_exactly_their_keys(tmp_path):
     run = train(LinearThen(torch.relu), inputs(1), lambda y: y.sum(), tmp_path / "out")
     keys = {"step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "depth",
             "legacy_name", "shape", "dtype", "numel", "finite", "mean", "m2", "min", "max", "nan", "inf", "neg",
-            "pos", "zero", "std", "samples", "sample_indices"}
+            "pos", "zero", "std", "norm", "samples", "sample_indices"}
     assert run.records and all(set(record) == keys for record in run.records.values())
 
 
@@ -528,16 +528,16 @@ def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path, one_rank_group):
 
 
 def test_a_failure_inside_the_statistics_never_stops_training(tmp_path, monkeypatch):
-    import probes.stats.record as statistics
+    from probes.stats.rows import StepRows
 
-    real = statistics.summarize
+    real = StepRows._fill
 
-    def failing(tensor, **kwargs):
+    def failing(self, tensor):
         if tensor.shape == (3, 2):
             raise RuntimeError("injected failure\nsecond line")
-        return real(tensor, **kwargs)
+        return real(self, tensor)
 
-    monkeypatch.setattr(statistics, "summarize", failing)
+    monkeypatch.setattr(StepRows, "_fill", failing)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 2), nn.Tanh())
     probed, plain = probed_and_plain(model, inputs(3), lambda y: y.sum(), tmp_path / "out")

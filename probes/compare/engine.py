@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from ..dump import Anomaly, Record, RecordKey, first_anomaly
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
-from .model import (COUNTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
+from .model import (COUNTS, OPTIONAL_MOMENTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
                     CompareConfig, Divergence, MetricDiff, RecordDiff, RecordDiffs, Rename, Report, execution_order,
                     is_finite_number)
 from .names import NameMapLike, as_name_map
@@ -99,7 +99,7 @@ def compare_records(base: Record, other: Record, config: CompareConfig = Compare
             metrics.append(MetricDiff(key, b, o, float(size), math.inf, 0.0))
     for key in MOMENTS:
         b, o = base.get(key), other.get(key)
-        if b is None and o is None:
+        if (b is None and o is None) or (key in OPTIONAL_MOMENTS and (b is None or o is None)):
             continue
         metrics.append(_diff(key, b, o, config.tolerance(b, noise)))
     record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0), metrics,

@@ -19,14 +19,17 @@ import numpy as np
 
 from ..dump import Anomaly, RecordKey
 from ..dump.record import PHASE_ORDER, execution_order
+from ..dump.statistics import STATISTICS, names
 from ..utils.text import printable
 
 __all__ = ["CompareConfig", "Divergence", "MetricDiff", "RecordDiff", "RecordDiffs", "Report", "StepSummary",
            "execution_order"]
 
 STRUCTURE = ("shape", "dtype", "numel")
-COUNTS = ("nan", "inf")
-MOMENTS = ("min", "max", "mean", "std")
+COUNTS = names(compared="count")  # ("nan", "inf"): exact
+MOMENTS = names(compared="moment")  # ("min", "max", "mean", "std", "norm"): within the tolerance
+# Moments a dump written before they existed lacks: compared only where both records have a value.
+OPTIONAL_MOMENTS = frozenset(stat.name for stat in STATISTICS if stat.optional)
 GRADIENT_PHASES = frozenset({"backward"})
 DEFAULT_RTOL, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR = 1e-4, 1e-6, 10.0
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile
 from ..dump.columns import SCHEMA, table_to_records
 from ..dump.record import PHASE_ORDER
-from .model import CompareConfig
+from .model import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 
 __all__ = ["COLUMNS", "LoadedDump", "read_dump"]
@@ -35,7 +35,7 @@ __all__ = ["COLUMNS", "LoadedDump", "read_dump"]
 # What comparing reads of a record: the key, what is compared, what reports and fuzzy alignment show, and
 # what keeps the rest exact (the *_int twins, nulls, extra). Not legacy_name, depth, finite, m2, neg, pos.
 COLUMNS = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "shape", "dtype",
-           "layout", "stats_of", "unsupported", "numel", "mean", "min", "max", "nan", "inf", "zero", "std",
+           "layout", "stats_of", "unsupported", "numel", *dict.fromkeys((*MOMENTS, *COUNTS, "zero")),
            "samples", "sample_indices", "min_int", "max_int", "samples_int", "nulls", "extra")
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .model import COUNTS, MOMENTS, CompareConfig
+from .model import COUNTS, MOMENTS, OPTIONAL_MOMENTS, CompareConfig
 from .reading import LoadedDump
 
 __all__ = ["Measured", "match", "measure", "noise_levels"]
@@ -267,7 +267,7 @@ def measure(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray, np.nda
         scale = np.where(usable, np.maximum(scale, np.abs(np.where(usable, values_b, 0.0))), scale)
     rel_error = np.zeros(count)
     for name, ((values_b, null_b), (values_o, null_o)) in moments.items():
-        compared = ~(null_b & null_o)
+        compared = ~(null_b | null_o) if name in OPTIONAL_MOMENTS else ~(null_b & null_o)
         one_null = null_b != null_o
         diff = np.where(one_null, np.inf, _diff(values_b, values_o))
         tolerance = _tolerance(config, np.where(null_b, np.nan, values_b), noise)

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .record import Record
+from .statistics import STATISTICS
 
 __all__ = ["NUMBER_COLUMNS", "SCHEMA", "NotAStepFile", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
 
@@ -37,12 +38,12 @@ _FIELDS: tuple[tuple[str, pa.DataType], ...] = (
     ("step", _INT), ("rank", _INT), ("name", _STR), ("phase", _STR), ("seq", _INT), ("tensor_index", _INT),
     ("module", _STR), ("module_class", _STR), ("kind", _STR), ("depth", _INT), ("legacy_name", _STR),
     ("shape", _INTS), ("dtype", _STR), ("layout", _STR), ("stats_of", _STR), ("unsupported", _STR),
-    ("numel", _INT), ("finite", _INT), ("mean", _FLOAT), ("m2", _FLOAT), ("min", _FLOAT), ("max", _FLOAT),
-    ("nan", _INT), ("inf", _INT), ("neg", _INT), ("pos", _INT), ("zero", _INT), ("std", _FLOAT),
+    *((stat.name, _INT if stat.column == "int" else _FLOAT) for stat in STATISTICS),  # "number": a float + twin
     ("samples", _FLOATS), ("sample_indices", _INTS),
 )
-NUMBER_COLUMNS = ("min", "max", "samples")  # int or float in a record: each has an "<name>_int" twin
-_TWINS = {"min": _INT, "max": _INT, "samples": _INTS}
+# int or float in a record: each has an "<name>_int" twin
+NUMBER_COLUMNS = (*(stat.name for stat in STATISTICS if stat.column == "number"), "samples")
+_TWINS = {name: _INTS if name == "samples" else _INT for name in NUMBER_COLUMNS}
 SCHEMA = pa.schema([pa.field(name, kind) for name, kind in _FIELDS]
                    + [pa.field(f"{name}_int", kind) for name, kind in _TWINS.items()]
                    + [pa.field("nulls", pa.list_(_STR)), pa.field("extra", _STR)])

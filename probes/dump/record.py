@@ -38,12 +38,12 @@ class TensorFields(TypedDict, total=False):
     layout: str | None  # only for tensors that are not strided, or not dense and real
     stats_of: str | None  # what the statistics summarise when not the tensor itself ("real_imag", ...)
     unsupported: str  # why there are no statistics (then the statistics keys are absent)
-    # Statistics (probes.stats.numerics.TensorSummary): moments over finite elements, counts over all.
-    # The keys of probes.stats.numerics.TensorSummary.to_dict() (tests/test_statistics.py ties the two).
+    # Statistics: the registry's (probes.dump.statistics), for type checkers; tests/test_record.py ties the two.
     min: Number | None
     max: Number | None
     mean: float | None
     std: float | None
+    norm: float | None  # L2 norm of the finite elements
     m2: float  # sum of squared deviations from the mean, kept so that shards merge exactly
     numel: int
     finite: int

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from .columns import records_to_table, write_parquet
 from .layout import STEP_FORMATS, DumpLayout, fsync_dir, write_durably
+from .rowblock import RowBlock
 
 _BUFFER_SIZE = 1 << 16
 
@@ -46,7 +47,7 @@ class _OpenStep:
     partial: Path
     file: BinaryIO | None = None  # the .partial file, once opened
     order: list[tuple[Any, str]] = field(default_factory=list)  # (seq, order.txt line), in write order
-    records: list[Mapping[str, Any]] = field(default_factory=list)  # parquet: every record of the step
+    records: list[Mapping[str, Any] | RowBlock] = field(default_factory=list)  # parquet: the step's records, in order
     journaled: int = 0  # parquet: how many of ``records`` are in the .partial file
 
 
@@ -70,7 +71,8 @@ class OpenSteps:
         """The steps that have an open file."""
         return list(self._open)
 
-    def append(self, step: int, record: Mapping[str, Any]) -> None:
+    def append(self, step: int, record: Mapping[str, Any] | RowBlock) -> None:
+        """One record, or a block of them (``RowBlock``: turned into columns here, on the writer thread)."""
         entry = self._open.get(step)
         if entry is None:
             entry = self._open[step] = _OpenStep(self.layout.step_file(self.rank, step, partial=True))
@@ -78,12 +80,15 @@ class OpenSteps:
             entry.records.append(record)
         else:
             self._journal(entry, [record])
-        entry.order.append((record.get("seq"), _order_line(record)))
+        if isinstance(record, RowBlock):
+            entry.order.extend((seq, _order_line({"name": name, "phase": phase})) for seq, name, phase in record.order())
+        else:
+            entry.order.append((record.get("seq"), _order_line(record)))
 
-    def _journal(self, entry: _OpenStep, records: Sequence[Mapping[str, Any]]) -> None:
+    def _journal(self, entry: _OpenStep, records: Sequence[Mapping[str, Any] | RowBlock]) -> None:
         """Appends ``records`` to the step's .partial file as JSON lines (opened on the first)."""
         lines = []
-        for record in records:
+        for record in _expanded(records):
             try:
                 lines.append(json.dumps(record).encode("ascii") + b"\n")
             except (TypeError, ValueError) as error:
@@ -172,11 +177,39 @@ def _execution_order(order: list[tuple[Any, str]]) -> list[str]:
     return [line for _, line in order]
 
 
+def _expanded(records: Sequence[Mapping[str, Any] | RowBlock]) -> list[Mapping[str, Any]]:
+    """The records, with blocks as their dicts."""
+    out: list[Mapping[str, Any]] = []
+    for record in records:
+        if isinstance(record, RowBlock):
+            out.extend(record.records())
+        else:
+            out.append(record)
+    return out
+
+
+def _step_table(records: list[Mapping[str, Any] | RowBlock], *, step: int, rank: int) -> pa.Table:
+    """One table of the step's records in order: runs of dicts through ``records_to_table``, blocks as built."""
+    tables: list[pa.Table] = []
+    run: list[Mapping[str, Any]] = []
+    for record in records:
+        if isinstance(record, RowBlock):
+            if run:
+                tables.append(records_to_table(run, step=step, rank=rank))
+                run = []
+            tables.append(record.to_table())
+        else:
+            run.append(record)
+    if run or not tables:
+        tables.append(records_to_table(run, step=step, rank=rank))
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
 def _write_step_table(path: Path, entry: _OpenStep, *, step: int, rank: int) -> None:
     try:
-        table = records_to_table(entry.records, step=step, rank=rank)
+        table = _step_table(entry.records, step=step, rank=rank)
     except (TypeError, ValueError, pa.ArrowException) as error:
-        names = ", ".join(repr(record.get("name")) for record in entry.records[:3])
+        names = ", ".join(repr(record.get("name")) for record in _expanded(entry.records[:3])[:3])
         raise StepFileError(error, path, f"could not convert the records ({names}, ...) of the step to a table "
                                          "(a value that is not JSON-serialisable?) for") from error
     write_parquet(path, table)

@@ -9,10 +9,11 @@ from collections.abc import Iterable
 
 from ..utils.text import printable, text_table
 from .record import Record
+from .statistics import names
 
 __all__ = ["format_records"]
 
-_COLUMNS = ("step", "phase", "seq", "name", "shape", "dtype", "min", "max", "mean", "std", "nan", "inf")
+_COLUMNS = ("step", "phase", "seq", "name", "shape", "dtype", *names(shown=True))
 _LEFT_ALIGNED = frozenset({"phase", "name", "shape", "dtype"})
 
 
@@ -30,7 +31,8 @@ def _cell(record: Record, key: str) -> str:
 
 
 def format_records(records: Iterable[Record]) -> str:
-    """A text table, one line per record: step, phase, seq, name, shape, dtype, min, max, mean, std, nan, inf.
+    """A text table, one line per record: step, phase, seq, name, shape, dtype, then the statistics
+    ``probes show`` shows (``probes.dump.statistics``: mean, min, max, nan, inf, std, norm).
 
     A rank column comes first when the records span several ranks. No trailing newline.
     """

@@ -37,6 +37,7 @@ from ..utils.exit import at_exit
 from .layout import STEP_FORMATS, DumpLayout, DumpWriteError, prepare_output_dir
 from .live import add_live, discard_live, resolved
 from .record import Record
+from .rowblock import RowBlock
 from .stepfiles import OpenSteps, StepFileError
 
 __all__ = ["DumpWriter", "WriterConfig"]
@@ -108,7 +109,7 @@ class DumpWriter:
         prepare_output_dir(self.layout, self.config.rank, override=self.config.override)
         self._resolved_root = resolved(self.layout.root)
         self._queue: queue.Queue[tuple[str, int, Any]] = queue.Queue(maxsize=queue_size)
-        self._pending: list[tuple[int, Record]] = []  # written, not queued yet (see _send_pending)
+        self._pending: list[tuple[int, Record | RowBlock]] = []  # written, not queued yet (see _send_pending)
         self._pending_lock = threading.Lock()
         self._batch = min(_BATCH, queue_size)
         self._steps = OpenSteps(self.layout, rank=self.config.rank, format=format)  # used on the writer thread only
@@ -162,6 +163,20 @@ class DumpWriter:
             full = len(self._pending) >= self._batch
         if full:
             self._send_pending()
+
+    def write_block(self, step: int, block: RowBlock) -> None:
+        """Queues a block of records of ``step`` (``RowBlock``); the writer thread turns it into columns."""
+        if not self._usable(step):
+            return
+        check_int(step, "step")
+        if step in self._finished:
+            raise ValueError(f"step {step} was already finished; its file cannot take more records")
+        if block.step != step or block.rank != self.config.rank:
+            raise ValueError(f"a block of step {block.step}, rank {block.rank} was written to step {step} of rank "
+                             f"{self.config.rank}")
+        with self._pending_lock:
+            self._pending.append((step, block))
+        self._send_pending()
 
     def _send_pending(self, *, quiet: bool = False) -> bool:
         """Queues the records written since the last batch (in call order: the lock is held while queueing).
@@ -348,7 +363,7 @@ class DumpWriter:
                 if kind in (_FLUSH, _BARRIER):
                     payload.set()
 
-    def _append(self, batch: list[tuple[int, Record]]) -> None:
+    def _append(self, batch: list[tuple[int, Record | RowBlock]]) -> None:
         for position, (step, record) in enumerate(batch):
             if self._error is not None:  # drain without writing: the steps are lost, and said so at exit
                 self._lost.update(step for step, _ in batch[position:])

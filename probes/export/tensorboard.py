@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..dump import DumpReader, Record
+from ..dump.statistics import names
 from .output import ExportSummary, check_output, select_files
 
 __all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "write_tensorboard"]
 
-DEFAULT_STATISTICS = ("min", "max", "mean", "std", "nan", "inf")
+DEFAULT_STATISTICS = names(plotted=True)  # ("min", "max", "mean", "std", "norm", "nan", "inf")
 PHASES = ("forward", "backward", "recompute")
 EVENT_FILES = "events.out.tfevents.*"
 

@@ -364,45 +364,61 @@ Moments finish(const Totals& t, const double* shift) {
   return out;
 }
 
-// A row: see row_fields() below for its names (deviation = mean - shift).
-py::tuple stats(const torch::Tensor& x, py::object shift) {
+// The statistics pass of a contiguous CPU tensor (GIL released by the caller).
+struct Pass {
+  Totals t;
+  Moments moments;
+  bool is_float = false;
+};
+
+Pass run_pass(const torch::Tensor& x, const double* shift) {
   TORCH_CHECK(x.device().is_cpu(), "probes stats kernel: expected a CPU tensor");
   TORCH_CHECK(x.is_contiguous(), "probes stats kernel: expected a contiguous tensor");
   const int64_t n = x.numel();
   const auto type = x.scalar_type();
-  const bool is_float = type == torch::kFloat || type == torch::kDouble || type == torch::kHalf ||
-                        type == torch::kBFloat16;
+  Pass pass;
+  pass.is_float = type == torch::kFloat || type == torch::kDouble || type == torch::kHalf ||
+                  type == torch::kBFloat16;
   const bool is_int = type == torch::kInt8 || type == torch::kInt16 || type == torch::kInt32 ||
                       type == torch::kInt64 || type == torch::kUInt8 || type == torch::kBool;
-  TORCH_CHECK(is_float || is_int, "probes stats kernel: unsupported dtype ", type);
+  TORCH_CHECK(pass.is_float || is_int, "probes stats kernel: unsupported dtype ", type);
+  Totals& t = pass.t;
+  t.blocks.reserve(3 * (n / kBlock + 1));
+  const void* data = x.data_ptr();
+  switch (type) {
+    case torch::kFloat: run_float(static_cast<const float*>(data), n, t); break;
+    case torch::kDouble: run_double(static_cast<const double*>(data), n, t); break;
+    case torch::kHalf: run_16bit<widen_half>(static_cast<const uint16_t*>(data), n, t); break;
+    case torch::kBFloat16: run_16bit<widen_bfloat16>(static_cast<const uint16_t*>(data), n, t); break;
+    case torch::kInt8: run_int(static_cast<const int8_t*>(data), n, t); break;
+    case torch::kInt16: run_int(static_cast<const int16_t*>(data), n, t); break;
+    case torch::kInt32: run_int(static_cast<const int32_t*>(data), n, t); break;
+    case torch::kInt64: run_int(static_cast<const int64_t*>(data), n, t); break;
+    case torch::kUInt8: run_int(static_cast<const uint8_t*>(data), n, t); break;
+    case torch::kBool: run_int(static_cast<const uint8_t*>(data), n, t); break;
+    default: break;  // rejected above
+  }
+  pass.moments = finish(t, shift);
+  return pass;
+}
+
+// A row: see row_fields() below for its names (deviation = mean - shift).
+py::tuple stats(const torch::Tensor& x, py::object shift) {
   const bool has_shift = !shift.is_none();
   const double shift_value = has_shift ? shift.cast<double>() : 0.0;
-  Totals t;
-  t.blocks.reserve(3 * (n / kBlock + 1));
-  Moments moments;
+  Pass pass;
   {
     py::gil_scoped_release no_gil;
-    const void* data = x.data_ptr();
-    switch (type) {
-      case torch::kFloat: run_float(static_cast<const float*>(data), n, t); break;
-      case torch::kDouble: run_double(static_cast<const double*>(data), n, t); break;
-      case torch::kHalf: run_16bit<widen_half>(static_cast<const uint16_t*>(data), n, t); break;
-      case torch::kBFloat16: run_16bit<widen_bfloat16>(static_cast<const uint16_t*>(data), n, t); break;
-      case torch::kInt8: run_int(static_cast<const int8_t*>(data), n, t); break;
-      case torch::kInt16: run_int(static_cast<const int16_t*>(data), n, t); break;
-      case torch::kInt32: run_int(static_cast<const int32_t*>(data), n, t); break;
-      case torch::kInt64: run_int(static_cast<const int64_t*>(data), n, t); break;
-      case torch::kUInt8: run_int(static_cast<const uint8_t*>(data), n, t); break;
-      case torch::kBool: run_int(static_cast<const uint8_t*>(data), n, t); break;
-      default: break;  // rejected above
-    }
-    moments = finish(t, has_shift ? &shift_value : nullptr);
+    pass = run_pass(x, has_shift ? &shift_value : nullptr);
   }
+  const Totals& t = pass.t;
+  const Moments& moments = pass.moments;
+  const int64_t n = x.numel();
   const int64_t finite = moments.finite;
   py::object none = py::none();
   py::object mean = finite ? py::object(py::float_(moments.shift + moments.deviation)) : none;
   py::object lo = none, hi = none;
-  if (finite && is_float) {
+  if (finite && pass.is_float) {
     lo = py::float_(t.fmin);
     hi = py::float_(t.fmax);
   } else if (finite) {
@@ -411,6 +427,79 @@ py::tuple stats(const torch::Tensor& x, py::object shift) {
   }
   return py::make_tuple(n, finite, mean, moments.m2, lo, hi, t.nan, t.inf, t.neg, t.pos, t.zero,
                         moments.shift, moments.deviation);
+}
+
+inline double int_bits(int64_t v) {
+  double d;
+  std::memcpy(&d, &v, sizeof(d));
+  return d;
+}
+
+template <typename T>
+void put_samples(const T* p, const int64_t* at, int64_t k, double* out, bool is_float) {
+  for (int64_t i = 0; i < k; ++i) {
+    out[i] = is_float ? static_cast<double>(p[at[i]]) : int_bits(static_cast<int64_t>(p[at[i]]));
+  }
+}
+
+// The device-row form of stats(): the first 11 fields of row_fields() (no shift, deviation) as float64
+// into out[row, 0:11], then x's values at the flat `indices` into out[row, 11:]. Integer min/max and
+// samples are int64 bit patterns; mean is nan, min +inf and max -inf when no element is finite.
+void row_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, const torch::Tensor& indices) {
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kDouble && out.dim() == 2 &&
+                  out.is_contiguous(), "probes stats kernel: out must be a contiguous 2-d float64 CPU tensor");
+  TORCH_CHECK(indices.device().is_cpu() && indices.scalar_type() == torch::kLong && indices.is_contiguous(),
+              "probes stats kernel: indices must be a contiguous int64 CPU tensor");
+  const int64_t k = indices.numel();
+  TORCH_CHECK(row >= 0 && row < out.size(0) && 11 + k <= out.size(1), "probes stats kernel: row out of range");
+  const int64_t n = x.numel();
+  const int64_t* at = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) TORCH_CHECK(at[i] >= 0 && at[i] < n, "probes stats kernel: sample index out of range");
+  double* o = out.data_ptr<double>() + row * out.size(1);
+  py::gil_scoped_release no_gil;
+  const Pass pass = run_pass(x, nullptr);
+  const Totals& t = pass.t;
+  const int64_t finite = pass.moments.finite;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  o[0] = static_cast<double>(n);
+  o[1] = static_cast<double>(finite);
+  o[2] = finite ? pass.moments.shift + pass.moments.deviation : nan;
+  o[3] = pass.moments.m2;
+  if (pass.is_float) {
+    o[4] = t.fmin;
+    o[5] = t.fmax;
+  } else {
+    o[4] = int_bits(t.imin);
+    o[5] = int_bits(t.imax);
+  }
+  o[6] = static_cast<double>(t.nan);
+  o[7] = static_cast<double>(t.inf);
+  o[8] = static_cast<double>(t.neg);
+  o[9] = static_cast<double>(t.pos);
+  o[10] = static_cast<double>(t.zero);
+  const void* data = x.data_ptr();
+  double* s = o + 11;
+  switch (x.scalar_type()) {
+    case torch::kFloat: put_samples(static_cast<const float*>(data), at, k, s, true); break;
+    case torch::kDouble: put_samples(static_cast<const double*>(data), at, k, s, true); break;
+    case torch::kHalf: {
+      const uint16_t* p = static_cast<const uint16_t*>(data);
+      for (int64_t i = 0; i < k; ++i) s[i] = half_to_float(p[at[i]]);
+      break;
+    }
+    case torch::kBFloat16: {
+      const uint16_t* p = static_cast<const uint16_t*>(data);
+      for (int64_t i = 0; i < k; ++i) s[i] = bits_to_float(static_cast<uint32_t>(p[at[i]]) << 16);
+      break;
+    }
+    case torch::kInt8: put_samples(static_cast<const int8_t*>(data), at, k, s, false); break;
+    case torch::kInt16: put_samples(static_cast<const int16_t*>(data), at, k, s, false); break;
+    case torch::kInt32: put_samples(static_cast<const int32_t*>(data), at, k, s, false); break;
+    case torch::kInt64: put_samples(static_cast<const int64_t*>(data), at, k, s, false); break;
+    case torch::kUInt8: put_samples(static_cast<const uint8_t*>(data), at, k, s, false); break;
+    case torch::kBool: put_samples(static_cast<const uint8_t*>(data), at, k, s, false); break;
+    default: break;
+  }
 }
 
 // The names of stats()'s fields, in its order: change both together.
@@ -426,4 +515,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(numel, finite, mean, m2, min, max, nan, inf, neg, pos, zero, shift, deviation) of a "
         "contiguous CPU tensor; pass the shift of a previous bucket to combine buckets exactly");
   m.def("row_fields", &row_fields, "the names of stats()'s fields, in its order");
+  m.def("row_into", &row_into, py::arg("x"), py::arg("out"), py::arg("row"), py::arg("indices"),
+        "stats() of x without shift/deviation, then x's values at indices, into the float64 row out[row]");
 }

@@ -23,17 +23,19 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from exporters import _torch_compat
 
+from ..dump.statistics import ACCUMULATED
+
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "load",
            "resolve_backend", "row_getter"]
 
 # Bump when the row changes: a build under the old name is then not reused from the shared cache.
-ROW_VERSION = 2
+ROW_VERSION = 3
 
 KERNEL_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -43,27 +45,14 @@ KERNEL_DTYPES = frozenset({
 BACKENDS = ("auto", "cpp", "torch")
 
 
-class KernelRow(NamedTuple):
-    """The statistics of one bucket: ``TensorSummary``'s fields, then the mean as ``shift + deviation``.
-
-    Buckets of one tensor share one shift (the first bucket's), so they combine without rounding at
-    the size of the mean. The kernel's integer min/max are python ints; mean, min and max are None
-    when no element is finite.
-    """
-
-    numel: int
-    finite: int
-    mean: float | None
-    m2: float
-    min: float | int | None
-    max: float | int | None
-    nan: int
-    inf: int
-    neg: int
-    pos: int
-    zero: int
-    shift: float
-    deviation: float  # mean - shift
+# The statistics of one bucket: the registry's accumulated statistics (``probes.dump.statistics``), in
+# its order, then the mean as ``shift + deviation``. Buckets of one tensor share one shift (the first
+# bucket's), so they combine without rounding at the size of the mean. The kernel's integer min/max are
+# python ints; mean, min and max are None when no element is finite.
+KernelRow = NamedTuple("KernelRow", [*((stat.name, Any) for stat in ACCUMULATED), ("shift", float),
+                                     ("deviation", float)])  # type: ignore[misc]
+KernelRow.__doc__ = ("The statistics of one bucket, by name: ``row.numel``, ``row.mean``, ..., then "
+                     "``row.shift + row.deviation`` (the mean, split so that buckets combine exactly).")
 
 
 def row_getter(*names: str) -> operator.itemgetter:
@@ -86,8 +75,11 @@ class Kernel:
     (checked on load), for a caller that reads it with ``row_getter`` and skips the NamedTuple.
     """
 
-    __slots__ = ("stats_tuple",)
+    __slots__ = ("row_into", "stats_tuple")
     stats_tuple: Callable[[torch.Tensor, float | None], tuple]
+    # row_into(x, out, row, indices): the accumulated statistics, then the samples, into a float64 row
+    # (probes.stats.rows); integer min/max and samples as int64 bit patterns.
+    row_into: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
 
     def __init__(self, module: ModuleType) -> None:
         fields = tuple(module.row_fields())
@@ -97,6 +89,7 @@ class Kernel:
                 "change _stats_kernel.cpp's row_fields() and probes/stats/kernel.py together (and bump ROW_VERSION)"
             )
         self.stats_tuple = module.stats
+        self.row_into = module.row_into
 
     def stats(self, x: torch.Tensor, shift: float | None = None) -> KernelRow:
         """Statistics of a contiguous CPU tensor of a KERNEL_DTYPES dtype."""

@@ -9,15 +9,13 @@ keys that say where and when (step, rank, name, phase, seq, ...): the caller add
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable
 
 import torch
 
 from ..dump import TensorFields
-from .numerics import sample_indices, summarize, take_samples
-from .views import UnsupportedTensor, layout_name, shape_of, statistics_view
+from .views import UnsupportedTensor, layout_name, shape_of
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "process_rank", "tensor_record", "unsupported_reason",
            "unsupported_record"]
@@ -38,11 +36,8 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-@functools.lru_cache(maxsize=4096)
-def _sample_positions(numel: int, count: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
-    """Sample indices for a tensor size, as a list (for the record) and a tensor (for torch.take)."""
-    indices = sample_indices(numel, count)
-    return indices, torch.tensor(indices, dtype=torch.int64, device=device)
+_IDENTITY = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "depth",
+             "legacy_name")
 
 
 def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
@@ -53,23 +48,17 @@ def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZ
 
     For a tensor that is not dense and real, also ``"layout"`` (when not strided) and ``"stats_of"``;
     numel, the counts, the samples and their indices are then those of ``statistics_view(tensor)``.
-    Raises for tensors that cannot be summarised (see ``unsupported_record``).
+    Raises for tensors that cannot be summarised (see ``unsupported_record``). The same path as the
+    subscriber's records (``probes.stats.rows``), read back at once.
     """
-    values, stats_of = statistics_view(tensor)
-    summary = summarize(values, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
-    indices, index_tensor = _sample_positions(values.numel(), sample_count, values.device)
-    record: TensorFields = {
-        "shape": list(tensor.shape) if stats_of is None else shape_of(tensor),
-        "dtype": _dtype_name(tensor),
-    }
-    if stats_of is not None:
-        if tensor.layout is not torch.strided or tensor.is_nested:
-            record["layout"] = layout_name(tensor)
-        record["stats_of"] = stats_of
-    record.update(summary.to_dict())
-    record["samples"] = take_samples(values, index_tensor)
-    record["sample_indices"] = list(indices)
-    return record
+    from .rows import StepRows  # rows builds on this module's names
+
+    rows = StepRows(rank=0, sample_count=sample_count, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
+    error = rows.add_named(("", 0, "", "", "output", 0, ""), 0, "forward", 0, tensor)
+    if error is not None:
+        raise error
+    record = rows.take()[0].records()[0]
+    return {key: value for key, value in record.items() if key not in _IDENTITY}  # type: ignore[return-value]
 
 
 def unsupported_reason(error: BaseException) -> str:

@@ -11,9 +11,10 @@
     # anomalous step and the 8 finished steps before it, and nothing older, until something goes wrong
     StatisticsSubscriber("run", keep_last=8, on_anomaly="raise")
 
-The stages: each probed tensor is checked when its probe fires (``check``: the record's nan/inf counts
-and min/max, ``probes.dump.anomaly``); the first anomaly of a phase waits until the phase ends
-(``phase_end``: the root forward returned, or the step's backward ended), then the sentinel warns once
+The stages: each probed tensor's statistics go into a row on its device when its probe fires
+(``probes.stats.rows``); when the phase ends (the root forward returned, or the step's backward ended)
+the nan/inf counts and min/max of the phase's rows are read in one transfer (``check_rows``) and the
+suspect rows checked by the one rule (``check``: ``probes.dump.anomaly``); then the sentinel warns once
 per run or raises ``AnomalyError`` there, out of the model's forward or out of ``backward()``, in eager
 PyTorch and under torch.compile. Under ORTModule an exception cannot leave ORT's forward with its type
 and message, so an anomaly of the forward is raised at the end of that step's backward (or, with no
@@ -26,15 +27,15 @@ from __future__ import annotations
 import warnings
 from typing import Iterable, Literal, Sequence
 
+import numpy as np
 import torch
 
 from exporters import _ort_compat
 
 from ..core import ProbeEvent, SubscriberBase
 from ..dump import Anomaly, Record, record_anomaly
-from .numerics import summarize
 from .record import process_rank
-from .views import statistics_view
+from .rows import StepRows
 
 __all__ = ["AnomalyError", "AnomalySentinel", "AnomalyWarning", "AnomalyWatch"]
 
@@ -95,6 +96,38 @@ class AnomalyWatch:
             self._pending = self._pending or anomaly
         return anomaly
 
+    def check_rows(self, rows: StepRows, *, rank: int) -> bool:
+        """Checks the rows added since the last check in one read (``StepRows.anomalies``); True if any is anomalous.
+
+        Only the rows whose counts or extremes look anomalous become records for ``check`` (the one rule).
+        """
+        found = []
+
+        def find(stats: np.ndarray, entries: list[tuple]) -> None:
+            nan, inf, low, high = stats.T
+            suspect = (nan > 0) | (inf > 0)
+            if self.max_abs is not None:
+                integer = np.array([entry[3].integer for entry in entries], dtype=bool)
+                magnitude = np.where(integer, 0.0, np.maximum(np.abs(np.nan_to_num(low)), np.abs(np.nan_to_num(high))))
+                magnitude[~np.isfinite(magnitude)] = 0.0
+                suspect |= integer | (magnitude > self.max_abs)
+            for position in np.flatnonzero(suspect):
+                entry = entries[position]
+                names, described = entry[0], entry[3]
+                extremes = stats[position, 2:4]
+                if described.integer:
+                    lo, hi = (int(value) for value in extremes.view(np.int64))
+                else:
+                    lo, hi = (float(value) if np.isfinite(value) else None for value in extremes)
+                record = {"rank": rank, "step": entry[6], "phase": entry[1], "seq": entry[2], "name": names[0],
+                          "module": names[2], "tensor_index": names[1], "numel": described.numel,
+                          "nan": int(stats[position, 0]), "inf": int(stats[position, 1]), "min": lo, "max": hi}
+                if self.check(record) is not None:
+                    found.append(record)
+
+        rows.anomalies(find)
+        return bool(found)
+
     def phase_end(self, phase: str, kept: str | None = None) -> None:
         """The forward (or the step's backward) ended: warn or raise for its first anomaly, if any.
 
@@ -144,6 +177,7 @@ class AnomalySentinel(SubscriberBase):
         self.watch = AnomalyWatch(action=action, max_abs=max_abs)
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
+        self._rows = StepRows(rank=self.rank, sample_count=0)
 
     @property
     def first(self) -> Anomaly | None:
@@ -155,26 +189,18 @@ class AnomalySentinel(SubscriberBase):
 
     def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
         for index, tensor in enumerate(tensors):
-            self._check(event, index, tensor)
+            self._rows.add(event, index, tensor)  # a tensor without readable data: no row, nothing to check
 
     def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
         for index, grad in enumerate(grads):
             if grad is not None:
-                self._check(event, index, grad)
+                self._rows.add(event, index, grad)
 
     def on_forward_end(self, step: int) -> None:
+        self.watch.check_rows(self._rows, rank=self.rank)
         self.watch.phase_end("forward")
 
     def on_step_end(self, step: int) -> None:
+        self.watch.check_rows(self._rows, rank=self.rank)
+        self._rows.clear()
         self.watch.phase_end("backward")
-
-    def _check(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
-        try:
-            values, _ = statistics_view(tensor.detach())
-            summary = summarize(values)
-        except Exception:  # a tensor without readable data: nothing to check, and an observer never fails
-            return
-        self.watch.check({"rank": self.rank, "step": event.step, "phase": event.phase, "seq": event.seq,
-                          "name": event.record_name(index), "module": event.site.name, "tensor_index": index,
-                          "numel": summary.numel, "nan": summary.nan, "inf": summary.inf,
-                          "min": summary.min, "max": summary.max})

@@ -29,10 +29,10 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..core import ProbeEvent, SubscriberBase
-from ..dump import DumpWriter, Record
+from ..dump import DumpWriter
 from ..utils import check_int
-from .record import (DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason,
-                     unsupported_record)
+from .record import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason
+from .rows import StepRows
 from .sentinel import Action, AnomalyWatch
 
 __all__ = ["StatisticsSubscriber", "SubscriberClosedWarning", "UnsupportedTensorWarning", "process_rank",
@@ -117,6 +117,8 @@ class StatisticsSubscriber(SubscriberBase):
         self.sample_count = check_int(sample_count, "sample_count")
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
+        self._rows = StepRows(rank=self.rank, sample_count=self.sample_count, bucket_size=self.bucket_size,
+                              run_on_cpu=run_on_cpu, describe_failure=unsupported_reason)
         self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last,
                                  on_step_written=on_step_written, format=dump_format)
         self._closed = False
@@ -129,7 +131,7 @@ class StatisticsSubscriber(SubscriberBase):
                 self._warn_closed(event.step)
             return
         for index, tensor in enumerate(tensors):
-            self._write(event, index, tensor)
+            self._add(event, index, tensor)
 
     def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
         if self._closed:
@@ -138,28 +140,34 @@ class StatisticsSubscriber(SubscriberBase):
             return
         for index, grad in enumerate(grads):
             if grad is not None:
-                self._write(event, index, grad)
+                self._add(event, index, grad)
 
     def on_site_failed(self, event: ProbeEvent, reason: str) -> None:
         if not self._closed:
-            self._writer.write(event.step, {**self._identity(event, 0), "shape": None, "dtype": None, "layout": None,
-                                            "stats_of": None, "unsupported": f"probe switched off: {reason}"})
+            self._rows.add_unsupported(event, 0, None, f"probe switched off: {reason}")
 
     def on_forward_end(self, step: int) -> None:
         if self.watch is not None and not self._closed:
-            self._writer.flush()  # the anomalous step's records are on disk before the error leaves
+            if self._check_rows():
+                self._send()
+                self._writer.flush()  # the anomalous step's records are on disk before the error leaves
             self.watch.phase_end("forward", kept=str(self.output_dir))
 
     def on_step_end(self, step: int) -> None:
         # After close() there is nothing to finish: close() finished every step that had records,
         # and records that arrived later were dropped with a warning.
         if not self._closed:
+            if self.watch is not None:
+                self._check_rows()
+            self._send()
             self._writer.finish_step(step)
             if self.watch is not None:
                 self.watch.phase_end("backward", kept=str(self.output_dir))
 
     def flush(self) -> None:
-        """Block until every record queued so far is on disk."""
+        """Block until every record so far is on disk."""
+        if not self._closed:
+            self._send()
         self._writer.flush()
 
     def close(self) -> None:
@@ -170,7 +178,10 @@ class StatisticsSubscriber(SubscriberBase):
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
+        try:
+            self._send()
+        finally:
+            self._writer.close()
 
     def _warn_closed(self, step: int) -> None:
         if self._warned_closed:
@@ -184,44 +195,30 @@ class StatisticsSubscriber(SubscriberBase):
             stacklevel=2,
         )
 
-    def _statistics(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> Record:
-        """tensor_record(tensor), or on any failure an unsupported record (warned once per site, index, phase)."""
-        try:
-            return tensor_record(tensor.detach(), bucket_size=self.bucket_size, run_on_cpu=self.run_on_cpu,
-                                 sample_count=self.sample_count)
-        except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
-            reason = unsupported_reason(error)
+    def _add(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
+        """The tensor's row; on failure an unsupported record (warned once per site, index, phase)."""
+        error = self._rows.add(event, index, tensor)
+        if error is None:
+            return
         key = (event.site.name, event.site.kind, index, event.phase)
         if key not in self._warned_unsupported:
             self._warned_unsupported.add(key)
             warnings.warn(
-                f"probes: no statistics for {event.record_name(index)} ({event.phase}): {reason}. "
+                f"probes: no statistics for {event.record_name(index)} ({event.phase}): {unsupported_reason(error)}. "
                 "Its records have \"unsupported\" set and no statistics; this warning is not repeated.",
                 UnsupportedTensorWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return unsupported_record(tensor, reason)
 
-    def _write(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
-        record = self._identity(event, index)
-        record.update(self._statistics(event, index, tensor))
-        self._writer.write(event.step, record)  # outside _statistics: dump errors reach the training thread
-        if self.watch is not None and self.watch.check(record) is not None:
+    def _check_rows(self) -> bool:
+        """The sentinel's check of the rows since the last one (one read); True when it found an anomaly."""
+        assert self.watch is not None
+        found = self.watch.check_rows(self._rows, rank=self.rank)
+        if found:
             self._writer.keep_all()  # before this step finishes: it and the keep_last steps before it stay
+        return found
 
-    def _identity(self, event: ProbeEvent, index: int) -> Record:
-        """What names a record: step, rank, name, phase, position, module."""
-        site = event.site
-        return {
-            "step": event.step,
-            "rank": self.rank,
-            "name": event.record_name(index),
-            "phase": event.phase,
-            "seq": event.seq,
-            "tensor_index": index,
-            "module": site.name,
-            "module_class": site.module_class,
-            "kind": site.kind,
-            "depth": site.depth,
-            "legacy_name": site.legacy_name(index),
-        }
+    def _send(self) -> None:
+        """Hands the rows so far to the writer (one copy per device); its thread builds the records."""
+        for block in self._rows.take():
+            self._writer.write_block(block.step, block)

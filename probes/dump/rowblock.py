@@ -1,0 +1,181 @@
+"""Records as statistics rows: what the training thread hands the writer, turned into columns on the writer thread.
+
+    block = RowBlock(step=3, rank=0, sample_count=32, parts=[rows], ready=None, entries=entries)
+    table = block.to_table()       # the dump's Arrow table (probes.dump.columns.SCHEMA), no per-record dict
+    records = block.records()      # the same records as dicts (JSON Lines, the journal)
+
+A row is a float64 vector: the registry's accumulated statistics (``probes.dump.statistics``), in its
+order, then up to ``sample_count`` samples; for an integer tensor, min, max and the samples hold int64
+bit patterns. An entry says what names one record and where its row is:
+``(names, phase, seq, described, part, row, step)``:
+
+- ``names``: ``(name, tensor_index, module, module_class, kind, depth, legacy_name)``, held once per site;
+- ``described``: ``Described``, what the record says of its tensor (shape, dtype, ...), held once per kind
+  of tensor;
+- ``part``, ``row``: the row's host array in ``parts`` and its index; ``part`` is None for a record without
+  statistics (``described.unsupported`` says why);
+- ``step``: the record's step (the block's).
+
+``ready`` (None, or a callable) is waited for before ``parts`` are read: the copy from the device may
+still be in flight (a CUDA event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from .columns import SCHEMA, table_to_records
+from .record import Record
+from .statistics import ACCUMULATED, DERIVED
+
+__all__ = ["Described", "Entry", "RowBlock", "ACCUMULATED_WIDTH"]
+
+ACCUMULATED_WIDTH = len(ACCUMULATED)
+_DESCRIBING = ("shape", "dtype", "layout", "stats_of", "unsupported")
+
+
+class Described(NamedTuple):
+    """What a record says of its tensor; ``present`` lists the keys it has (a None value is "null")."""
+
+    present: tuple[str, ...]  # of _DESCRIBING, in that order
+    shape: list[int | None] | None = None
+    dtype: str | None = None
+    layout: str | None = None
+    stats_of: str | None = None
+    unsupported: str | None = None
+    integer: bool = False  # min, max and samples are int64 bit patterns (an integer or bool tensor)
+    numel: int = 0  # of what the statistics read: how many samples the row has
+
+
+Entry = tuple  # (names, phase, seq, described, part, row, step): see the module docstring
+
+
+@dataclass(eq=False)
+class RowBlock:
+    """Some records of one step of one rank, as rows (see the module docstring)."""
+
+    step: int
+    rank: int
+    sample_count: int
+    parts: list[Any]  # host float64 arrays (numpy, or anything np.asarray reads: CPU tensors)
+    entries: list[Entry]
+    ready: Callable[[], None] | None = None
+    indices: Callable[[int], list[int]] = field(default=lambda numel: [])  # sample indices for a numel
+
+    def order(self) -> list[tuple[int, str, str]]:
+        """(seq, name, phase) of each record, in block order."""
+        return [(entry[2], entry[0][0], entry[1]) for entry in self.entries]
+
+    def records(self) -> list[Record]:
+        """The records as dicts, exactly as ``load_dump`` returns them."""
+        return table_to_records(self.to_table())
+
+    def to_table(self) -> pa.Table:
+        """The records as one table of ``SCHEMA``, built column by column from the rows."""
+        if self.ready is not None:
+            self.ready()
+        entries = self.entries
+        count = len(entries)
+        columns: dict[str, Any] = {}
+        names = list(zip(*(entry[0] for entry in entries))) if entries else [()] * 7
+        for position, key in enumerate(("name", "tensor_index", "module", "module_class", "kind", "depth",
+                                        "legacy_name")):
+            columns[key] = list(names[position])
+        columns["step"] = [self.step] * count
+        columns["rank"] = [self.rank] * count
+        columns["phase"] = [entry[1] for entry in entries]
+        columns["seq"] = [entry[2] for entry in entries]
+        nulls: list[list[str] | None] = [None] * count
+        described = [entry[3] for entry in entries]
+        for key in _DESCRIBING:
+            column: list[Any] = [None] * count
+            for row, info in enumerate(described):
+                if key in info.present:
+                    value = getattr(info, key)
+                    if value is None:
+                        _add_null(nulls, row, key)
+                    else:
+                        column[row] = value
+            columns[key] = column
+        self._statistics(columns, nulls)
+        columns["nulls"] = nulls
+        arrays = {}
+        for schema_field in SCHEMA:
+            values = columns.get(schema_field.name)
+            if values is None:
+                arrays[schema_field.name] = pa.nulls(count, schema_field.type)
+            elif isinstance(values, pa.Array):
+                arrays[schema_field.name] = values
+            else:
+                arrays[schema_field.name] = pa.array(values, type=schema_field.type)
+        return pa.table(arrays, schema=SCHEMA)
+
+    def _statistics(self, columns: dict[str, Any], nulls: list[list[str] | None]) -> None:
+        """The statistics and samples columns of the records that have rows."""
+        entries = self.entries
+        count = len(entries)
+        with_rows = np.array([entry[4] is not None for entry in entries], dtype=bool)
+        if not with_rows.any():
+            return
+        parts = [np.asarray(part, dtype=np.float64) for part in self.parts]
+        width = ACCUMULATED_WIDTH + self.sample_count
+        rows = np.zeros((count, width))
+        for part_index, part in enumerate(parts):
+            picked = [(position, entry[5]) for position, entry in enumerate(entries) if entry[4] == part_index]
+            if picked:
+                at, row = zip(*picked)
+                rows[list(at)] = part[list(row), :width]
+        integer = np.array([entry[3].integer for entry in entries], dtype=bool) & with_rows
+        stats = rows[:, :ACCUMULATED_WIDTH]
+        finite = stats[:, [stat.name for stat in ACCUMULATED].index("finite")]
+        merged: dict[str, np.ndarray] = {}
+        for slot, stat in enumerate(ACCUMULATED):
+            values = stats[:, slot]
+            valid = with_rows & ((finite > 0) if stat.finite_only else True)
+            if stat.column == "int":
+                merged[stat.name] = values
+                columns[stat.name] = pa.array(values.astype(np.int64), mask=~with_rows)
+            elif stat.column == "float":
+                merged[stat.name] = np.where(valid, values, np.nan)
+                columns[stat.name] = pa.array(values, mask=~valid)
+            else:  # "number": a float, or an exact integer in the "<name>_int" twin
+                exact = values.view(np.int64)
+                as_float = np.where(integer, exact.astype(np.float64), values)
+                columns[stat.name] = pa.array(as_float, mask=~valid)
+                columns[f"{stat.name}_int"] = pa.array(exact, mask=~(valid & integer))
+            for row in np.flatnonzero(with_rows & ~valid):
+                _add_null(nulls, row, stat.name)
+        for stat in DERIVED:
+            values = np.asarray(stat.derive(merged), dtype=np.float64)
+            valid = with_rows & ~np.isnan(values)
+            columns[stat.name] = pa.array(values, mask=~valid)
+            for row in np.flatnonzero(with_rows & ~valid):
+                _add_null(nulls, row, stat.name)
+        samples: list[list[float] | None] = [None] * count
+        samples_int: list[list[int] | None] = [None] * count
+        indices: list[list[int] | None] = [None] * count
+        exact_samples = rows[:, ACCUMULATED_WIDTH:].view(np.int64)
+        for row in np.flatnonzero(with_rows):
+            described = entries[row][3]
+            taken = min(described.numel, self.sample_count)
+            if described.integer:
+                values = exact_samples[row, :taken].tolist()
+                samples_int[row] = values
+                samples[row] = [float(value) for value in values]
+            else:
+                samples[row] = rows[row, ACCUMULATED_WIDTH:ACCUMULATED_WIDTH + taken].tolist()
+            indices[row] = self.indices(described.numel)
+        columns["samples"], columns["samples_int"], columns["sample_indices"] = samples, samples_int, indices
+
+
+def _add_null(nulls: list[list[str] | None], row: int, key: str) -> None:
+    """Notes that the record at ``row`` has ``key`` with the value None."""
+    listed = nulls[row]
+    if listed is None:
+        nulls[row] = [key]
+    else:
+        listed.append(key)

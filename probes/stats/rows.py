@@ -1,0 +1,292 @@
+"""Statistics rows of one step on each tensor's own device: no host read on the training thread.
+
+    rows = StepRows(rank=0, sample_count=32)
+    rows.add(event, 0, tensor)          # statistics and samples into a row of a buffer on tensor.device
+    rows.anomalies(check)               # the sentinel: one read of the nan/inf/min/max of the rows since the last call
+    blocks = rows.take()                # the rows since the last take: one copy per device (a RowBlock per step)
+
+The stages: ``add`` computes a tensor's statistics into the next row of its device's buffer (the C++
+kernel for CPU tensors, torch ops on other devices, ``probes.stats.numerics``) and appends one entry
+(what names the record, held once per site) to a list; ``take`` hands the used rows to the host in one
+copy per device (on CUDA non-blocking, into pinned memory, with an event the writer thread waits on)
+and starts a fresh buffer; the writer thread builds the record columns from the rows
+(``probes.dump.RowBlock``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..core import ProbeEvent, ProbeSite
+from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
+from ..dump.statistics import ACCUMULATED
+from . import kernel
+from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES
+from .record import _dtype_name, _or_none
+from .numerics import _WIDENED, device_row, device_samples, sample_indices, summarize
+from .views import check_readable, is_dense, layout_name, shape_of, statistics_view
+
+__all__ = ["StepRows"]
+
+_FIRST_CAPACITY = 64
+_SLOT = {stat.name: slot for slot, stat in enumerate(ACCUMULATED)}
+# An empty tensor's row: no element, none finite (mean nan, min +inf, max -inf: "none" on the host).
+_EMPTY_FILL = {"mean": math.nan, "min": math.inf, "max": -math.inf}
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_positions(numel: int, count: int, device: torch.device) -> torch.Tensor:
+    """The sample indices for a tensor size, as an int64 tensor on ``device`` (made once per size and device)."""
+    return torch.tensor(sample_indices(numel, count), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_list(numel: int, count: int) -> list[int]:
+    return sample_indices(numel, count)
+
+
+class _Buffer:
+    """The rows of one device: a float64 tensor that doubles when full (a copy on the device)."""
+
+    __slots__ = ("device", "rows", "used", "width")
+
+    def __init__(self, device: torch.device, width: int, capacity: int) -> None:
+        self.device = device
+        self.width = width
+        self.rows = torch.empty((capacity, width), dtype=torch.float64, device=device)
+        self.used = 0
+
+    def next_row(self) -> int:
+        if self.used == self.rows.shape[0]:
+            grown = torch.empty((2 * self.used, self.width), dtype=torch.float64, device=self.device)
+            grown[:self.used].copy_(self.rows)
+            self.rows = grown
+        self.used += 1
+        return self.used - 1
+
+
+class StepRows:
+    """The rows and entries of one subscriber's records since the last ``take`` (see the module docstring).
+
+    ``run_on_cpu``: a device tensor's statistics are computed on the CPU, one bucket at a time (saves
+    device memory; each bucket is a host copy). ``bucket_size`` bounds the extra memory of a pass.
+    """
+
+    def __init__(self, *, rank: int, sample_count: int, bucket_size: int = 1 << 22, run_on_cpu: bool = False,
+                 describe_failure: Callable[[BaseException], str] = str) -> None:
+        self.rank = rank
+        self.sample_count = sample_count
+        self.bucket_size = bucket_size
+        self.run_on_cpu = run_on_cpu
+        self.width = ACCUMULATED_WIDTH + sample_count
+        self._describe_failure = describe_failure
+        self._buffers: dict[torch.device, _Buffer] = {}
+        self._parts: list[_Buffer] = []  # buffers in the order of their first row since the last take
+        self._part_of: dict[torch.device, int] = {}
+        self._entries: list[tuple] = []
+        self._checked = 0  # entries already read by ``anomalies``
+        self._names: dict[tuple[int, int, int], tuple] = {}  # (id(site), index, call) -> names
+        self._sites: dict[int, ProbeSite] = {}  # keeps the sites of cached names alive (ids stay unique)
+        self._described: dict[tuple, Described] = {}
+        self._kernel = kernel.load(required=DEFAULT_BACKEND == "cpp") if DEFAULT_BACKEND != "torch" else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------ adding records
+
+    def add(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> BaseException | None:
+        """Statistics of ``tensor`` (the ``index``-th of ``event``) into a row; on failure an entry without
+        statistics, and the error returned."""
+        return self.add_named(self._names_of(event, index), event.step, event.phase, event.seq, tensor)
+
+    def add_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
+        """``add`` for a record named by ``names`` (see ``probes.dump.rowblock``)."""
+        try:
+            described, part, row = self._fill(tensor)
+        except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
+            self._entries.append((names, phase, seq, _unsupported(tensor, self._describe_failure(error)), None, None,
+                                  step))
+            return error.with_traceback(None)  # its frames would keep the tensor alive
+        self._entries.append((names, phase, seq, described, part, row, step))
+        return None
+
+    def add_unsupported(self, event: ProbeEvent, index: int, tensor: torch.Tensor | None, reason: str) -> None:
+        """An entry without statistics: what is known of ``tensor`` (None: nothing), and why."""
+        self._entries.append((self._names_of(event, index), event.phase, event.seq, _unsupported(tensor, reason),
+                              None, None, event.step))
+
+    def _names_of(self, event: ProbeEvent, index: int) -> tuple:
+        site = event.site
+        key = (id(site), index, event.call)
+        names = self._names.get(key)
+        if names is None:
+            self._sites[id(site)] = site
+            names = self._names[key] = (event.record_name(index), index, site.name, site.module_class, site.kind,
+                                        site.depth, site.legacy_name(index))
+        return names
+
+    def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
+        """Writes the statistics and samples of ``tensor`` into a row: (what it is, part, row)."""
+        if is_dense(tensor) and not tensor.is_complex():
+            values, stats_of = tensor, None
+        else:
+            values, stats_of = statistics_view(tensor)
+        check_readable(values)
+        if values.is_neg():  # a lazily negated view: the kernel reads memory, which holds -x
+            values = values.resolve_neg()
+        numel = values.numel()
+        integer = not (_WIDENED.get(values.dtype) or values.dtype).is_floating_point
+        described = self._describe(tensor, values, stats_of, integer)
+        fused = self._kernel
+        if (fused is not None and values.is_cpu and values.dtype in KERNEL_DTYPES
+                and 0 < numel <= self.bucket_size and values.is_contiguous()):
+            buffer, part = self._buffer(values.device)
+            row = buffer.next_row()
+            fused.row_into(values, buffer.rows, row, _sample_positions(numel, self.sample_count, values.device))
+            return described, part, row
+        if (self.run_on_cpu and not values.is_cpu) or (values.is_cpu and fused is not None):
+            return described, *self._host_row(values, integer)  # the kernel over buckets
+        buffer, part = self._buffer(values.device)
+        row = buffer.next_row()
+        target = buffer.rows[row]
+        if numel == 0:
+            target[:ACCUMULATED_WIDTH].zero_()
+            for name, value in _EMPTY_FILL.items():
+                target[_SLOT[name]].fill_(value)
+            return described, part, row
+        target[:ACCUMULATED_WIDTH].copy_(device_row(values, self.bucket_size))
+        taken = min(numel, self.sample_count)
+        target[ACCUMULATED_WIDTH:ACCUMULATED_WIDTH + taken].copy_(
+            device_samples(values, _sample_positions(numel, self.sample_count, values.device)))
+        return described, part, row
+
+    def _host_row(self, values: torch.Tensor, integer: bool) -> tuple[int, int]:
+        """The row of a tensor computed on the CPU by ``summarize`` (buckets, widened dtypes, ``run_on_cpu``)."""
+        summary = summarize(values, bucket_size=self.bucket_size, run_on_cpu=True)
+        buffer, part = self._buffer(torch.device("cpu"))
+        row = buffer.next_row()
+        slots = np.zeros(self.width)
+        for slot, stat in enumerate(ACCUMULATED):
+            value = getattr(summary, stat.name)
+            if value is None:
+                value = _EMPTY_FILL.get(stat.name, math.nan)
+            elif integer and stat.column == "number":
+                value = np.array(value, dtype=np.int64).view(np.float64)
+            slots[slot] = value
+        if values.numel():
+            positions = _sample_positions(values.numel(), self.sample_count, values.device)
+            samples = device_samples(values, positions).cpu().numpy()
+            slots[ACCUMULATED_WIDTH:ACCUMULATED_WIDTH + len(samples)] = samples
+        buffer.rows[row].copy_(torch.from_numpy(slots))
+        return part, row
+
+    def _describe(self, tensor: torch.Tensor, values: torch.Tensor, stats_of: str | None, integer: bool) -> Described:
+        if stats_of is not None:  # an odd tensor (nested, sparse, ...): described afresh, its shape may be ragged
+            layout = tensor.layout is not torch.strided or tensor.is_nested
+            return Described(("shape", "dtype", "layout", "stats_of") if layout else ("shape", "dtype", "stats_of"),
+                             shape_of(tensor), _dtype_name(tensor), layout_name(tensor) if layout else None, stats_of,
+                             integer=integer, numel=values.numel())
+        key = (tensor.shape, tensor.dtype)
+        described = self._described.get(key)
+        if described is None:
+            described = Described(("shape", "dtype"), list(tensor.shape), _dtype_name(tensor), integer=integer,
+                                  numel=values.numel())
+            if len(self._described) < 4096:
+                self._described[key] = described
+        return described
+
+    def _buffer(self, device: torch.device) -> tuple[_Buffer, int]:
+        buffer = self._buffers.get(device)
+        if buffer is None:
+            buffer = self._buffers[device] = _Buffer(device, self.width, _FIRST_CAPACITY)
+        part = self._part_of.get(device)
+        if part is None:
+            part = self._part_of[device] = len(self._parts)
+            self._parts.append(buffer)
+        return buffer, part
+
+    # ------------------------------------------------------------------ reading and handing over
+
+    def anomalies(self, find: Callable[[np.ndarray, list[tuple]], None]) -> None:
+        """Gives ``find`` the nan, inf, min and max slots of the rows added since the last call (one read
+        per device) and their entries; min/max of integer tensors as int64 bit patterns."""
+        entries = self._entries[self._checked:]
+        self._checked = len(self._entries)
+        if not entries:
+            return
+        slots = [_SLOT[name] for name in ("nan", "inf", "min", "max")]
+        parts = {part: buffer.rows[:buffer.used, slots].cpu().numpy() for part, buffer in enumerate(self._parts)}
+        stats = np.full((len(entries), len(slots)), np.nan)
+        for position, entry in enumerate(entries):
+            if entry[4] is not None:
+                stats[position] = parts[entry[4]][entry[5]]
+        find(stats, entries)
+
+    def clear(self) -> None:
+        """Forgets the records since the last take (their rows are reused)."""
+        for buffer in self._parts:
+            buffer.used = 0
+        self._entries = []
+        self._checked = 0
+        self._parts = []
+        self._part_of = {}
+
+    def take(self) -> list[RowBlock]:
+        """The records since the last take, a RowBlock per step; their rows leave in one copy per device."""
+        if not self._entries:
+            return []
+        hosts: list[torch.Tensor] = []
+        events = []
+        for buffer in self._parts:
+            used = buffer.rows[:buffer.used]
+            if buffer.device.type == "cpu":
+                hosts.append(used)
+                # The block keeps this buffer: the next rows go to a new one of the same size.
+                self._buffers[buffer.device] = _Buffer(buffer.device, self.width, buffer.rows.shape[0])
+            elif buffer.device.type == "cuda":
+                host = torch.empty(used.shape, dtype=torch.float64, pin_memory=True)
+                host.copy_(used, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                events.append(event)
+                hosts.append(host)
+                buffer.used = 0  # stream order: later rows are written after this copy has read them
+            else:  # other devices: one blocking copy
+                hosts.append(used.to("cpu"))
+                buffer.used = 0
+        by_step: dict[int, list[tuple]] = {}
+        for entry in self._entries:
+            by_step.setdefault(entry[6], []).append(entry)
+        ready = _waiter(events)
+        indices = functools.partial(_sample_list, count=self.sample_count)
+        self._entries = []
+        self._checked = 0
+        self._parts = []
+        self._part_of = {}
+        return [RowBlock(step=step, rank=self.rank, sample_count=self.sample_count, parts=hosts, entries=entries,
+                         ready=ready, indices=indices) for step, entries in by_step.items()]
+
+
+def _unsupported(tensor: torch.Tensor | None, reason: str) -> Described:
+    """What a record without statistics says: what is known of ``tensor`` (None: nothing), and why."""
+    present = ("shape", "dtype", "layout", "stats_of", "unsupported")
+    if tensor is None:
+        return Described(present, unsupported=reason)
+    return Described(present, shape_of(tensor), _or_none(_dtype_name, tensor), _or_none(layout_name, tensor), None,
+                     reason)
+
+
+def _waiter(events: list) -> Callable[[], None] | None:
+    if not events:
+        return None
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+    return wait
