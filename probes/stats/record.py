@@ -10,12 +10,12 @@ keys that say where and when (step, rank, name, phase, seq, ...): the caller add
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import torch
 
 from ..dump import TensorFields
-from .views import UnsupportedTensor, layout_name, shape_of
+from .rows import StepRows
+from .views import UnsupportedTensor, dtype_name, layout_name, or_none, shape_of
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "process_rank", "tensor_record", "unsupported_reason",
            "unsupported_record"]
@@ -32,8 +32,6 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
 
 
 _IDENTITY = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "depth",
@@ -51,8 +49,6 @@ def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZ
     Raises for tensors that cannot be summarised (see ``unsupported_record``). The same path as the
     subscriber's records (``probes.stats.rows``), read back at once.
     """
-    from .rows import StepRows  # rows builds on this module's names
-
     rows = StepRows(rank=0, sample_count=sample_count, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
     error = rows.add_named(("", 0, "", "", "output", 0, ""), 0, "forward", 0, tensor)
     if error is not None:
@@ -78,12 +74,5 @@ def unsupported_record(tensor: torch.Tensor, reason: str) -> TensorFields:
 
         unsupported_record(torch.empty(2, device="meta"), "meta tensor: it has no data")
     """
-    return {"shape": shape_of(tensor), "dtype": _or_none(_dtype_name, tensor), "layout": _or_none(layout_name, tensor),
+    return {"shape": shape_of(tensor), "dtype": or_none(dtype_name, tensor), "layout": or_none(layout_name, tensor),
             "stats_of": None, "unsupported": reason}
-
-
-def _or_none(describe: Callable[[torch.Tensor], str], tensor: torch.Tensor) -> str | None:
-    try:
-        return describe(tensor)
-    except Exception:  # a broken subclass: keep what could be read
-        return None

@@ -27,13 +27,14 @@ from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES
-from .record import _dtype_name, _or_none
 from .numerics import _WIDENED, device_row, device_samples, sample_indices, summarize
-from .views import check_readable, is_dense, layout_name, shape_of, statistics_view
+from .views import check_readable, dtype_name, is_dense, layout_name, or_none, shape_of, statistics_view
 
 __all__ = ["StepRows"]
 
 _FIRST_CAPACITY = 64
+_CPU = torch.device("cpu")
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _SLOT = {stat.name: slot for slot, stat in enumerate(ACCUMULATED)}
 # An empty tensor's row: no element, none finite (mean nan, min +inf, max -inf: "none" on the host).
 _EMPTY_FILL = {"mean": math.nan, "min": math.inf, "max": -math.inf}
@@ -133,6 +134,20 @@ class StepRows:
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
         """Writes the statistics and samples of ``tensor`` into a row: (what it is, part, row)."""
+        fused = self._kernel
+        # The common case first, in as few calls as it takes: a plain contiguous CPU tensor of a kernel dtype.
+        if (fused is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu and tensor.dtype in KERNEL_DTYPES
+                and tensor.layout is torch.strided and not tensor.is_nested and tensor.is_contiguous()
+                and not tensor.is_neg()):
+            numel = tensor.numel()
+            if 0 < numel <= self.bucket_size:
+                described = self._described.get((tensor.shape, tensor.dtype))
+                if described is None:
+                    described = self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point)
+                buffer, part = self._buffer(_CPU)
+                row = buffer.next_row()
+                fused.row_into(tensor, buffer.rows, row, _sample_positions(numel, self.sample_count, _CPU))
+                return described, part, row
         if is_dense(tensor) and not tensor.is_complex():
             values, stats_of = tensor, None
         else:
@@ -143,7 +158,6 @@ class StepRows:
         numel = values.numel()
         integer = not (_WIDENED.get(values.dtype) or values.dtype).is_floating_point
         described = self._describe(tensor, values, stats_of, integer)
-        fused = self._kernel
         if (fused is not None and values.is_cpu and values.dtype in KERNEL_DTYPES
                 and 0 < numel <= self.bucket_size and values.is_contiguous()):
             buffer, part = self._buffer(values.device)
@@ -190,12 +204,12 @@ class StepRows:
         if stats_of is not None:  # an odd tensor (nested, sparse, ...): described afresh, its shape may be ragged
             layout = tensor.layout is not torch.strided or tensor.is_nested
             return Described(("shape", "dtype", "layout", "stats_of") if layout else ("shape", "dtype", "stats_of"),
-                             shape_of(tensor), _dtype_name(tensor), layout_name(tensor) if layout else None, stats_of,
+                             shape_of(tensor), dtype_name(tensor), layout_name(tensor) if layout else None, stats_of,
                              integer=integer, numel=values.numel())
         key = (tensor.shape, tensor.dtype)
         described = self._described.get(key)
         if described is None:
-            described = Described(("shape", "dtype"), list(tensor.shape), _dtype_name(tensor), integer=integer,
+            described = Described(("shape", "dtype"), list(tensor.shape), dtype_name(tensor), integer=integer,
                                   numel=values.numel())
             if len(self._described) < 4096:
                 self._described[key] = described
@@ -278,7 +292,7 @@ def _unsupported(tensor: torch.Tensor | None, reason: str) -> Described:
     present = ("shape", "dtype", "layout", "stats_of", "unsupported")
     if tensor is None:
         return Described(present, unsupported=reason)
-    return Described(present, shape_of(tensor), _or_none(_dtype_name, tensor), _or_none(layout_name, tensor), None,
+    return Described(present, shape_of(tensor), or_none(dtype_name, tensor), or_none(layout_name, tensor), None,
                      reason)
 
 

@@ -11,13 +11,14 @@ and raises ``UnsupportedTensor`` for tensors without readable data.
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 
 from exporters import _torch_compat
 
-__all__ = ["UnsupportedTensor", "check_readable", "is_dense", "is_dispatch_subclass", "layout_name", "shape_of",
-           "statistics_view"]
+__all__ = ["UnsupportedTensor", "check_readable", "dtype_name", "is_dense", "is_dispatch_subclass", "layout_name",
+           "or_none", "shape_of", "statistics_view"]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
@@ -90,6 +91,19 @@ def layout_name(tensor: torch.Tensor) -> str:
     """
     name = str(tensor.layout).removeprefix("torch.")
     return f"nested_{name}" if tensor.is_nested else name
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    """The record's ``"dtype"``: ``"float32"``, ..."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def or_none(describe: Callable[[torch.Tensor], str], tensor: torch.Tensor) -> str | None:
+    """``describe(tensor)``, or None when a broken subclass cannot say (keep what could be read)."""
+    try:
+        return describe(tensor)
+    except Exception:
+        return None
 
 
 def shape_of(tensor: torch.Tensor) -> list[int | None] | None:
