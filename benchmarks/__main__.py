@@ -18,6 +18,7 @@ BENCHMARKS = (
     "benchmarks.gpt2_overhead",
     "benchmarks.dump_compare",
     "benchmarks.zero3_bench",
+    "benchmarks.host_reads",
 )
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks

@@ -1,4 +1,4 @@
-"""A probed training step reads nothing back to the host on the training thread beyond the sentinel's one read per phase.
+"""A probed training step reads nothing back to the host on the training thread (the sentinel: one read a phase).
 
     ./dev run --lane ort python -m pytest -q tests/test_host_reads.py
 
@@ -58,7 +58,8 @@ def _assert_no_extra_reads(result: dict[str, Any]) -> None:
 
     def detail(case: dict[str, Any]) -> str:
         stacks = "".join(f"\n--- first {name}:\n{stack}" for name, stack in case["stacks"].items())
-        return f"{result['backend']} backend, {case['case']}: {case['reads']} host reads, per method {case['counts']}{stacks}"
+        return (f"{result['backend']} backend, {case['case']}: {case['reads']} host reads, "
+                f"per method {case['counts']}{stacks}")
 
     off = cases["probes, sentinel off"]
     assert off["reads"] == 0, detail(off)

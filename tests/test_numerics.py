@@ -377,3 +377,11 @@ def test_torch_path_reads_back_once_per_tensor(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.Tensor, "item", counting_item)
     summarize(sample(torch.float32, n=5000), bucket_size=512, backend="torch")
     assert calls == {"tolist": 1, "item": 0}
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 3, 7, 32, 33, 1000, 10**12 + 7])
+@pytest.mark.parametrize("count", [0, 1, 2, 5, 32, 33])
+def test_the_device_sample_indices_are_the_host_ones(numel: int, count: int) -> None:
+    from probes.stats.numerics import sample_index_tensor
+
+    assert sample_index_tensor(numel, count, torch.device("cpu")).tolist() == sample_indices(numel, count)

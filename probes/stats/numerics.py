@@ -32,7 +32,7 @@ from . import kernel
 from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES, KernelRow, backend, row_getter
 from .views import check_readable
 
-__all__ = ["TensorSummary", "backend", "decode_row", "device_row", "device_samples", "merge_rows", "sample_indices",
+__all__ = ["TensorSummary", "backend", "decode_row", "device_row", "device_samples", "merge_rows", "sample_index_tensor", "sample_indices",
            "summarize", "take_samples"]
 
 Number = float | int
@@ -411,6 +411,18 @@ def sample_indices(numel: int, count: int) -> list[int]:
         return [0]
     # Steps are >= 1 since numel - 1 >= count - 1, so the floor never repeats an index.
     return [i * (numel - 1) // (count - 1) for i in range(count)]
+
+
+def sample_index_tensor(numel: int, count: int, device: torch.device) -> torch.Tensor:
+    """``sample_indices(numel, count)`` as an int64 tensor made on ``device`` by the same integer formula
+    (a copy from a host list would be a blocking copy on CUDA)."""
+    if count <= 0 or numel <= 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    if count >= numel:
+        return torch.arange(numel, dtype=torch.int64, device=device)
+    if count == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.arange(count, dtype=torch.int64, device=device) * (numel - 1) // (count - 1)
 
 
 def device_samples(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES
-from .numerics import _WIDENED, device_row, device_samples, sample_indices, summarize
+from .numerics import _WIDENED, device_row, device_samples, sample_index_tensor, sample_indices, summarize
 from .views import check_readable, dtype_name, is_dense, layout_name, or_none, shape_of, statistics_view
 
 __all__ = ["StepRows"]
@@ -42,8 +42,8 @@ _EMPTY_FILL = {"mean": math.nan, "min": math.inf, "max": -math.inf}
 
 @functools.lru_cache(maxsize=4096)
 def _sample_positions(numel: int, count: int, device: torch.device) -> torch.Tensor:
-    """The sample indices for a tensor size, as an int64 tensor on ``device`` (made once per size and device)."""
-    return torch.tensor(sample_indices(numel, count), dtype=torch.int64, device=device)
+    """``sample_index_tensor``, made once per size and device."""
+    return sample_index_tensor(numel, count, device)
 
 
 @functools.lru_cache(maxsize=4096)
