@@ -21,7 +21,7 @@ from benchmarks.common import environment, interleaved, median, table
 from benchmarks.step_overhead import _original_subscribe
 from probes import StatisticsSubscriber, SubscriberManager
 
-FULL = {"n_layer": 6, "n_head": 4, "n_embd": 64, "seq": 64, "batch": 4}
+FULL = {"n_layer": 6, "n_head": 4, "n_embd": 128, "seq": 64, "batch": 4}
 QUICK = {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq": 16, "batch": 2}
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import median, table
+from benchmarks.gpu_overhead import _syncs
 from probes import StatisticsSubscriber, SubscriberManager
 
 FULL = {"n_layer": 6, "n_head": 8, "n_embd": 512, "seq": 256, "batch": 16}
@@ -34,19 +34,6 @@ def _model(shape: dict[str, int]) -> torch.nn.Module:
                                      attn_pdrop=0.0, use_cache=False, loss_type="ForCausalLM")
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).cuda()
-
-
-def _syncs_per_step(step) -> int:
-    """Host synchronisations one call of ``step`` makes (each is one warning in "warn" mode)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def run(quick: bool = False) -> str:
@@ -76,7 +63,7 @@ def run(quick: bool = False) -> str:
 
             for _ in range(3):  # warm-up: compilation, allocator, the statistics kernel
                 step()
-            syncs[case] = _syncs_per_step(step)
+            syncs[case] = _syncs(step)
             torch.cuda.reset_peak_memory_stats()
             samples = []
             for _ in range(5 if quick else 20):

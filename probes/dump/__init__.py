@@ -12,7 +12,8 @@ Usage:
 A record (``Record``) is a plain JSON-ready dict; on disk a row of a Parquet step file (``columns``). Only "step", "rank", "name", "phase" and "seq" mean
 something here; every other key is passed through untouched. Nothing is pickled.
 
-The rooms: ``record`` (the typed record), ``columns`` (records as Arrow tables, Parquet), ``layout`` (the format on disk, directory rules, errors),
+The rooms: ``record`` (the typed record), ``statistics`` (each statistic defined once), ``rowblock``
+(records as statistics rows, turned into columns on the writer thread), ``columns`` (records as Arrow tables, Parquet), ``layout`` (the format on disk, directory rules, errors),
 ``writer`` and ``stepfiles`` (the background writer and the files its thread writes), ``live`` (readers
 of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``, ``anomaly`` (nan/inf in records),
 ``legacy`` (the original onnxruntime hooks' text block).
@@ -25,6 +26,7 @@ from .legacy import legacy_block, legacy_file_name
 from .live import flush_writers
 from .reader import DumpReader, StepFile, list_steps, load_dump, load_table
 from .record import Record, RecordKey, TensorFields, record_key
+from .rowblock import RowBlock
 from .table import format_records
 from .writer import DumpWriter, WriterConfig
 
@@ -39,6 +41,7 @@ __all__ = [
     "DumpWriter",
     "Record",
     "RecordKey",
+    "RowBlock",
     "TensorFields",
     "StepFile",
     "WriterConfig",

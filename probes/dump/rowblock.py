@@ -155,21 +155,27 @@ class RowBlock:
             columns[stat.name] = pa.array(values, mask=~valid)
             for row in np.flatnonzero(with_rows & ~valid):
                 _add_null(nulls, row, stat.name)
-        samples: list[list[float] | None] = [None] * count
-        samples_int: list[list[int] | None] = [None] * count
-        indices: list[list[int] | None] = [None] * count
-        exact_samples = rows[:, ACCUMULATED_WIDTH:].view(np.int64)
-        for row in np.flatnonzero(with_rows):
-            described = entries[row][3]
-            taken = min(described.numel, self.sample_count)
-            if described.integer:
-                values = exact_samples[row, :taken].tolist()
-                samples_int[row] = values
-                samples[row] = [float(value) for value in values]
-            else:
-                samples[row] = rows[row, ACCUMULATED_WIDTH:ACCUMULATED_WIDTH + taken].tolist()
-            indices[row] = self.indices(described.numel)
-        columns["samples"], columns["samples_int"], columns["sample_indices"] = samples, samples_int, indices
+        # Samples as list columns built from one flat array each (no list per record).
+        numel = np.array([entry[3].numel for entry in entries], dtype=np.int64)
+        taken = np.where(with_rows, np.minimum(numel, self.sample_count), 0)
+        kept = np.arange(self.sample_count)[None, :] < taken[:, None]
+        values = rows[:, ACCUMULATED_WIDTH:]
+        exact = values.view(np.int64)
+        as_float = np.where(integer[:, None], exact.astype(np.float64), values)
+        columns["samples"] = _lists(taken, pa.array(as_float[kept]), ~with_rows)
+        taken_int = np.where(integer, taken, 0)
+        columns["samples_int"] = _lists(taken_int, pa.array(exact[kept & integer[:, None]]), ~integer)
+        positions = [self.indices(int(size)) for size in numel[with_rows]]
+        flat = np.fromiter((index for listed in positions for index in listed), dtype=np.int64,
+                           count=int(taken.sum()))
+        columns["sample_indices"] = _lists(taken, pa.array(flat), ~with_rows)
+
+
+def _lists(lengths: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.ListArray:
+    """A list column: row i holds the next ``lengths[i]`` of ``values``; null where ``null``."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(null))
 
 
 def _add_null(nulls: list[list[str] | None], row: int, key: str) -> None:

@@ -76,7 +76,7 @@ class _SummaryMethods:
         values = {}
         for stat in ACCUMULATED:
             x, y = getattr(a, stat.name), getattr(b, stat.name)
-            values[stat.name] = moments[stat.name] if stat.merge in moments else _MERGE_VALUES[stat.merge](x, y)
+            values[stat.name] = moments[stat.merge] if stat.merge in moments else _MERGE_VALUES[stat.merge](x, y)
         return type(self)(**values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -161,9 +161,10 @@ class AnomalySentinel(SubscriberBase):
         every_n_steps, steps, modules, exclude_modules, phases: check only those steps, modules and
             phases (``SubscriberBase``; ``probes.core.selection`` has the rules).
 
-    It writes nothing. Each tensor is read once by the statistics kernel's counting pass (the same
-    single pass ``StatisticsSubscriber`` makes); with a ``StatisticsSubscriber`` already subscribed,
-    use its ``on_anomaly=`` option instead, which checks the records it computes anyway.
+    It writes nothing. Each tensor's statistics go into a row on its device (the same single pass
+    ``StatisticsSubscriber`` makes, without samples); a phase's rows are read once, when it ends. With a
+    ``StatisticsSubscriber`` already subscribed, use its ``on_anomaly=`` option instead, which checks
+    the rows it computes anyway.
     ``found`` counts anomalous records, ``first`` is the run's first ``Anomaly``.
     """
 

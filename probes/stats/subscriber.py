@@ -8,9 +8,14 @@
 
 Statistics are computed inside the probe Functions, so they are the same code in eager PyTorch and
 in ORTModule. Each record (see ``probes.dump`` for the layout on disk) holds the tensor's shape,
-dtype, numel, min/max/mean/std over finite elements, nan/inf/neg/pos/zero counts and samples at
-deterministic positions spread over the tensor (``record.py``); ``numerics.py`` computes them in float64
-bucket by bucket, without cloning the tensor.
+dtype, numel, min/max/mean/std/norm over finite elements, nan/inf/neg/pos/zero counts and samples at
+deterministic positions spread over the tensor (the statistics: ``probes.dump.statistics``);
+``numerics.py`` computes them in float64 bucket by bucket, without cloning the tensor.
+
+The stages (``rows.py``): a probe writes its tensors' statistics into rows of a buffer on each
+tensor's own device, with no host read; at the step's end the rows go to the host in one copy and the
+writer thread builds the records (``probes.dump.RowBlock``). With ``on_anomaly`` the nan/inf counts
+of a phase's rows are read once, when the phase ends.
 
 Tensors that are not dense real tensors (complex, sparse, quantized, nested, DTensor) are summarised
 through what they hold; the record's ``"stats_of"`` says what (see ``views.statistics_view``). Tensors
