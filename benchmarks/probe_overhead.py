@@ -5,7 +5,9 @@
 A chain of N tiny Linear(8, 8) modules, so the step is dominated by per-module costs. Each case is
 timed against the unprobed chain in the same run; the overhead is reported per probed module and
 step (forward + backward), in microseconds, for a no-op observing subscriber (the manager's own
-cost: hooks, pytree, the probe Function) and for the StatisticsSubscriber (plus statistics and dump).
+cost: hooks, pytree, the probe Function) and for the StatisticsSubscriber (plus statistics and dump), and
+per record (two per module: the output and its gradient). Each timing is 5 steps and, for the statistics,
+waits for the dump writer's thread to finish them: its work is counted, not left to slow the next case.
 
 The selection table (``run_selection``) takes the chain of 100 and compares recording everything with
 recording every 10th step or 10% of the modules, and measures what a left-out step and left-out
@@ -24,8 +26,10 @@ from torch import nn
 
 from benchmarks.common import environment, interleaved, median, table
 from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from probes.dump import flush_writers
 
 FULL_COUNTS = (10, 100, 1000)
+STEPS_PER_TIMING = 5
 QUICK_COUNTS = (10, 100)
 
 
@@ -52,10 +56,18 @@ def run(quick: bool = False) -> str:
         managers[1].subscribe(models["statistics"], [StatisticsSubscriber(work / f"stats_{count}")])
         x = torch.randn(4, 8)
 
-        def step(model: nn.Module):
-            return lambda: model(x).sum().backward()
+        def steps(model: nn.Module, dump: Path | None = None):
+            def run_steps() -> None:
+                for _ in range(STEPS_PER_TIMING):
+                    model(x).sum().backward()
+                if dump is not None:  # the writer thread's work for these steps belongs to this case's time
+                    flush_writers(dump)
+            return run_steps
 
-        times = interleaved({name: step(model) for name, model in models.items()}, repeats=3 if quick else 15)
+        cases = {"plain": steps(models["plain"]), "no-op": steps(models["no-op"]),
+                 "statistics": steps(models["statistics"], work / f"stats_{count}")}
+        times = {name: [value / STEPS_PER_TIMING for value in values]
+                 for name, values in interleaved(cases, repeats=3 if quick else 15).items()}
         for manager in managers:
             manager.unsubscribe()
         base = median(times["plain"])

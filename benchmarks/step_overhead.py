@@ -22,6 +22,7 @@ os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # a fail
 import torch
 
 from benchmarks.common import environment, interleaved, median, table
+from probes.dump import flush_writers
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
@@ -80,14 +81,17 @@ def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[o
             cases[(backend, case)] = model
             dumps[(backend, case)] = dump
 
-    def step(model: torch.nn.Module):
+    def step(model: torch.nn.Module, dump: Path | None):
         def run_step() -> None:
             model.zero_grad(set_to_none=True)
             model(batch["tokens"], labels=batch["labels"]).backward()
+            if dump is not None:  # the dump writer's work for this step is counted here, not in the next case
+                flush_writers(dump)
         return run_step
 
     warmup = 2
-    times = interleaved({key: step(model) for key, model in cases.items()}, repeats=repeats, warmup=warmup)
+    times = interleaved({key: step(model, dumps[key] if key[1].startswith("probes") else None)
+                         for key, model in cases.items()}, repeats=repeats, warmup=warmup)
     for manager in managers:
         manager.unsubscribe()
     rows = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Callable
 
 import numpy as np
@@ -95,6 +96,7 @@ class StepRows:
         self._sites: dict[int, ProbeSite] = {}  # keeps the sites of cached names alive (ids stay unique)
         self._described: dict[tuple, Described] = {}
         self._kernel = kernel.load(required=DEFAULT_BACKEND == "cpp") if DEFAULT_BACKEND != "torch" else None
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -216,14 +218,20 @@ class StepRows:
         return described
 
     def _buffer(self, device: torch.device) -> tuple[_Buffer, int]:
-        buffer = self._buffers.get(device)
-        if buffer is None:
-            buffer = self._buffers[device] = _Buffer(device, self.width, _FIRST_CAPACITY)
         part = self._part_of.get(device)
-        if part is None:
-            part = self._part_of[device] = len(self._parts)
-            self._parts.append(buffer)
-        return buffer, part
+        if part is not None:
+            return self._parts[part], part
+        # A model on several GPUs runs each device's backward on its own autograd thread: a device's first
+        # row of a step is the one moment two threads may change the same lists.
+        with self._lock:
+            buffer = self._buffers.get(device)
+            if buffer is None:
+                buffer = self._buffers[device] = _Buffer(device, self.width, _FIRST_CAPACITY)
+            part = self._part_of.get(device)
+            if part is None:
+                self._parts.append(buffer)
+                part = self._part_of[device] = len(self._parts) - 1
+            return buffer, part
 
     # ------------------------------------------------------------------ reading and handing over
 
