@@ -26,7 +26,6 @@ from .legacy import legacy_block, legacy_file_name
 from .live import flush_writers
 from .reader import DumpReader, StepFile, list_steps, load_dump, load_table
 from .record import Record, RecordKey, TensorFields, record_key
-from .rowblock import RowBlock
 from .table import format_records
 from .writer import DumpWriter, WriterConfig
 
@@ -41,7 +40,6 @@ __all__ = [
     "DumpWriter",
     "Record",
     "RecordKey",
-    "RowBlock",
     "TensorFields",
     "StepFile",
     "WriterConfig",

@@ -10,7 +10,7 @@ kernel for CPU tensors, torch ops on other devices, ``probes.stats.numerics``) a
 (what names the record, held once per site) to a list; ``take`` hands the used rows to the host in one
 copy per device (on CUDA non-blocking, into pinned memory, with an event the writer thread waits on)
 and starts a fresh buffer; the writer thread builds the record columns from the rows
-(``probes.dump.RowBlock``).
+(``probes.dump.rowblock.RowBlock``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ deterministic positions spread over the tensor (the statistics: ``probes.dump.st
 
 The stages (``rows.py``): a probe writes its tensors' statistics into rows of a buffer on each
 tensor's own device, with no host read; at the step's end the rows go to the host in one copy and the
-writer thread builds the records (``probes.dump.RowBlock``). With ``on_anomaly`` the nan/inf counts
+writer thread builds the records (``probes.dump.rowblock.RowBlock``). With ``on_anomaly`` the nan/inf counts
 of a phase's rows are read once, when the phase ends.
 
 Tensors that are not dense real tensors (complex, sparse, quantized, nested, DTensor) are summarised
