@@ -386,3 +386,24 @@ def test_demo_pinpoints_the_injected_bug(tmp_path, second):
             in result.stdout)
     html = tmp_path / f"compare_{label}.html"
     assert f"HTML report: {html.resolve()}" in result.stdout and html.stat().st_size > 0
+
+
+def test_a_dump_written_before_norm_existed_compares_clean_with_one_that_has_it(base_run, tmp_path):
+    from probes.compare.engine import compare_records
+
+    records = load_dump(base_run)
+    assert records and all("norm" in record for record in records if "unsupported" not in record)
+    with DumpWriter(tmp_path / "old", rank=0) as writer:
+        for record in records:
+            writer.write(record["step"], {key: value for key, value in record.items() if key != "norm"})
+        for step in sorted({record["step"] for record in records}):
+            writer.finish_step(step)
+    assert all("norm" not in record for record in load_dump(tmp_path / "old"))
+    for base, other in ((base_run, tmp_path / "old"), (tmp_path / "old", base_run)):
+        report = compare_dumps(base, other)
+        assert report.first_divergence is None and report.matched == len(records), format_report(report)
+    without = {key: value for key, value in records[0].items() if key != "norm"}
+    assert not [m for m in compare_records(records[0], without).metrics if m.ratio > 1]
+    # A norm that differs where both records have one is still a divergence.
+    changed = {**records[0], "norm": records[0]["norm"] * 1.5 + 1.0}
+    assert [m.metric for m in compare_records(records[0], changed).metrics if m.ratio > 1] == ["norm"]
