@@ -89,18 +89,18 @@ class RowBlock:
         columns["rank"] = [self.rank] * count
         columns["phase"] = [entry[1] for entry in entries]
         columns["seq"] = [entry[2] for entry in entries]
-        nulls: list[list[str] | None] = [None] * count
         described = [entry[3] for entry in entries]
-        for key in _DESCRIBING:
-            column: list[Any] = [None] * count
-            for row, info in enumerate(described):
-                if key in info.present:
-                    value = getattr(info, key)
-                    if value is None:
-                        _add_null(nulls, row, key)
-                    else:
-                        column[row] = value
-            columns[key] = column
+        # Descriptions are shared by the records of a kind of tensor: each is spelled out once.
+        spelled: dict[int, tuple[tuple[Any, ...], list[str] | None]] = {}
+        for info in described:
+            if id(info) not in spelled:
+                absent = [key for key in _DESCRIBING if key in info.present and getattr(info, key) is None]
+                spelled[id(info)] = (tuple(getattr(info, key) if key in info.present else None for key in _DESCRIBING),
+                                     absent or None)
+        forms = [spelled[id(info)] for info in described]
+        for position, key in enumerate(_DESCRIBING):
+            columns[key] = [form[0][position] for form in forms]
+        nulls: list[list[str] | None] = [None if form[1] is None else list(form[1]) for form in forms]
         self._statistics(columns, nulls)
         columns["nulls"] = nulls
         arrays = {}
@@ -165,9 +165,10 @@ class RowBlock:
         columns["samples"] = _lists(taken, pa.array(as_float[kept]), ~with_rows)
         taken_int = np.where(integer, taken, 0)
         columns["samples_int"] = _lists(taken_int, pa.array(exact[kept & integer[:, None]]), ~integer)
-        positions = [self.indices(int(size)) for size in numel[with_rows]]
-        flat = np.fromiter((index for listed in positions for index in listed), dtype=np.int64,
-                           count=int(taken.sum()))
+        by_size: dict[int, np.ndarray] = {}
+        for size in np.unique(numel[with_rows]).tolist():
+            by_size[size] = np.asarray(self.indices(size), dtype=np.int64)
+        flat = np.concatenate([by_size[size] for size in numel[with_rows].tolist()] or [np.empty(0, np.int64)])
         columns["sample_indices"] = _lists(taken, pa.array(flat), ~with_rows)
 
 
