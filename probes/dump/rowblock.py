@@ -32,9 +32,10 @@ from .columns import SCHEMA, table_to_records
 from .record import Record
 from .statistics import ACCUMULATED, DERIVED
 
-__all__ = ["Described", "Entry", "RowBlock", "ACCUMULATED_WIDTH"]
+__all__ = ["ACCUMULATED_WIDTH", "NAME_FIELDS", "Described", "Entry", "RowBlock"]
 
 ACCUMULATED_WIDTH = len(ACCUMULATED)
+NAME_FIELDS = ("name", "tensor_index", "module", "module_class", "kind", "depth", "legacy_name")  # an entry's names
 _DESCRIBING = ("shape", "dtype", "layout", "stats_of", "unsupported")
 
 
@@ -81,9 +82,8 @@ class RowBlock:
         entries = self.entries
         count = len(entries)
         columns: dict[str, Any] = {}
-        names = list(zip(*(entry[0] for entry in entries))) if entries else [()] * 7
-        for position, key in enumerate(("name", "tensor_index", "module", "module_class", "kind", "depth",
-                                        "legacy_name")):
+        names = list(zip(*(entry[0] for entry in entries))) if entries else [()] * len(NAME_FIELDS)
+        for position, key in enumerate(NAME_FIELDS):
             columns[key] = list(names[position])
         columns["step"] = [self.step] * count
         columns["rank"] = [self.rank] * count

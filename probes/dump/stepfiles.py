@@ -81,9 +81,9 @@ class OpenSteps:
         else:
             self._journal(entry, [record])
         if isinstance(record, RowBlock):
-            entry.order.extend((seq, _order_line({"name": name, "phase": phase})) for seq, name, phase in record.order())
+            entry.order.extend((seq, _order_line(name, phase)) for seq, name, phase in record.order())
         else:
-            entry.order.append((record.get("seq"), _order_line(record)))
+            entry.order.append((record.get("seq"), _order_line(record["name"], record.get("phase"))))
 
     def _journal(self, entry: _OpenStep, records: Sequence[Mapping[str, Any] | RowBlock]) -> None:
         """Appends ``records`` to the step's .partial file as JSON lines (opened on the first)."""
@@ -163,9 +163,8 @@ class OpenSteps:
         self._open.clear()
 
 
-def _order_line(record: Mapping[str, Any]) -> str:
-    name = str(record["name"])
-    phase = record.get("phase")
+def _order_line(name: Any, phase: Any) -> str:
+    name = str(name)
     line = f"{name}_{phase}" if phase else name
     return line.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 

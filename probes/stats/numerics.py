@@ -32,7 +32,7 @@ from . import kernel
 from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES, KernelRow, backend, row_getter
 from .views import check_readable
 
-__all__ = ["TensorSummary", "backend", "decode_row", "device_row", "device_samples", "merge_rows", "sample_index_tensor", "sample_indices",
+__all__ = ["TensorSummary", "backend", "decode_row", "device_row", "device_samples", "kernel_reads_whole", "merge_rows", "sample_index_tensor", "sample_indices",
            "summarize", "take_samples"]
 
 Number = float | int
@@ -107,7 +107,7 @@ def _pick(choose: Any, x: Number | None, y: Number | None) -> Number | None:
     return choose(x, y)
 
 
-# The merge rules on python values (the device rows' own are in _merge_rows).
+# The merge rules on python values (the device rows' own are in merge_rows).
 _MERGE_VALUES: dict[str, Callable[[Any, Any], Any]] = {
     "sum": operator.add, "min": lambda x, y: _pick(min, x, y), "max": lambda x, y: _pick(max, x, y)}
 _ACCUMULATED_NAMES = tuple(stat.name for stat in ACCUMULATED)
@@ -302,10 +302,15 @@ def _buckets(x: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 # --- public entry points --------------------------------------------------------------------------
 
 
+def kernel_reads_whole(tensor: torch.Tensor, bucket_size: int) -> bool:
+    """Whether the C++ kernel reads `tensor` in one call: a contiguous, non-empty CPU tensor of one bucket."""
+    return (tensor.is_cpu and tensor.dtype in KERNEL_DTYPES and 0 < tensor.numel() <= bucket_size
+            and tensor.is_contiguous())
+
+
 def _fast_kernel(tensor: torch.Tensor, bucket_size: int, choice: str) -> kernel.Kernel | None:
-    """The C++ kernel when it reads `tensor` in one call (a contiguous CPU tensor of one bucket), else None."""
-    if (choice != "torch" and tensor.is_cpu and tensor.dtype in KERNEL_DTYPES and 0 < tensor.numel() <= bucket_size
-            and tensor.is_contiguous()):
+    """The C++ kernel when it reads `tensor` in one call, else None."""
+    if choice != "torch" and kernel_reads_whole(tensor, bucket_size):
         return kernel.load(required=choice == "cpp")
     return None
 

@@ -14,8 +14,9 @@ import os
 import torch
 
 from ..dump import TensorFields
-from .rows import StepRows
-from .views import UnsupportedTensor, dtype_name, layout_name, or_none, shape_of
+from ..dump.rowblock import NAME_FIELDS
+from .rows import StepRows, unsupported_description
+from .views import UnsupportedTensor
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "process_rank", "tensor_record", "unsupported_reason",
            "unsupported_record"]
@@ -34,8 +35,7 @@ def process_rank() -> int:
 
 
 
-_IDENTITY = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "depth",
-             "legacy_name")
+_IDENTITY = frozenset(("step", "rank", "phase", "seq", *NAME_FIELDS))
 
 
 def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
@@ -74,5 +74,5 @@ def unsupported_record(tensor: torch.Tensor, reason: str) -> TensorFields:
 
         unsupported_record(torch.empty(2, device="meta"), "meta tensor: it has no data")
     """
-    return {"shape": shape_of(tensor), "dtype": or_none(dtype_name, tensor), "layout": or_none(layout_name, tensor),
-            "stats_of": None, "unsupported": reason}
+    described = unsupported_description(tensor, reason)
+    return {key: getattr(described, key) for key in described.present}  # type: ignore[return-value]

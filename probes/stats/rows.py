@@ -28,10 +28,11 @@ from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES
-from .numerics import _WIDENED, device_row, device_samples, sample_index_tensor, sample_indices, summarize
+from .numerics import (_WIDENED, device_row, device_samples, kernel_reads_whole, sample_index_tensor, sample_indices,
+                       summarize)
 from .views import check_readable, dtype_name, is_dense, layout_name, or_none, shape_of, statistics_view
 
-__all__ = ["StepRows"]
+__all__ = ["StepRows", "unsupported_description"]
 
 _FIRST_CAPACITY = 64
 _CPU = torch.device("cpu")
@@ -92,8 +93,7 @@ class StepRows:
         self._part_of: dict[torch.device, int] = {}
         self._entries: list[tuple] = []
         self._checked = 0  # entries already read by ``anomalies``
-        self._names: dict[tuple[int, int, int], tuple] = {}  # (id(site), index, call) -> names
-        self._sites: dict[int, ProbeSite] = {}  # keeps the sites of cached names alive (ids stay unique)
+        self._names: dict[tuple[ProbeSite, int, int], tuple] = {}  # (site, index, call) -> names
         self._described: dict[tuple, Described] = {}
         self._kernel = kernel.load(required=DEFAULT_BACKEND == "cpp") if DEFAULT_BACKEND != "torch" else None
         self._lock = threading.Lock()
@@ -113,7 +113,7 @@ class StepRows:
         try:
             described, part, row = self._fill(tensor)
         except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
-            self._entries.append((names, phase, seq, _unsupported(tensor, self._describe_failure(error)), None, None,
+            self._entries.append((names, phase, seq, unsupported_description(tensor, self._describe_failure(error)), None, None,
                                   step))
             return error.with_traceback(None)  # its frames would keep the tensor alive
         self._entries.append((names, phase, seq, described, part, row, step))
@@ -121,15 +121,14 @@ class StepRows:
 
     def add_unsupported(self, event: ProbeEvent, index: int, tensor: torch.Tensor | None, reason: str) -> None:
         """An entry without statistics: what is known of ``tensor`` (None: nothing), and why."""
-        self._entries.append((self._names_of(event, index), event.phase, event.seq, _unsupported(tensor, reason),
+        self._entries.append((self._names_of(event, index), event.phase, event.seq, unsupported_description(tensor, reason),
                               None, None, event.step))
 
     def _names_of(self, event: ProbeEvent, index: int) -> tuple:
         site = event.site
-        key = (id(site), index, event.call)
+        key = (site, index, event.call)  # sites hash by identity
         names = self._names.get(key)
         if names is None:
-            self._sites[id(site)] = site
             names = self._names[key] = (event.record_name(index), index, site.name, site.module_class, site.kind,
                                         site.depth, site.legacy_name(index))
         return names
@@ -146,10 +145,7 @@ class StepRows:
                 described = self._described.get((tensor.shape, tensor.dtype))
                 if described is None:
                     described = self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point)
-                buffer, part = self._buffer(_CPU)
-                row = buffer.next_row()
-                fused.row_into(tensor, buffer.rows, row, _sample_positions(numel, self.sample_count, _CPU))
-                return described, part, row
+                return described, *self._kernel_row(fused, tensor, numel)
         if is_dense(tensor) and not tensor.is_complex():
             values, stats_of = tensor, None
         else:
@@ -160,12 +156,8 @@ class StepRows:
         numel = values.numel()
         integer = not (_WIDENED.get(values.dtype) or values.dtype).is_floating_point
         described = self._describe(tensor, values, stats_of, integer)
-        if (fused is not None and values.is_cpu and values.dtype in KERNEL_DTYPES
-                and 0 < numel <= self.bucket_size and values.is_contiguous()):
-            buffer, part = self._buffer(values.device)
-            row = buffer.next_row()
-            fused.row_into(values, buffer.rows, row, _sample_positions(numel, self.sample_count, values.device))
-            return described, part, row
+        if fused is not None and kernel_reads_whole(values, self.bucket_size):
+            return described, *self._kernel_row(fused, values, numel)
         if (self.run_on_cpu and not values.is_cpu) or (values.is_cpu and fused is not None):
             return described, *self._host_row(values, integer)  # the kernel over buckets
         buffer, part = self._buffer(values.device)
@@ -182,10 +174,17 @@ class StepRows:
             device_samples(values, _sample_positions(numel, self.sample_count, values.device)))
         return described, part, row
 
+    def _kernel_row(self, fused: kernel.Kernel, values: torch.Tensor, numel: int) -> tuple[int, int]:
+        """(part, row) of a CPU tensor the kernel reads whole, written by one call."""
+        buffer, part = self._buffer(_CPU)
+        row = buffer.next_row()
+        fused.row_into(values, buffer.rows, row, _sample_positions(numel, self.sample_count, _CPU))
+        return part, row
+
     def _host_row(self, values: torch.Tensor, integer: bool) -> tuple[int, int]:
         """The row of a tensor computed on the CPU by ``summarize`` (buckets, widened dtypes, ``run_on_cpu``)."""
         summary = summarize(values, bucket_size=self.bucket_size, run_on_cpu=True)
-        buffer, part = self._buffer(torch.device("cpu"))
+        buffer, part = self._buffer(_CPU)
         row = buffer.next_row()
         slots = np.zeros(self.width)
         for slot, stat in enumerate(ACCUMULATED):
@@ -254,6 +253,10 @@ class StepRows:
         """Forgets the records since the last take (their rows are reused)."""
         for buffer in self._parts:
             buffer.used = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """No entries, and no buffer taking part, since the last take."""
         self._entries = []
         self._checked = 0
         self._parts = []
@@ -287,15 +290,12 @@ class StepRows:
             by_step.setdefault(entry[6], []).append(entry)
         ready = _waiter(events)
         indices = functools.partial(_sample_list, count=self.sample_count)
-        self._entries = []
-        self._checked = 0
-        self._parts = []
-        self._part_of = {}
+        self._reset()
         return [RowBlock(step=step, rank=self.rank, sample_count=self.sample_count, parts=hosts, entries=entries,
                          ready=ready, indices=indices) for step, entries in by_step.items()]
 
 
-def _unsupported(tensor: torch.Tensor | None, reason: str) -> Described:
+def unsupported_description(tensor: torch.Tensor | None, reason: str) -> Described:
     """What a record without statistics says: what is known of ``tensor`` (None: nothing), and why."""
     present = ("shape", "dtype", "layout", "stats_of", "unsupported")
     if tensor is None:

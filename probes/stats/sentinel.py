@@ -108,8 +108,9 @@ class AnomalyWatch:
             suspect = (nan > 0) | (inf > 0)
             if self.max_abs is not None:
                 integer = np.array([entry[3].integer for entry in entries], dtype=bool)
-                magnitude = np.where(integer, 0.0, np.maximum(np.abs(np.nan_to_num(low)), np.abs(np.nan_to_num(high))))
-                magnitude[~np.isfinite(magnitude)] = 0.0
+                # Integer extremes are bit patterns here: those rows go to the rule itself.
+                extremes = np.abs(np.stack([low, high]))
+                magnitude = np.where(np.isfinite(extremes), extremes, 0.0).max(axis=0)
                 suspect |= integer | (magnitude > self.max_abs)
             for position in np.flatnonzero(suspect):
                 entry = entries[position]
