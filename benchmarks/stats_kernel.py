@@ -2,7 +2,7 @@
 
     python -m benchmarks.stats_kernel [--quick]
 
-For fp32 CPU tensors from 1e3 to 1e8 elements (one thread): the time of ``probes.numerics.summarize``
+For fp32 CPU tensors from 1e3 to 1e8 elements (one thread): the time of ``probes.stats.numerics.summarize``
 and of the original onnxruntime ``_summarize_tensor`` (its per-bucket statistics, into a string
 buffer), each as throughput relative to ``tensor.sum()`` on the same tensor in the same run (1.0 means
 as fast as one sum pass). Extra peak memory is measured in a fresh subprocess per case: the

@@ -25,7 +25,7 @@ from exporters.handles import Handle
 
 from .compare import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, Report, compare_dumps
 from .compare.names import NameMapLike
-from .compare.text import counts_line, verdict
+from .compare.terminal import counts_line, verdict
 
 __all__ = ["BugInjection", "assert_parity", "inject_bug", "parity_message"]
 

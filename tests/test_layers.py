@@ -29,7 +29,7 @@ FLOORS: dict[str, int] = {
     "probes.models": 4,
     "probes.stats": 5,
     "probes.compare": 5,
-    "probes.export": 5,
+    "probes.sinks": 5,
     "probes.zero3": 6,
     "probes.testing": 6,
     "probes.cli": 7,

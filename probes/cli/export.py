@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from ..export import FORMATS, export_dump, write_tensorboard
-from ..export.tensorboard import PHASES
+from ..sinks import FORMATS, export_dump, write_tensorboard
+from ..sinks.tensorboard import PHASES
 from .common import EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXPORT_EXAMPLES = [

@@ -19,7 +19,7 @@ from .model import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_
 from .align import apply_renames, fuzzy_renames
 from .names import NameMap, NameMapError, as_name_map, load_name_map
 from .reading import LoadedDump, read_dump
-from .text import format_report, parse_steps
+from .terminal import format_report, parse_steps
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "ZERO_GRAD_NOTE", "CompareConfig", "Divergence",
            "HtmlConfig", "LoadedDump", "MetricDiff", "NameMap", "NameMapError", "Progress", "RecordDiff", "RecordDiffs",

@@ -17,9 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
 
-from .model import PHASE_ORDER, ZERO_GRAD_NOTE, Report, format_value
+from ..utils.phases import phase_rank
+from .model import ZERO_GRAD_NOTE, Report, format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
-from .text import verdict
+from .terminal import verdict
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "HtmlConfig", "render_html", "write_html"]
 
@@ -110,7 +111,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     parts.append("<h2>Relative error, step &times; layer</h2>")
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')
-    for phase in sorted({row[1] for row in grid.rows}, key=lambda p: PHASE_ORDER.get(p, len(PHASE_ORDER))):
+    for phase in sorted({row[1] for row in grid.rows}, key=lambda p: phase_rank(p)):
         parts.append(heatmap(grid, phase, report, config))
     if grid.rows:
         parts.append("<h2>Statistic trajectories</h2>")

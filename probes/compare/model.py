@@ -8,7 +8,6 @@ Nothing here reads a dump or compares values (``engine``) or formats a page (``t
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,9 +17,11 @@ from typing import Any, overload
 import numpy as np
 
 from ..dump import Anomaly, RecordKey
-from ..dump.record import PHASE_ORDER, execution_order
+from ..dump.record import execution_order
 from ..dump.statistics import STATISTICS, names
-from ..utils.text import printable
+from ..utils.patterns import check_patterns, name_matcher
+from ..utils.phases import GRADIENT_PHASES, phase_rank
+from ..utils.tables import printable
 
 __all__ = ["CompareConfig", "Divergence", "MetricDiff", "RecordDiff", "RecordDiffs", "Report", "StepSummary",
            "execution_order"]
@@ -30,7 +31,6 @@ COUNTS = names(compared="count")  # ("nan", "inf"): exact
 MOMENTS = names(compared="moment")  # ("min", "max", "mean", "std", "norm"): within the tolerance
 # Moments a dump written before they existed lacks: compared only where both records have a value.
 OPTIONAL_MOMENTS = frozenset(stat.name for stat in STATISTICS if stat.optional)
-GRADIENT_PHASES = frozenset({"backward"})
 DEFAULT_RTOL, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR = 1e-4, 1e-6, 10.0
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 JSON_FORMAT = "probes-compare"
@@ -62,7 +62,7 @@ class CompareConfig:
     A statistic ``x`` of the base run and ``y`` of the other run agree when
     ``|x - y| <= max(atol + rtol * |x|, noise_factor * noise)``, where ``noise`` is the record's noise
     level measured from a second baseline run (0 without one; see docs/compare.md).
-    ``steps``: only these steps (None: all). ``names``: only record names matching one of these globs.
+    ``steps``: only these steps (None: all). ``names``: only record names matching one of these patterns (globs, or ``"re:<regex>"``).
     ``strict_zero_grads``: a gradient that is exactly zero in one run and absent in the other counts
     as a record on one side only (a divergence) instead of a note. ``fuzzy``: names found in one run
     only are paired by module class, shape and execution order (``probes.compare.align``).
@@ -75,8 +75,10 @@ class CompareConfig:
     names: tuple[str, ...] = ()
     strict_zero_grads: bool = False
     fuzzy: bool = False
+    _wants_name: Callable[[str], bool] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_wants_name", name_matcher(check_patterns(self.names or None, "names"), "names"))
         for label in ("rtol", "atol", "noise_factor"):
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -86,7 +88,7 @@ class CompareConfig:
         return self.steps is None or step in self.steps
 
     def wants_name(self, name: str) -> bool:
-        return not self.names or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names)
+        return self._wants_name(name)
 
     def tolerance(self, value: Any, noise: float | None) -> float:
         fixed = self.atol + self.rtol * abs(value) if is_finite_number(value) else self.atol

@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .model import MOMENTS, PHASE_ORDER, CellView, RecordDiffs, Report, format_value
-from .text import clip
+from ..utils.phases import phase_rank
+from .model import MOMENTS, CellView, RecordDiffs, Report, format_value
+from .terminal import clip
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "Grid", "HtmlConfig", "escape", "heatmap", "trajectories"]
 
@@ -74,7 +75,7 @@ class Grid:
         for index in first.tolist():
             phase, name = phases[records.phase[index]], names[records.name[index]]
             row = (int(records.rank[index]), phase, name)
-            order[row] = (PHASE_ORDER.get(phase, len(PHASE_ORDER)), row[0], int(records.step[index]),
+            order[row] = (phase_rank(phase), row[0], int(records.step[index]),
                           int(records.seq[index]))
         matched_rows = list(order)
         missing: dict[tuple[Row, int], str] = {}
@@ -82,7 +83,7 @@ class Grid:
             for index, (rank, step, phase, name) in enumerate(keys):
                 row = (rank, phase, name)
                 missing[(row, step)] = label
-                position = (PHASE_ORDER.get(phase, len(PHASE_ORDER)), rank, step, 1 << 30 | index)
+                position = (phase_rank(phase), rank, step, 1 << 30 | index)
                 if row not in order or position < order[row]:
                     order[row] = position
         rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3]))

@@ -14,7 +14,6 @@ row's execution-order sort key.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +25,7 @@ import pyarrow.compute as pc
 
 from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile
 from ..dump.columns import SCHEMA, table_to_records
-from ..dump.record import PHASE_ORDER
+from ..utils.phases import phase_rank
 from .model import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 
@@ -82,7 +81,7 @@ class LoadedDump:
     def order(self) -> np.ndarray:
         """Row indices in execution order: step, forward before backward, seq, rank (``execution_order``)."""
         codes, phases = self.codes("phase")
-        ranks = np.array([PHASE_ORDER.get(phase, len(PHASE_ORDER)) for phase in phases.to_pylist()], np.int64)
+        ranks = np.array([phase_rank(phase) for phase in phases.to_pylist()], np.int64)
         phase_rank = ranks[codes] if len(self) else np.zeros(0, np.int64)
         return np.lexsort((self.rank, self.seq, phase_rank, self.step))
 
@@ -245,8 +244,7 @@ def _wanted_names(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
     if not config.names:
         return np.ones(len(loaded), dtype=bool)
     codes, unique = loaded.codes("name")
-    wanted = np.array([any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
-                       for name in unique.to_pylist()], dtype=bool)
+    wanted = np.array([config.wants_name(name) for name in unique.to_pylist()], dtype=bool)
     return wanted[codes] if len(wanted) else np.zeros(len(loaded), dtype=bool)
 
 

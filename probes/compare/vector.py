@@ -4,7 +4,7 @@
     measured = measure(base, other, pairs, config)      # per pair: ratio, diverged, rel_error
     measured.irregular                                  # pairs left to compare_records (see below)
 
-The rules are ``compare_records``'s, value for value (tests/test_compare_vector.py holds the two
+The rules are ``compare_records``'s, value for value (tests/compare/test_compare_vector.py holds the two
 together on adversarial records): structure and counts must be equal, moments and samples within
 ``config.tolerance``, a non-finite value must be the same on both sides. Pairs the columns cannot say
 everything about are *irregular* and left to ``compare_records`` by the caller: a value kept in

@@ -37,7 +37,7 @@ import torch
 from exporters import _torch_compat
 
 if TYPE_CHECKING:
-    from .subscriber import ProbeSite
+    from .interface import ProbeSite
 
 # Opaque to the compiler, mutated by every probe op: the ops of one pass are chained through it in the
 # order they were traced, and a mutating op is never dead code. One per pass, so that no backward op

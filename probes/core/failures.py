@@ -22,7 +22,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+    from .interface import ProbeEvent, ProbeSite, SubscriberBase
 
 _REASON_LENGTH = 300
 _ALL = None  # switched off for every subscriber

@@ -20,7 +20,7 @@ import torch
 
 from exporters import _ort_compat, register_probe_function
 
-from .subscriber import ProbeSite
+from .interface import ProbeSite
 
 if TYPE_CHECKING:
     from .steps import StepTracker

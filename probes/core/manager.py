@@ -40,7 +40,7 @@ from ..utils import TensorLeaves, at_exit
 from . import compiled, rootcall, wrappers
 from .functions import StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
-from .subscriber import ProbeSite, SubscriberBase
+from .interface import ProbeSite, SubscriberBase
 
 ROOT_NAME = "<root>"
 

@@ -26,49 +26,16 @@ The rules:
 
 from __future__ import annotations
 
-import fnmatch
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ..utils import check_int
+from ..utils.patterns import check_patterns, compile_pattern
+from ..utils.phases import OBSERVED, RECOMPUTE
 
 if TYPE_CHECKING:
-    from .subscriber import ProbeSite
-
-PHASES = ("forward", "backward")
-REGEX_PREFIX = "re:"
-
-
-def _compile_pattern(pattern: str, argument: str) -> Callable[[str], bool]:
-    if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"{argument} patterns must be non-empty strings (globs, or 're:<regex>'), got {pattern!r}")
-    if pattern.startswith(REGEX_PREFIX):
-        try:
-            regex = re.compile(pattern[len(REGEX_PREFIX):])
-        except re.error as error:
-            raise ValueError(f"{argument} pattern {pattern!r} is not a valid regular expression ({error}); "
-                             "fix the regex, or drop the 're:' prefix to write a glob") from None
-        return lambda name: regex.fullmatch(name) is not None
-    # fnmatch.translate gives the exact regex fnmatchcase uses; compiled once instead of per call.
-    return re.compile(fnmatch.translate(pattern)).match
-
-
-def _patterns(value: str | Sequence[str] | None, argument: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = (value,)
-    elif not isinstance(value, (list, tuple, set, frozenset)):
-        raise ValueError(f"{argument} must be a pattern string, a list of them or None, got {type(value).__qualname__}")
-    patterns = tuple(value)
-    if not patterns:
-        raise ValueError(f"{argument} is empty; pass None to select every module, or at least one pattern")
-    for pattern in patterns:
-        _compile_pattern(pattern, argument)  # fails now, at construction, naming the bad pattern
-    return patterns
-
+    from .interface import ProbeSite
 
 @dataclass(frozen=True)
 class Selection:
@@ -83,14 +50,14 @@ class Selection:
     steps: frozenset[int] | None = None
     modules: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] = ()
-    phases: frozenset[str] = frozenset(PHASES)
+    phases: frozenset[str] = frozenset(OBSERVED)
     _include: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
     _exclude: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
     _site_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_include", tuple(_compile_pattern(p, "modules") for p in self.modules))
-        object.__setattr__(self, "_exclude", tuple(_compile_pattern(p, "exclude_modules") for p in self.exclude_modules))
+        object.__setattr__(self, "_include", tuple(compile_pattern(p, "modules") for p in self.modules))
+        object.__setattr__(self, "_exclude", tuple(compile_pattern(p, "exclude_modules") for p in self.exclude_modules))
 
     @classmethod
     def of(cls, start_step: int | None = None, end_step: int | None = None, *, every_n_steps: int | None = None,
@@ -117,7 +84,7 @@ class Selection:
             if not chosen:
                 raise ValueError("steps is empty, so nothing would be recorded; pass None to record every step")
         return cls(start_step=start, end_step=end, every_n_steps=every_n_steps, steps=chosen,
-                   modules=_patterns(modules, "modules"), exclude_modules=_patterns(exclude_modules, "exclude_modules"),
+                   modules=check_patterns(modules, "modules"), exclude_modules=check_patterns(exclude_modules, "exclude_modules"),
                    phases=_phases(phases))
 
     @property
@@ -133,7 +100,7 @@ class Selection:
         return self.steps is None or step in self.steps
 
     def wants_phase(self, phase: str) -> bool:
-        return (phase if phase != "recompute" else "forward") in self.phases
+        return (phase if phase != RECOMPUTE else "forward") in self.phases
 
     def wants_site(self, site: "ProbeSite") -> bool:
         if not self.selects_sites:
@@ -156,8 +123,8 @@ class Selection:
 
 def _phases(value: str | Sequence[str] | None) -> frozenset[str]:
     if value is None:
-        return frozenset(PHASES)
+        return frozenset(OBSERVED)
     chosen = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else None
-    if not chosen or any(phase not in PHASES for phase in chosen):
+    if not chosen or any(phase not in OBSERVED for phase in chosen):
         raise ValueError(f"phases must be 'forward', 'backward', a list of them, or None (both), got {value!r}")
     return frozenset(chosen)

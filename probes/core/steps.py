@@ -37,7 +37,7 @@ import torch
 from exporters import _torch_compat
 
 from .failures import SiteFailures
-from .subscriber import ProbeEvent, ProbeSite, SubscriberBase
+from .interface import ProbeEvent, ProbeSite, SubscriberBase
 
 
 _QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict, Union
 
+from ..utils.phases import Phase, phase_rank
+
 Number = Union[int, float]
-Phase = Literal["forward", "backward", "recompute"]
 RecordKey = tuple[int, int, str, str]  # (rank, step, phase, name)
 
 IDENTITY_FIELDS = ("rank", "step", "phase", "name")  # a record's key, unique within a dump
 REQUIRED_FIELDS = ("step", "rank", "name", "phase", "seq")  # what the dump format itself relies on
-PHASE_ORDER = {"forward": 0, "backward": 1}
 
 
 class _RecordBase(TypedDict):
@@ -38,7 +38,7 @@ class TensorFields(TypedDict, total=False):
     layout: str | None  # only for tensors that are not strided, or not dense and real
     stats_of: str | None  # what the statistics summarise when not the tensor itself ("real_imag", ...)
     unsupported: str  # why there are no statistics (then the statistics keys are absent)
-    # Statistics: the registry's (probes.dump.statistics), for type checkers; tests/test_record.py ties the two.
+    # Statistics: the registry's (probes.dump.statistics), for type checkers; tests/dump/test_record.py ties the two.
     min: Number | None
     max: Number | None
     mean: float | None
@@ -74,4 +74,4 @@ def record_key(record: Record) -> RecordKey:
 
 def execution_order(step: int, phase: str, seq: Any, rank: int) -> tuple[int, int, int, int]:
     """Sort key of the execution order across ranks: step, forward before backward, seq, rank."""
-    return step, PHASE_ORDER.get(phase, len(PHASE_ORDER)), seq if isinstance(seq, int) else 0, rank
+    return step, phase_rank(phase), seq if isinstance(seq, int) else 0, rank

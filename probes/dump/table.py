@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..utils.text import printable, text_table
+from ..utils.tables import printable, text_table
 from .record import Record
 from .statistics import names
 

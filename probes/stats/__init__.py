@@ -8,7 +8,7 @@ every probed tensor.
 from .numerics import TensorSummary, backend, sample_indices, summarize, take_samples
 from .record import tensor_record
 from .sentinel import AnomalyError, AnomalySentinel, AnomalyWarning
-from .subscriber import StatisticsSubscriber, SubscriberClosedWarning, UnsupportedTensorWarning
+from .recorder import StatisticsSubscriber, SubscriberClosedWarning, UnsupportedTensorWarning
 
 __all__ = ["AnomalyError", "AnomalySentinel", "AnomalyWarning", "StatisticsSubscriber", "SubscriberClosedWarning", "TensorSummary", "UnsupportedTensorWarning",
            "backend", "sample_indices", "summarize", "take_samples", "tensor_record"]

@@ -194,13 +194,13 @@ def load(*, required: bool) -> Kernel | None:
             return _kernel
         if required:
             raise RuntimeError(
-                "probes.numerics: the C++ statistics kernel was requested but could not be built:\n"
+                "probes.stats: the C++ statistics kernel was requested but could not be built:\n"
                 + _first_lines(_error)
             ) from _error
         if not _warned:
             _warned = True
             warnings.warn(
-                "probes.numerics: building the C++ statistics kernel failed; using the slower torch "
+                "probes.stats: building the C++ statistics kernel failed; using the slower torch "
                 "path:\n" + _first_lines(_error),
                 RuntimeWarning,
                 stacklevel=3,

@@ -96,6 +96,8 @@ def _number(v: Any) -> Number | None:
     return None if v is None else v if isinstance(v, int) else float(v)
 
 
+DEFAULT_BUCKET_SIZE = 1 << 22  # elements; bounds the extra memory of one statistics pass
+
 _COERCE = {"int": int, "float": lambda v: None if v is None else float(v), "number": _number}
 
 
@@ -335,7 +337,7 @@ def device_row(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
 
 def summarize(
     tensor: torch.Tensor,
-    bucket_size: int = 1 << 22,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
     run_on_cpu: bool = False,
     *,
     backend: str | None = None,

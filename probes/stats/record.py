@@ -15,13 +15,13 @@ import torch
 
 from ..dump import TensorFields
 from ..dump.rowblock import NAME_FIELDS
+from .numerics import DEFAULT_BUCKET_SIZE
 from .rows import StepRows, unsupported_description
 from .views import UnsupportedTensor
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_SAMPLE_COUNT", "process_rank", "tensor_record", "unsupported_reason",
            "unsupported_record"]
 
-DEFAULT_BUCKET_SIZE = 1 << 22  # elements; bounds the extra memory of one statistics pass
 DEFAULT_SAMPLE_COUNT = 32
 _REASON_LENGTH = 300
 

@@ -28,7 +28,7 @@ from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES
-from .numerics import (_WIDENED, device_row, device_samples, kernel_reads_whole, sample_index_tensor, sample_indices,
+from .numerics import (_WIDENED, DEFAULT_BUCKET_SIZE, device_row, device_samples, kernel_reads_whole, sample_index_tensor, sample_indices,
                        summarize)
 from .views import check_readable, dtype_name, is_dense, layout_name, or_none, shape_of, statistics_view
 
@@ -80,7 +80,7 @@ class StepRows:
     device memory; each bucket is a host copy). ``bucket_size`` bounds the extra memory of a pass.
     """
 
-    def __init__(self, *, rank: int, sample_count: int, bucket_size: int = 1 << 22, run_on_cpu: bool = False,
+    def __init__(self, *, rank: int, sample_count: int, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
                  describe_failure: Callable[[BaseException], str] = str) -> None:
         self.rank = rank
         self.sample_count = sample_count

@@ -6,7 +6,7 @@ interpreter-exit sequence. Imports nothing of probes.
 
 from .checks import check_int
 from .exit import at_exit
-from .text import printable, text_table
+from .tables import printable, text_table
 from .tree import TensorLeaves
 
 __all__ = ["TensorLeaves", "at_exit", "check_int", "printable", "text_table"]

@@ -12,7 +12,7 @@ See docs/zero3.md.
 from .functions import ModuleBinding, ZeroPostForward, ZeroPreForward
 from .patch import (Zero3Patch, Zero3Settings, configure_ort_compatible_zero_stage3, is_configured, manager_of,
                     restore_zero_stage3_hooks)
-from .subscriber import DeepCopiedModuleError, ZeROOffloadSubscriber
+from .offload import DeepCopiedModuleError, ZeROOffloadSubscriber
 
 __all__ = ["DeepCopiedModuleError", "ModuleBinding", "ZeROOffloadSubscriber", "Zero3Patch", "Zero3Settings",
            "ZeroPostForward", "ZeroPreForward", "configure_ort_compatible_zero_stage3", "is_configured",

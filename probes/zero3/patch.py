@@ -25,8 +25,8 @@ from exporters.handles import Handle
 
 from ..core import SubscriberBase, SubscriberManager
 from ..stats import StatisticsSubscriber
-from .ort import prepare_ortmodule_export
-from .subscriber import ZeROOffloadSubscriber
+from .ortmodule import prepare_ortmodule_export
+from .offload import ZeROOffloadSubscriber
 
 
 def manager_of(offload: Any) -> SubscriberManager | None:

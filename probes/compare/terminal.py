@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump import RecordKey
-from ..utils.text import text_table
+from ..utils.tables import text_table
 from .model import ZERO_GRAD_NOTE, RecordDiff, Report, format_value
 
 __all__ = ["clip", "counts_line", "format_report", "nonfinite_lines", "parse_steps", "plural", "ranges", "verdict"]

@@ -21,11 +21,11 @@ from typing import TextIO
 
 from ..dump import StepFile, legacy_block, legacy_file_name, safe_component
 from ..dump.record import Record, execution_order
+from ..utils.phases import OBSERVED
 from .output import ExportSummary, atomic_output, check_output, ranks_of, select_files
 
 __all__ = ["export_ort_layout"]
 
-ORT_PHASES = ("forward", "backward")
 
 
 def export_ort_layout(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
@@ -52,7 +52,7 @@ def export_ort_layout(dump: str | Path, output: str | Path, *, overwrite: bool =
 
 
 def _write_step(records: list[Record], step_file: StepFile, root: Path) -> tuple[int, int]:
-    kept = sorted((record for record in records if record.get("phase") in ORT_PHASES),
+    kept = sorted((record for record in records if record.get("phase") in OBSERVED),
                   key=lambda r: execution_order(r["step"], "", r.get("seq"), r["rank"]))
     step_dir = root / f"step_{step_file.step}"
     step_dir.mkdir()

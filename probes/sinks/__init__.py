@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TextIO
 
-from .ort import export_ort_layout
+from .ort_layout import export_ort_layout
 from .output import ExportSummary
 from .tensorboard import DEFAULT_STATISTICS, LiveTensorBoard, write_tensorboard
-from .text import CSV_COLUMNS, export_csv, export_jsonl
+from .tabular import CSV_COLUMNS, export_csv, export_jsonl
 
 __all__ = ["CSV_COLUMNS", "DEFAULT_STATISTICS", "FORMATS", "ExportSummary", "LiveTensorBoard", "export_csv",
            "export_dump", "export_jsonl", "export_ort_layout", "write_tensorboard"]

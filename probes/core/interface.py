@@ -52,12 +52,12 @@ import torch
 
 from . import compiled
 from .selection import Selection
+from ..utils.phases import Phase
 
 if TYPE_CHECKING:
     from .manager import SubscriberManager
 
 SiteKind = Literal["input", "output", "inspect"]
-Phase = Literal["forward", "backward", "recompute"]
 
 
 @dataclass(eq=False)

@@ -12,13 +12,13 @@ import warnings
 
 import pytest
 
-from probes.export import DEFAULT_STATISTICS
+from probes.sinks import DEFAULT_STATISTICS
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.cli import main
 from probes.dump import DumpWriter, load_dump
-from probes.export import (CSV_COLUMNS, LiveTensorBoard, export_csv, export_dump, export_jsonl, export_ort_layout,
+from probes.sinks import (CSV_COLUMNS, LiveTensorBoard, export_csv, export_dump, export_jsonl, export_ort_layout,
                            write_tensorboard)
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 

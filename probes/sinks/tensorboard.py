@@ -15,7 +15,6 @@ files is refused unless ``overwrite`` (TensorBoard would show the two runs mixed
 
 from __future__ import annotations
 
-import fnmatch
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,12 +22,13 @@ from typing import Any, TextIO
 
 from ..dump import DumpReader, Record
 from ..dump.statistics import names
+from ..utils.patterns import check_patterns, name_matcher
+from ..utils.phases import PHASES
 from .output import ExportSummary, check_output, select_files
 
 __all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "write_tensorboard"]
 
 DEFAULT_STATISTICS = names(plotted=True)  # ("min", "max", "mean", "std", "norm", "nan", "inf")
-PHASES = ("forward", "backward", "recompute")
 EVENT_FILES = "events.out.tfevents.*"
 
 
@@ -50,7 +50,8 @@ class _Scalars:
         if unknown:
             raise ValueError(f"unknown phase {', '.join(unknown)}; choose from {', '.join(PHASES)}")
         if isinstance(modules, str) or not all(isinstance(glob, str) for glob in modules):
-            raise TypeError(f"modules must be a list of glob strings, got {modules!r}")
+            raise TypeError(f"modules must be a list of pattern strings (globs, or 're:<regex>'), got {modules!r}")
+        self._matches = name_matcher(check_patterns(tuple(modules) or None, "modules"), "modules")
         if not statistics:
             raise ValueError("statistics is empty; name at least one, e.g. ('mean', 'std')")
         self.logdir = Path(logdir)
@@ -75,8 +76,7 @@ class _Scalars:
             return False
         if not self.modules:
             return True
-        return any(fnmatch.fnmatchcase(str(record.get(key, "")), glob)
-                   for glob in self.modules for key in ("module", "name"))
+        return any(self._matches(str(record.get(key, ""))) for key in ("module", "name"))
 
     def add(self, records: Iterable[Record]) -> int:
         """Writes the selected records' scalars; returns how many records were selected."""

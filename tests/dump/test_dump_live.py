@@ -29,7 +29,7 @@ from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.testing import assert_parity
 from test_dump import IMPORT_DUMP_WITHOUT_TORCH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 

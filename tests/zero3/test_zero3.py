@@ -25,8 +25,9 @@ deepspeed = pytest.importorskip("deepspeed")
 from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
 from exporters.handles import Handle  # noqa: E402
 from probes import SubscriberBase, SubscriberManager  # noqa: E402
+from probes.testing import assert_parity  # noqa: E402
 from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
-from probes.core.subscriber import ProbeSite  # noqa: E402
+from probes.core.interface import ProbeSite  # noqa: E402
 from probes.zero3 import (  # noqa: E402
     DeepCopiedModuleError,
     ZeROOffloadSubscriber,
@@ -317,3 +318,43 @@ def test_unsubscribing_a_live_engines_hooks_warns_but_destroy_and_exit_do_not(ca
     assert f"WARNINGS {expected}" in result.stdout, (result.stdout[-2000:], result.stderr[-2000:])
     assert "were unsubscribed" not in result.stderr  # nothing more at exit
     assert "Traceback" not in result.stderr
+
+
+# ZeRO-3 with probes' hooks under ORTModule trains like eager PyTorch with the same hooks: ORT runs the
+# exported graph, including the gather/release PythonOps, on every step (FALLBACK_DISABLE, inherited by the
+# spawned ranks, turns an export failure into an error), and every fetch of a training step comes from ORT.
+
+# Adam's update m / (sqrt(v) + eps) turns gradients that are rounding noise (the key bias of
+# attention has an exactly-zero true gradient) into full-size steps of random sign; a larger eps
+# keeps that noise from dominating, so that eager and ORT kernels (equal to ~1e-7) stay comparable.
+ADAM_EPS = 1e-4
+MODULES = 28  # modules of the test transformer, each fetched once per forward
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ortmodule_trains_like_eager_with_probes_zero3_hooks(tmp_path, world_size):
+    # Both runs also have debug=True: statistics probes next to the ZeRO-3 ones, dumped per rank.
+    eager_mode, ort_mode = "probes+stats", "probes+ort+stats"
+    for rank, results in enumerate(run_ranks(world_size, tmp_path, [eager_mode, ort_mode], ADAM_EPS)):
+        eager, ort = results[eager_mode], results[ort_mode]
+        check_zero3_invariants(eager, world_size, f"eager rank {rank}")
+        check_zero3_invariants(ort, world_size, f"ort rank {rank}")
+        # ORT's runtime made every fetch of the training steps; the rest are its export runs.
+        assert not any(eager["fetches_by_ort"])
+        assert sum(ort["fetches_by_ort"]) == STEPS * MODULES, len(ort["fetches_by_ort"])
+        assert ort["losses"] == pytest.approx(eager["losses"], rel=1e-5), rank
+        for step in range(STEPS):
+            for name, grad in eager["grads"][step].items():
+                torch.testing.assert_close(ort["grads"][step][name], grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+        for name, param in eager["params"].items():
+            torch.testing.assert_close(ort["params"][name], param, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        # Our hooks are gone (eager keeps 2 of DeepSpeed's engine on the model; with ORT they are on the wrapper).
+        assert ort["hooks_after_destroy"] <= eager["hooks_after_destroy"] < eager["hooks_before_destroy"]
+    for mode in (eager_mode, ort_mode):
+        check_dumps(tmp_path / mode, world_size)
+    # Every rank's statistics agree between eager and ORT (records are matched per rank).
+    assert_parity(tmp_path / eager_mode, tmp_path / ort_mode, rtol=1e-3, atol=1e-5)

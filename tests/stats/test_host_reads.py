@@ -1,6 +1,6 @@
 """A probed training step reads nothing back to the host on the training thread (the sentinel: one read a phase).
 
-    ./dev run --lane ort python -m pytest -q tests/test_host_reads.py
+    ./dev run --lane ort python -m pytest -q tests/stats/test_host_reads.py
 
 The counter is ``benchmarks.host_reads.count_host_reads`` (a device sync on CUDA is such a read); the
 step is ``benchmarks.host_reads.measure``'s: 4 blocks of Linear(64, 64) + ReLU, two warm-up steps,

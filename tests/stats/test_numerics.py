@@ -1,4 +1,4 @@
-"""probes.numerics against an independent numpy float64 reference, on both backends."""
+"""probes.stats.numerics against an independent numpy float64 reference, on both backends."""
 
 from __future__ import annotations
 

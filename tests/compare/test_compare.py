@@ -22,15 +22,15 @@ from exporters.handles import Handle
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.__main__ import main as probes_main
 from probes.compare import compare_dumps, format_report, render_html
-from probes.compare.text import verdict
+from probes.compare.terminal import verdict
 from probes.dump import DumpWriter, load_dump
 from probes.models import TinyTransformer, TransformerConfig
-from probes.stats.subscriber import tensor_record
+from probes.stats.recorder import tensor_record
 from probes.testing import assert_parity, inject_bug, parity, parity_message  # noqa: F401  (parity: fixture)
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 STEPS = 3
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 train_run = functools.partial(helpers.train_run, config=CONFIG, steps=STEPS)

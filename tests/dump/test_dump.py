@@ -35,11 +35,11 @@ from probes.dump import (
 from probes.cli import show as show_main
 
 # This page is the JSON Lines format's (format="jsonl", and every dump of format version 1);
-# tests/test_dump_parquet.py is the Parquet format's (the default) and what the two share.
+# tests/dump/test_dump_parquet.py is the Parquet format's (the default) and what the two share.
 DumpWriter = functools.partial(DumpWriter, format="jsonl")
 
 DUMP_SOURCE = Path(dump.__file__).resolve().parent  # the package probes/dump
-ROOT = DUMP_SOURCE.parents[1]
+ROOT = DUMP_SOURCE.parents[2]
 
 # Source for a fresh interpreter: imports probes.dump as ``dump`` without torch (fast). The __init__ of
 # probes, probes.utils and exporters import torch, so they are skipped: empty packages with their paths.

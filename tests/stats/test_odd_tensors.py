@@ -30,10 +30,10 @@ from probes import StatisticsSubscriber, SubscriberManager, load_dump
 from probes.dump import stepfiles as dump_module
 from probes.dump import DumpWriteError, list_steps
 from probes.stats.numerics import summarize, take_samples
-from probes.statistics import SubscriberClosedWarning, UnsupportedTensorWarning
-from probes.core.subscriber import ProbeEvent, ProbeSite
+from probes.stats import SubscriberClosedWarning, UnsupportedTensorWarning
+from probes.core.interface import ProbeEvent, ProbeSite
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [  # torch's own notices about the kinds under test
     pytest.mark.filterwarnings("ignore:.*(beta state|prototype stage|invariant checks are implicitly disabled)"),
 ]

@@ -17,7 +17,7 @@ from probes.__main__ import main as probes_main
 from probes.compare import ZERO_GRAD_NOTE, compare_dumps, format_report, is_zero_gradient
 from probes.dump import DumpWriter
 from probes.compare import render_html
-from probes.stats.subscriber import tensor_record
+from probes.stats.recorder import tensor_record
 from probes.testing import assert_parity
 
 ZERO_KEY = (0, 0, "backward", "<root>.output.1")

@@ -21,7 +21,7 @@ from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.testing import assert_parity
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference(array: np.ndarray) -> dict:

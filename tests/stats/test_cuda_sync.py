@@ -1,6 +1,6 @@
 """A probed training step on CUDA makes no host sync with the sentinel off (skipped where no CUDA device exists).
 
-    ./dev run --lane ort python -m pytest -q tests/test_cuda_sync.py
+    ./dev run --lane ort python -m pytest -q tests/stats/test_cuda_sync.py
 
 Each model trains 3 steps with and without a StatisticsSubscriber; step 3 (after the warm-up steps that
 cache sample positions on the device) runs its forward and backward under
@@ -23,7 +23,7 @@ from torch import nn
 
 from probes import ProbeFailureWarning, StatisticsSubscriber, SubscriberManager, load_dump
 from probes.models import TinyTransformer, TransformerConfig, make_batch
-from probes.stats.subscriber import UnsupportedTensorWarning
+from probes.stats.recorder import UnsupportedTensorWarning
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

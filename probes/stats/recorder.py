@@ -84,7 +84,7 @@ class StatisticsSubscriber(SubscriberBase):
         phases: "forward", "backward" or both (None).
             The selection decides what is recorded, and so what ``on_anomaly`` checks: only recorded records.
         on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
-            is finished, e.g. ``probes.export.LiveTensorBoard("tb")`` (TensorBoard while training).
+            is finished, e.g. ``probes.sinks.LiveTensorBoard("tb")`` (TensorBoard while training).
         dump_format: "parquet" (default: a Parquet file per rank and step, ``probes.dump.columns``) or
             "jsonl" (JSON Lines, the format of earlier versions). Both load the same way.
     """
