@@ -30,9 +30,14 @@ import pyarrow.compute as pc
 from ..dump import Anomaly, Record, RecordKey, first_anomaly
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
-from .model import (COUNTS, OPTIONAL_MOMENTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
-                    CompareConfig, Divergence, MetricDiff, RecordDiff, RecordDiffs, Rename, Report, execution_order,
-                    is_finite_number)
+from ..dump.record import execution_order
+from ..utils.phases import GRADIENT_PHASES
+from .config import (COUNTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE,
+                     CompareConfig)
+from .matched import RecordDiffs
+from .report import Report
+from .results import Divergence, MetricDiff, RecordDiff, Rename
+from .values import is_finite_number
 from .names import NameMapLike, as_name_map
 from .reading import LoadedDump, read_dump
 from .vector import WORST, match, measure, noise_levels
@@ -204,7 +209,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     if meter:
         meter.update(3)
     report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
-                    base.keys(only_in_base), other.keys(only_in_other), base.steps, other.steps,
+                    base.keys(only_in_base), other.keys(only_in_other), base.steps_by_rank, other.steps_by_rank,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
                     zero_grads=zero_grads, renamed=renamed)
     report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
@@ -282,7 +287,8 @@ def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> t
 
 def _finished_in_both(rank: np.ndarray, step: np.ndarray, one: LoadedDump, other: LoadedDump) -> np.ndarray:
     """Per (rank, step): whether both runs finished it; only there is a record missing on one side a mismatch."""
-    both = [(r, s) for r in set(one.steps) & set(other.steps) for s in set(one.steps[r]) & set(other.steps[r])]
+    mine, theirs = one.steps_by_rank, other.steps_by_rank
+    both = [(r, s) for r in set(mine) & set(theirs) for s in set(mine[r]) & set(theirs[r])]
     if not both:
         return np.zeros(len(rank), dtype=bool)
     pairs = np.array(both, np.int64)

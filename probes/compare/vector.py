@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .model import COUNTS, MOMENTS, OPTIONAL_MOMENTS, CompareConfig
+from .config import COUNTS, MOMENTS, OPTIONAL_MOMENTS, CompareConfig
 from .reading import LoadedDump
 
 __all__ = ["Measured", "match", "measure", "noise_levels"]

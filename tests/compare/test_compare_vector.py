@@ -14,8 +14,10 @@ import random
 import numpy as np
 import pytest
 
-from probes.compare import CompareConfig, compare_dumps, compare_records, record_noise
-from probes.compare.model import CellView
+from probes.compare import compare_dumps
+from probes.compare.config import CompareConfig
+from probes.compare.engine import compare_records, record_noise
+from probes.compare.results import CellView
 from probes.dump import DumpWriter, load_dump
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-300, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), 3.5, 1e-7]
