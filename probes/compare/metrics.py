@@ -112,7 +112,7 @@ def _scan(block: SampleBlock, config: CompareConfig, noise: np.ndarray | None, f
     found.max_abs[rows] = _column_max(diff, valid)
     # Sums in position order, as one loop over the samples adds them.
     dot, base_norm, other_norm = (np.full(len(rows), 0.0, dtype=base.dtype) for _ in range(3))
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for j in range(base.shape[1]):
             take = usable[:, j]
             b, o = base[take, j], other[take, j]

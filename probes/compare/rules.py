@@ -112,7 +112,8 @@ def distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
     if base.dtype.kind == "f" and other.dtype.kind == "f":
         with np.errstate(invalid="ignore", over="ignore"):
             return np.abs(other - base)
-    return np.frompyfunc(_distance, 2, 1)(base, other)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.frompyfunc(_distance, 2, 1)(base, other)
 
 
 def pair_samples(base_indices: Any, base_values: Any, other_indices: Any, other_values: Any
