@@ -12,11 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..dump.statistics import STATISTICS, names
 from ..utils.patterns import check_patterns, name_matcher
-from .values import is_finite_number
 
 __all__ = ["COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "MOMENTS", "OPTIONAL_MOMENTS", "STRUCTURE",
            "CompareConfig"]
@@ -63,8 +61,4 @@ class CompareConfig:
 
     def wants_name(self, name: str) -> bool:
         return self._wants_name(name)
-
-    def tolerance(self, value: Any, noise: float | None) -> float:
-        fixed = self.atol + self.rtol * abs(value) if is_finite_number(value) else self.atol
-        return max(fixed, self.noise_factor * noise) if noise else fixed
 
