@@ -17,7 +17,7 @@ from ..dump import Anomaly, RecordKey
 from .config import CompareConfig
 from .matched import RecordDiffs
 from .results import ZERO_GRAD_NOTE, Divergence, Rename, StepSummary
-from .values import json_value, key_json
+from .values import key_json
 
 __all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]
 
