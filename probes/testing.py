@@ -23,7 +23,9 @@ import torch
 
 from exporters.handles import Handle
 
-from .compare import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, ZERO_GRAD_NOTE, Report, compare_dumps
+from .compare import Report, compare_dumps
+from .compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL
+from .compare.results import ZERO_GRAD_NOTE
 from .compare.names import NameMapLike
 from .compare.terminal import counts_line, verdict
 

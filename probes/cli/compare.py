@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ..compare import (DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, Report, compare_dumps, format_report,
-                       load_name_map, parse_steps, write_html)
+from ..compare import Report, compare_dumps, format_report, load_name_map, write_html
+from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL
+from ..compare.terminal import parse_steps
 from .common import EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXAMPLES = [

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..dump import Record, RecordKey
-from .model import Rename
+from .results import Rename
 from .reading import LoadedDump
 
 __all__ = ["CLASS_CHANGED_FACTOR", "DEFAULT_MIN_CONFIDENCE", "apply_renames", "fuzzy_renames"]
@@ -54,8 +54,8 @@ def _loose(record: Record) -> Signature:
 
 def _reference(base: LoadedDump, other: LoadedDump) -> tuple[int, int] | None:
     """(rank, step): the lowest common rank's first step both runs finished."""
-    for rank in sorted(set(base.steps) & set(other.steps)):
-        common = sorted(set(base.steps[rank]) & set(other.steps[rank]))
+    for rank in sorted(set(base.steps_by_rank) & set(other.steps_by_rank)):
+        common = sorted(set(base.steps_by_rank[rank]) & set(other.steps_by_rank[rank]))
         if common:
             return rank, common[0]
     return None

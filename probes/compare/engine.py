@@ -12,9 +12,9 @@ fixed (``atol + rtol * |base|``) or, given a second baseline run, derived from h
 baselines differ. The first divergence is searched in execution order: earliest step, then the
 forward records in the base run's order (``seq``), then the backward ones, across ranks.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
-The checks on whole columns are ``vector`` (``compare_records`` is the same rules for one pair, used where
-the columns cannot decide and to build the RecordDiff objects a report shows). The result model is
-``model``, reading ``reading``, the terminal summary ``text``.
+The rules are ``rules``, applied to every pair at once by ``vector`` (verdicts) and ``details`` (the
+RecordDiff objects a report shows; ``compare_records`` is the same for records at hand). The result model is
+``results``, ``matched`` and ``report``, reading ``reading``, the terminal summary ``terminal``.
 """
 
 from __future__ import annotations
@@ -22,126 +22,32 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import numpy as np
 import pyarrow.compute as pc
 
 from ..dump import Anomaly, Record, RecordKey, first_anomaly
+from ..dump.record import execution_order
+from ..utils.phases import GRADIENT_PHASES
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
-from .model import (COUNTS, OPTIONAL_MOMENTS, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, GRADIENT_PHASES, MOMENTS, STRUCTURE,
-                    CompareConfig, Divergence, MetricDiff, RecordDiff, RecordDiffs, Rename, Report, execution_order,
-                    is_finite_number)
+from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, CompareConfig
+from .details import record_diffs
+from .matched import RecordDiffs
 from .names import NameMapLike, as_name_map
 from .reading import LoadedDump, read_dump
+from .report import Report
+from .results import Divergence, RecordDiff, Rename
 from .vector import WORST, match, measure, noise_levels
 
-__all__ = ["compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient", "record_noise"]
-
-
-def _diff(metric: str, base: Any, other: Any, tolerance: float, index: int | None = None) -> MetricDiff:
-    """Absolute and relative difference of two values; non-finite values must be identical."""
-    if base is None or other is None or not is_finite_number(base) or not is_finite_number(other):
-        same = _same_value(base, other)
-        return MetricDiff(metric, base, other, 0.0 if same else math.inf, 0.0 if same else math.inf,
-                          tolerance, index)
-    abs_diff = float(abs(other - base))
-    rel_diff = abs_diff / abs(base) if base != 0 else (0.0 if abs_diff == 0 else math.inf)
-    return MetricDiff(metric, base, other, abs_diff, rel_diff, tolerance, index)
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
-
-
-def _sample_pairs(base: Record, other: Record, notes: list[str] | None = None
-                  ) -> list[tuple[int, Any, Any]]:
-    """(flat index, base value, other value) at the sample positions both records have."""
-    b_idx, o_idx = base.get("sample_indices"), other.get("sample_indices")
-    b_val, o_val = base.get("samples"), other.get("samples")
-    if not all(isinstance(v, list) for v in (b_idx, o_idx, b_val, o_val)):
-        return []
-    if b_idx == o_idx:
-        return list(zip(b_idx, b_val, o_val))
-    other_at = dict(zip(o_idx, o_val))
-    pairs = [(i, v, other_at[i]) for i, v in zip(b_idx, b_val) if i in other_at]
-    if notes is not None:
-        notes.append(f"sample_indices differ: compared the {len(pairs)} common positions")
-    return pairs
-
-
-def record_noise(base: Record, base2: Record) -> float | None:
-    """The noise level of a record: the largest |base - base2| over its moments and samples.
-
-    None when the two baselines do not have the same shape and dtype (nothing to calibrate from).
-    """
-    if any(base.get(key) != base2.get(key) for key in STRUCTURE):
-        return None
-    diffs = [abs(base2[key] - base[key]) for key in MOMENTS
-             if is_finite_number(base.get(key)) and is_finite_number(base2.get(key))]
-    diffs += [abs(b2 - b) for _, b, b2 in _sample_pairs(base, base2)
-              if is_finite_number(b) and is_finite_number(b2)]
-    return float(max(diffs, default=0.0))
+__all__ = ["compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient"]
 
 
 def compare_records(base: Record, other: Record, config: CompareConfig = CompareConfig(),
                     noise: float | None = None) -> RecordDiff:
-    """Compares one matched pair of records (same rank, step, phase and name)."""
-    metrics: list[MetricDiff] = []
-    notes: list[str] = []
-    for key in (*STRUCTURE, *COUNTS):
-        if base.get(key) != other.get(key):
-            b, o = base.get(key), other.get(key)
-            size = abs(o - b) if key in COUNTS and is_finite_number(b) and is_finite_number(o) else math.inf
-            metrics.append(MetricDiff(key, b, o, float(size), math.inf, 0.0))
-    for key in MOMENTS:
-        b, o = base.get(key), other.get(key)
-        if (b is None and o is None) or (key in OPTIONAL_MOMENTS and (b is None or o is None)):
-            continue
-        metrics.append(_diff(key, b, o, config.tolerance(b, noise)))
-    record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0), metrics,
-                        noise=noise, notes=notes)
-    if base.get("shape") == other.get("shape"):
-        _compare_samples(record, _sample_pairs(base, other, notes), config, noise)
-    return record
-
-
-def _compare_samples(record: RecordDiff, pairs: list[tuple[int, Any, Any]], config: CompareConfig,
-                     noise: float | None) -> None:
-    if not pairs:
-        return
-    worst_at, worst_ratio = 0, -1.0
-    dot = base_norm = other_norm = max_abs = 0.0
-    for position, (_, b, o) in enumerate(pairs):
-        try:
-            diff = abs(o - b)
-        except TypeError:  # not numbers: only equality means anything
-            diff = math.inf
-        if math.isfinite(diff):
-            dot += b * o
-            base_norm += b * b
-            other_norm += o * o
-        else:  # a nan or inf on either side: must be the same value
-            diff = 0.0 if _same_value(b, o) else math.inf
-        if diff:
-            tolerance = config.tolerance(b, noise)
-            ratio = diff / tolerance if tolerance > 0 else math.inf
-            if ratio > worst_ratio:
-                worst_at, worst_ratio = position, ratio
-        max_abs = max(max_abs, diff)
-    index, b, o = pairs[worst_at]
-    record.metrics.append(_diff("samples", b, o, config.tolerance(b, noise), index))
-    record.samples_compared = len(pairs)
-    record.samples_max_abs = max_abs
-    if base_norm == 0 and other_norm == 0:
-        record.samples_cosine = 1.0
-    elif base_norm == 0 or other_norm == 0:
-        record.samples_cosine = 0.0
-    else:
-        record.samples_cosine = dot / math.sqrt(base_norm * other_norm)
+    """Compares one matched pair of records (same rank, step, phase and name); ``noise``: its noise level."""
+    return record_diffs([base], [other], config, [noise])[0]
 
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
@@ -172,18 +78,9 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
         meter.update(2)
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
-        records = zip(base.take(pairs[0][rows]), other.take(pairs[1][rows]))
-        return [compare_records(b, o, config, None if levels is None or math.isnan(levels[row]) else float(levels[row]))
-                for (b, o), row in zip(records, rows.tolist())]
+        noise_of = None if levels is None else [None if math.isnan(level) else float(level) for level in levels[rows]]
+        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config, noise_of)
 
-    irregular = np.flatnonzero(measured.irregular)
-    for row, diff in zip(irregular.tolist(), build(irregular)):  # what the columns cannot say: record by record
-        measured.ratio[row], measured.diverged[row], measured.rel_error[row] = diff.ratio, diff.diverged, diff.rel_error
-        measured.worst[row] = WORST.index("structure")  # plots build this record to show it
-        for name in MOMENTS:
-            for run in ("base", "other"):
-                value = diff.value(run, name)
-                measured.moments[(run, name)][row] = value if is_finite_number(value) else np.nan
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")
     records = RecordDiffs(rank=base.rank[pairs[0]], step=base.step[pairs[0]], seq=base.seq[pairs[0]],
@@ -204,7 +101,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     if meter:
         meter.update(3)
     report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
-                    base.keys(only_in_base), other.keys(only_in_other), base.steps, other.steps,
+                    base.keys(only_in_base), other.keys(only_in_other), base.steps_by_rank, other.steps_by_rank,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
                     zero_grads=zero_grads, renamed=renamed)
     report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
@@ -222,12 +119,7 @@ def _noise(base: LoadedDump, noise: LoadedDump, rows: np.ndarray) -> tuple[np.nd
     counterpart[base_rows] = noise_rows
     levels = np.full(len(rows), np.nan)
     has = np.flatnonzero(counterpart[rows] >= 0)
-    found, irregular = noise_levels(base, noise, (rows[has], counterpart[rows[has]]))
-    levels[has] = found
-    odd = has[irregular]
-    for row, b, n in zip(odd.tolist(), base.take(rows[odd]), noise.take(counterpart[rows[odd]])):
-        level = record_noise(b, n)
-        levels[row] = np.nan if level is None else level
+    levels[has] = noise_levels(base, noise, (rows[has], counterpart[rows[has]]))
     return levels, int(np.isnan(levels).sum())
 
 
@@ -282,7 +174,8 @@ def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> t
 
 def _finished_in_both(rank: np.ndarray, step: np.ndarray, one: LoadedDump, other: LoadedDump) -> np.ndarray:
     """Per (rank, step): whether both runs finished it; only there is a record missing on one side a mismatch."""
-    both = [(r, s) for r in set(one.steps) & set(other.steps) for s in set(one.steps[r]) & set(other.steps[r])]
+    mine, theirs = one.steps_by_rank, other.steps_by_rank
+    both = [(r, s) for r in set(mine) & set(theirs) for s in set(mine[r]) & set(theirs[r])]
     if not both:
         return np.zeros(len(rank), dtype=bool)
     pairs = np.array(both, np.int64)

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
 
 from ..utils.phases import phase_rank
-from .model import ZERO_GRAD_NOTE, Report, format_value
+from .report import Report
+from .results import ZERO_GRAD_NOTE
+from .values import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
 from .terminal import verdict
 

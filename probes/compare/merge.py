@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..dump import Record, legacy_block
-from .model import execution_order
+from ..dump.record import execution_order
 
 logger = logging.getLogger("probes.merge_activation_summary")
 

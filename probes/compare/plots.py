@@ -16,7 +16,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..utils.phases import phase_rank
-from .model import MOMENTS, CellView, RecordDiffs, Report, format_value
+from .config import MOMENTS
+from .matched import RecordDiffs
+from .report import Report
+from .results import CellView
+from .values import format_value
 from .terminal import clip
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "Grid", "HtmlConfig", "escape", "heatmap", "trajectories"]

@@ -2,7 +2,7 @@
 
     loaded = read_dump("pt_out", CompareConfig(steps=frozenset({3})), progress=True)
     loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
-    loaded.table; loaded.steps; loaded.unfinished; loaded.take([0, 1])        # rows, and records of rows
+    loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.take([0, 1])        # rows, and records of rows
     loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]                  # every record as a dict (small dumps)
 
 Parsing, completeness (the order files) and waiting for live writers are the dump reader's
@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile
 from ..dump.columns import SCHEMA, table_to_records
 from ..utils.phases import phase_rank
-from .model import COUNTS, MOMENTS, CompareConfig
+from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 
 __all__ = ["COLUMNS", "LoadedDump", "read_dump"]
@@ -44,7 +44,7 @@ class LoadedDump:
 
     path: Path
     table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from"
-    steps: dict[int, list[int]]  # rank -> finished steps read
+    steps_by_rank: dict[int, list[int]]  # rank -> finished steps read
     unfinished: dict[int, list[int]]  # rank -> unfinished steps (not read)
     renamed: dict[str, str] = field(default_factory=dict)  # original name -> name after the map, those it changed
     files: list[Path] = field(default_factory=list)  # row i comes from files[file_of[i]], line line_of[i]
@@ -53,6 +53,11 @@ class LoadedDump:
 
     def __len__(self) -> int:
         return self.table.num_rows
+
+    @property
+    def steps(self) -> dict[int, list[int]]:
+        """``steps_by_rank`` under its old name, read by tests/dump/test_dump_live.py."""
+        return self.steps_by_rank
 
     @cached_property
     def rank(self) -> np.ndarray:
@@ -82,8 +87,8 @@ class LoadedDump:
         """Row indices in execution order: step, forward before backward, seq, rank (``execution_order``)."""
         codes, phases = self.codes("phase")
         ranks = np.array([phase_rank(phase) for phase in phases.to_pylist()], np.int64)
-        phase_order = ranks[codes] if len(self) else np.zeros(0, np.int64)
-        return np.lexsort((self.rank, self.seq, phase_order, self.step))
+        by_phase = ranks[codes] if len(self) else np.zeros(0, np.int64)
+        return np.lexsort((self.rank, self.seq, by_phase, self.step))
 
     def column(self, name: str, rows: np.ndarray | None = None) -> list:
         """A column's values (of ``rows``) as Python objects."""
@@ -160,7 +165,7 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     _check_keys(loaded)
     _fill_seq(loaded)
     keep = _wanted_steps(loaded, config)
-    loaded.steps = _steps(loaded, files, keep)
+    loaded.steps_by_rank = _steps_by_rank(loaded, files, keep)
     if name_map is not None:
         _rename(loaded, name_map)
     keep &= _wanted_names(loaded, config)
@@ -208,7 +213,7 @@ def _wanted_steps(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
     return np.isin(loaded.step, np.fromiter(config.steps, dtype=np.int64, count=len(config.steps)))
 
 
-def _steps(loaded: LoadedDump, files: list[StepFile], keep: np.ndarray) -> dict[int, list[int]]:
+def _steps_by_rank(loaded: LoadedDump, files: list[StepFile], keep: np.ndarray) -> dict[int, list[int]]:
     """Rank -> the finished steps read; a step whose records were all filtered out is still a step."""
     steps: dict[int, set[int]] = {}
     ranks, found = loaded.rank[keep], loaded.step[keep]

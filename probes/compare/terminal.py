@@ -12,7 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump import RecordKey
 from ..utils.tables import text_table
-from .model import ZERO_GRAD_NOTE, RecordDiff, Report, format_value
+from .report import Report
+from .results import ZERO_GRAD_NOTE, RecordDiff
+from .values import format_value
 
 __all__ = ["clip", "counts_line", "format_report", "nonfinite_lines", "parse_steps", "plural", "ranges", "verdict"]
 

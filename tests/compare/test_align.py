@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from probes.cli import main
-from probes.compare import NameMap, NameMapError, compare_dumps, format_report, load_name_map, render_html
+from probes.compare import NameMap, NameMapError, compare_dumps, format_report, load_name_map
+from probes.compare.html import render_html
 from probes.models import Block, TinyTransformer, TransformerConfig, make_batch
 from probes.testing import assert_parity
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.compare.model import MOMENTS
+from probes.compare.config import MOMENTS
 import torch
 from torch import nn
 
@@ -21,7 +21,8 @@ import helpers
 from exporters.handles import Handle
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.__main__ import main as probes_main
-from probes.compare import compare_dumps, format_report, render_html
+from probes.compare import compare_dumps, format_report
+from probes.compare.html import render_html
 from probes.compare.terminal import verdict
 from probes.dump import DumpWriter, load_dump
 from probes.models import TinyTransformer, TransformerConfig

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from probes.compare import CompareConfig, Progress, read_dump
+from probes.compare.config import CompareConfig
+from probes.compare.reading import read_dump
+from probes.utils.progress import Progress
 from probes.utils.progress import progress_meter
 from test_compare import ROOT, run_cli, synthetic_records, write_dump
 
@@ -96,16 +98,16 @@ def test_progress_meter_follows_the_progress_option():
 def test_read_dump_keeps_the_selected_steps_and_names(two_dumps):
     base, _ = two_dumps
     loaded = read_dump(base, CompareConfig(steps=frozenset({1, 2}), names=("nothing*",)), progress=False)
-    assert loaded.records == {} and loaded.steps == {0: [1, 2]}  # a step whose records were all filtered is a step
+    assert loaded.records == {} and loaded.steps_by_rank == {0: [1, 2]}  # a step whose records were all filtered is a step
     loaded = read_dump(base, CompareConfig(names=("l0.*",)), progress=False)
     assert sorted(loaded.records) == [(0, step, phase, "l0.output.0") for step in range(3)
                                       for phase in ("backward", "forward")]
-    assert loaded.steps == {0: [0, 1, 2]} and loaded.unfinished == {}
+    assert loaded.steps_by_rank == {0: [0, 1, 2]} and loaded.unfinished == {}
 
 
 def test_read_dump_of_one_step_file(two_dumps):
     loaded = read_dump(step_file(two_dumps[0], 1), progress=False)
-    assert loaded.steps == {0: [1]} and len(loaded.records) == 8
+    assert loaded.steps_by_rank == {0: [1]} and len(loaded.records) == 8
     assert all(record["step"] == 1 for record in loaded.records.values())
 
 

@@ -18,7 +18,8 @@ import torch
 from helpers import Recorder
 from probes import StatisticsSubscriber, SubscriberManager
 from probes import load_dump
-from probes.compare import compare_dumps, compare_records
+from probes.compare import compare_dumps
+from probes.compare.engine import compare_records
 from test_real_training import Block, Net, _batch
 
 STEPS = 2

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager
-from probes.compare import compare_dumps, read_dump
+from probes.compare import compare_dumps
+from probes.compare.reading import read_dump
 from probes.dump import DumpReader, DumpWriteError, DumpWriter, flush_writers, list_steps, load_dump
 from probes.dump import reader as dump_reader
 from probes.dump import stepfiles

@@ -1,0 +1,65 @@
+"""The RecordDiff objects of matched pairs: every metric of each, from ``metrics``.
+
+    diffs = record_diffs(base_records, other_records, config, noise=[None, 0.01])   # one RecordDiff per pair
+
+Used for the records a report shows (``RecordDiffs`` builds them on demand) and by
+``engine.compare_records`` for records at hand; the records become columns of Python values
+(``pairs.from_records``), so integers stay exact and values kept in ``extra`` compare as they were written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .config import COUNTS, MOMENTS, STRUCTURE, CompareConfig
+from .metrics import evaluate
+from .pairs import from_records
+from .results import MetricDiff, RecordDiff
+from .rules import difference, finite, relative
+
+__all__ = ["record_diffs"]
+
+
+def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]], config: CompareConfig,
+                 noise: Sequence[float | None] | None = None) -> list[RecordDiff]:
+    """One RecordDiff per pair ``base[i]``, ``other[i]`` (same rank, step, phase and name); ``noise``: each
+    pair's noise level (None: none)."""
+    pairs = from_records(base, other)
+    levels = None if noise is None else np.array([math.nan if level is None else level for level in noise])
+    evaluated = evaluate(pairs, config, levels)
+    found = []
+    for row, (b, o) in enumerate(zip(base, other)):
+        metrics = []
+        for key in (*STRUCTURE, *COUNTS):
+            if pairs.unequal[key][row]:
+                values = np.empty(2, dtype=object)
+                values[:] = [b.get(key), o.get(key)]
+                size = difference(values[:1], values[1:])[0] if key in COUNTS and finite(values).all() else math.inf
+                metrics.append(MetricDiff(key, b.get(key), o.get(key), float(size), math.inf, 0.0))
+        for name in MOMENTS:
+            moment = evaluated.moments[name]
+            if moment.compared[row]:
+                values_b = pairs.base[name][0][row:row + 1]
+                rel = relative(moment.diff[row:row + 1], values_b, moment.numbers[row:row + 1])[0]
+                metrics.append(MetricDiff(name, b.get(name), o.get(name), float(moment.diff[row]), float(rel),
+                                          float(moment.tolerance[row])))
+        level = None if noise is None else noise[row]
+        record = RecordDiff(b["rank"], b["step"], b["phase"], b["name"], b.get("seq", 0), metrics, noise=level)
+        samples = evaluated.samples
+        if samples.has[row]:
+            values_b = samples.base[row:row + 1]
+            numbers = finite(values_b)
+            rel = relative(samples.diff[row:row + 1], values_b, numbers)[0]
+            metrics.append(MetricDiff("samples", samples.base[row], samples.other[row], float(samples.diff[row]),
+                                      float(rel), float(samples.tolerance[row]), samples.index[row]))
+            record.samples_compared = int(samples.compared[row])
+            record.samples_max_abs = samples.max_abs[row]
+            record.samples_cosine = float(samples.cosine[row])
+        if pairs.shifted[row]:
+            record.notes.append(f"sample_indices differ: compared the {int(samples.compared[row])} common positions")
+        found.append(record)
+    return found

@@ -1,0 +1,143 @@
+"""Every metric of every matched pair at once: the rules of ``rules`` applied to ``pairs``.
+
+    evaluated = evaluate(pairs, config, noise)     # noise: per pair the noise level (nan: none), or None
+    evaluated.moments["mean"].diff; evaluated.samples.cosine
+    levels = noise_level(pairs)                    # pairs of the base run and a second baseline run
+
+``vector`` reduces an evaluation to verdicts (ratio, diverged, the worst metric), ``details`` turns the one of
+a few pairs into RecordDiff objects: both read what is computed here, nothing else decides a metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
+from .pairs import Pairs, SampleBlock
+from .rules import difference, distance, finite, ratio, same, tolerance
+
+__all__ = ["Evaluation", "Moment", "Samples", "evaluate", "noise_level"]
+
+
+@dataclass
+class Moment:
+    """One moment of every pair: compared at all, |diff|, the tolerance, and whether the base value is a number."""
+
+    compared: np.ndarray
+    diff: np.ndarray
+    tolerance: np.ndarray
+    numbers: np.ndarray
+
+
+@dataclass
+class Samples:
+    """The samples of every pair: the worst paired sample (largest |diff| / tolerance, the first on ties) and
+    its index and values (object or float64 arrays), how many were paired, the largest |diff| and the cosine."""
+
+    has: np.ndarray
+    index: np.ndarray
+    base: np.ndarray
+    other: np.ndarray
+    diff: np.ndarray
+    tolerance: np.ndarray
+    compared: np.ndarray
+    max_abs: np.ndarray
+    cosine: np.ndarray
+
+
+@dataclass
+class Evaluation:
+    pairs: Pairs
+    unequal: np.ndarray  # a structure field or count differs
+    moments: dict[str, Moment]
+    samples: Samples
+
+
+def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = None) -> Evaluation:
+    """Every metric of ``pairs`` under ``config`` (see docs/compare.md); ``noise``: per pair the noise level."""
+    unequal = np.zeros(pairs.count, dtype=bool)
+    for found in pairs.unequal.values():
+        unequal |= found
+    moments = {}
+    for name in MOMENTS:
+        (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
+        compared = ~(null_b | null_o) if name in OPTIONAL_MOMENTS else ~(null_b & null_o)
+        numbers = finite(values_b) & ~null_b
+        moments[name] = Moment(compared, difference(values_b, values_o, null_b, null_o),
+                               tolerance(config, values_b, noise, numbers), numbers)
+    return Evaluation(pairs, unequal, moments, _samples(pairs, config, noise))
+
+
+def _samples(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None) -> Samples:
+    count = pairs.count
+    kind = object if any(block.base.dtype == object for block in pairs.samples) else np.float64
+    found = Samples(np.zeros(count, dtype=bool), np.full(count, None, dtype=object), np.zeros(count, dtype=kind),
+                    np.zeros(count, dtype=kind), np.zeros(count), np.zeros(count), np.zeros(count, np.int64),
+                    np.zeros(count, dtype=kind), np.ones(count))
+    for block in pairs.samples:
+        _scan(block, config, None if noise is None else noise[block.rows, None], found)
+    return found
+
+
+def _column_max(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Per row ``max(0.0, v0, v1, ...)`` over the valid values, in order, as Python's max keeps the first."""
+    largest = np.full(len(values), 0.0, dtype=values.dtype)
+    for j in range(values.shape[1]):
+        larger = valid[:, j] & (values[:, j] > largest).astype(bool)
+        largest[larger] = values[larger, j]
+    return largest
+
+
+def _scan(block: SampleBlock, config: CompareConfig, noise: np.ndarray | None, found: Samples) -> None:
+    """The samples of the pairs of one block, into ``found``."""
+    base, other, valid, rows = block.base, block.other, block.valid, block.rows
+    raw = distance(base, other)
+    usable = np.isfinite(raw.astype(np.float64)) & valid  # a nan or inf on either side: must be the same value
+    diff = np.where(usable, raw, np.where(same(base, other), 0.0, np.inf))
+    as_float = diff.astype(np.float64)
+    tol = tolerance(config, base, noise)
+    position_ratio = ratio(as_float, tol)
+    position_ratio[~(valid & (as_float != 0) & (position_ratio >= 0))] = -1.0  # nan (inf / inf) is never the worst
+    at = np.argmax(position_ratio, axis=1)  # the first of the largest
+    picked = np.arange(len(rows))
+    worst_base, worst_other = base[picked, at], other[picked, at]
+    found.has[rows] = True
+    found.index[rows] = block.indices[picked, at]
+    found.base[rows], found.other[rows] = worst_base, worst_other
+    found.diff[rows] = difference(worst_base, worst_other)
+    found.tolerance[rows] = tol[picked, at]
+    found.compared[rows] = valid.sum(axis=1)
+    found.max_abs[rows] = _column_max(diff, valid)
+    # Sums in position order, as one loop over the samples adds them.
+    dot, base_norm, other_norm = (np.full(len(rows), 0.0, dtype=base.dtype) for _ in range(3))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for j in range(base.shape[1]):
+            take = usable[:, j]
+            b, o = base[take, j], other[take, j]
+            dot[take] += b * o
+            base_norm[take] += b * b
+            other_norm[take] += o * o
+        dot, base_norm, other_norm = (values.astype(np.float64) for values in (dot, base_norm, other_norm))
+        cosine = dot / np.sqrt(base_norm * other_norm)
+    found.cosine[rows] = np.where((base_norm == 0) & (other_norm == 0), 1.0,
+                                  np.where((base_norm == 0) | (other_norm == 0), 0.0, cosine))
+
+
+def noise_level(pairs: Pairs) -> np.ndarray:
+    """Per pair of the base run and a second baseline run: the largest |base - base2| over the moments and
+    samples both hold as finite numbers; nan where shape, dtype or numel differ (nothing to calibrate from)."""
+    level = np.zeros(pairs.count)
+    for name in MOMENTS:
+        (values_b, null_b), (values_n, null_n) = pairs.base[name], pairs.other[name]
+        numbers = finite(values_b) & finite(values_n) & ~null_b & ~null_n
+        level = np.where(numbers, np.maximum(level, np.where(numbers, difference(values_b, values_n), 0.0)), level)
+    for block in pairs.samples:
+        numbers = finite(block.base) & finite(block.other) & block.valid
+        diffs = np.where(numbers, difference(block.base, block.other), 0.0)
+        level[block.rows] = np.maximum(level[block.rows], diffs.max(axis=1, initial=0.0))
+    structure = np.zeros(pairs.count, dtype=bool)
+    for name in STRUCTURE:
+        structure |= pairs.unequal[name]
+    return np.where(structure, np.nan, level)

@@ -1,0 +1,192 @@
+"""Both sides of matched record pairs as arrays, what the rules (``rules``, ``vector``) are applied to.
+
+    pairs, exact = from_columns(base, other, (base_rows, other_rows))   # float64 columns; ``exact``: the pairs
+    pairs = from_records(base_records, other_records)                  # they cannot hold, as Python values
+
+A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
+``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them
+(index lists that differ, lists of other lengths); every other pair has equal index lists as long as both
+sample lists, which ``pair_samples`` pairs by position, and is compared on its float64 columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .config import COUNTS, MOMENTS, STRUCTURE
+from .reading import LoadedDump
+from .rules import pair_samples
+
+__all__ = ["SCALARS", "Pairs", "SampleBlock", "from_columns", "from_records"]
+
+SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
+_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int")
+
+
+@dataclass
+class SampleBlock:
+    """Paired samples of some pairs: row i of each array belongs to pair ``rows[i]``, ``valid`` masks padding."""
+
+    rows: np.ndarray
+    indices: np.ndarray
+    base: np.ndarray
+    other: np.ndarray
+    valid: np.ndarray
+
+
+@dataclass
+class Pairs:
+    """``count`` matched pairs: which structure fields and counts differ, the single values of both sides
+    (float64 with a null mask, or object arrays holding None), and the samples paired where shapes match."""
+
+    count: int
+    unequal: dict[str, np.ndarray]  # STRUCTURE and COUNTS -> the two values differ
+    base: dict[str, tuple[np.ndarray, np.ndarray]]  # SCALARS -> (values, null)
+    other: dict[str, tuple[np.ndarray, np.ndarray]]
+    samples: list[SampleBlock]
+    shifted: np.ndarray  # the index lists differ: only the common indices were paired (a note)
+
+
+class _Columns:
+    """The compared columns of one side's matched rows as numpy arrays (nulls as a mask)."""
+
+    def __init__(self, loaded: LoadedDump, rows: np.ndarray) -> None:
+        table = loaded.table.select(list(_COMPARED))
+        if not (len(rows) == table.num_rows and np.array_equal(rows, np.arange(len(rows)))):
+            table = table.take(pa.array(rows, pa.int64()))
+        self.table = table
+
+    def floats(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        column = self.table.column(name)
+        values = column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        return values, pc.is_null(column).to_numpy(zero_copy_only=False)
+
+    def present(self, name: str) -> np.ndarray:
+        return pc.is_valid(self.table.column(name)).to_numpy(zero_copy_only=False)
+
+    def strings(self, name: str) -> np.ndarray:
+        return np.array(self.table.column(name).to_pylist(), dtype=object)
+
+    def lists(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(flat values, start offset per row, length per row; -1 for a null list), over every chunk."""
+        values, starts, lengths = [], [], []
+        base = 0
+        for chunk in self.table.column(name).chunks:
+            offsets = chunk.offsets.to_numpy()  # they index the chunk's whole child array
+            child = chunk.values.to_numpy(zero_copy_only=False)
+            values.append(child)
+            starts.append(offsets[:-1] + base)
+            lengths.append(np.where(chunk.is_null().to_numpy(zero_copy_only=False), -1, np.diff(offsets)))
+            base += len(child)
+        if not values:
+            return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (np.concatenate(values), np.concatenate(starts).astype(np.int64, copy=False),
+                np.concatenate(lengths).astype(np.int64, copy=False))
+
+
+def _isnan(values: np.ndarray) -> np.ndarray:
+    return np.isnan(values) if values.dtype.kind == "f" else np.zeros(values.shape, dtype=bool)
+
+
+def _same_lists(a: tuple, b: tuple) -> np.ndarray:
+    """Per row: the two lists are equal (both null counts as equal; a null element equals a null element)."""
+    values_a, starts_a, lengths_a = a
+    values_b, starts_b, lengths_b = b
+    same = lengths_a == lengths_b
+    if same.all() and len(values_a) == len(values_b) and np.array_equal(starts_a, starts_b):
+        if not len(values_a) or np.array_equal(values_a, values_b):
+            return same
+        # One layout on both sides: compare the flat values once, then per row.
+        unequal = ~((values_a == values_b) | (_isnan(values_a) & _isnan(values_b)))
+        running = np.concatenate([[0], np.cumsum(unequal)])
+        return running[starts_a + np.maximum(lengths_a, 0)] == running[starts_a]
+    for length in np.unique(lengths_a[same & (lengths_a > 0)]):
+        rows = np.flatnonzero(same & (lengths_a == length))
+        block_a = values_a[starts_a[rows, None] + np.arange(length)]
+        block_b = values_b[starts_b[rows, None] + np.arange(length)]
+        equal = (block_a == block_b) | (_isnan(block_a) & _isnan(block_b))
+        same[rows] = equal.all(axis=1)
+    return same
+
+
+def _rows_of(lists: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray, length: int) -> np.ndarray:
+    """The ``rows``' lists, each of ``length`` values, as a (rows, length) array (a view when they are stored
+    back to back, as a step file stores them)."""
+    values, starts, _ = lists
+    if len(rows) and starts[rows[0]] + len(rows) * length <= len(values) \
+            and np.array_equal(starts[rows], starts[rows[0]] + np.arange(len(rows)) * length):
+        return values[starts[rows[0]]:starts[rows[0]] + len(rows) * length].reshape(len(rows), length)
+    return values[starts[rows, None] + np.arange(length)]
+
+
+def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]
+                 ) -> tuple[Pairs, np.ndarray]:
+    """The pairs ``rows`` (base rows, other rows) on float64 columns, and the mask of those that go to
+    ``from_records`` instead (their entries here are not to be used)."""
+    b, o = _Columns(base, rows[0]), _Columns(other, rows[1])
+    count = len(rows[0])
+    exact = np.zeros(count, dtype=bool)
+    for side in (b, o):
+        for name in ("extra", "min_int", "max_int", "samples_int"):
+            exact |= side.present(name)
+    unequal = {"shape": ~_same_lists(b.lists("shape"), o.lists("shape")),
+               "dtype": b.strings("dtype") != o.strings("dtype")}
+    values = {name: (b.floats(name), o.floats(name)) for name in SCALARS}
+    for name in ("numel", *COUNTS):
+        (values_b, null_b), (values_o, null_o) = values[name]
+        unequal[name] = (null_b != null_o) | (~null_b & ~null_o & (values_b != values_o))
+    samples_b, samples_o = b.lists("samples"), o.lists("samples")
+    indices_b, indices_o = b.lists("sample_indices"), o.lists("sample_indices")
+    have = (samples_b[2] >= 0) & (samples_o[2] >= 0) & (indices_b[2] >= 0) & (indices_o[2] >= 0) & ~unequal["shape"]
+    by_position = have & _same_lists(indices_b, indices_o) & (samples_b[2] == samples_o[2]) \
+        & (samples_b[2] == indices_b[2])
+    exact |= have & ~by_position
+    blocks = []
+    for length in np.unique(samples_b[2][by_position & ~exact & (samples_b[2] > 0)]):
+        found = np.flatnonzero(by_position & ~exact & (samples_b[2] == length))
+        blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(samples_b, found, length),
+                                  _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
+    pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
+                  {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool))
+    return pairs, exact
+
+
+def _objects(items: Sequence[Any]) -> np.ndarray:
+    found = np.empty(len(items), dtype=object)
+    found[:] = list(items)  # element by element: a list value stays one element
+    return found
+
+
+def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]]) -> Pairs:
+    """The pairs of ``base[i]`` and ``other[i]``, every value as the record holds it (object arrays)."""
+    count = len(base)
+    unequal = {key: np.array([b.get(key) != o.get(key) for b, o in zip(base, other)], dtype=bool)
+               for key in (*STRUCTURE, *COUNTS)}
+
+    def side(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        found = {}
+        for name in SCALARS:
+            values = _objects([record.get(name) for record in records])
+            found[name] = (values, np.array([value is None for value in values], dtype=bool))
+        return found
+
+    paired = [pair_samples(b.get("sample_indices"), b.get("samples"), o.get("sample_indices"), o.get("samples"))
+              if b.get("shape") == o.get("shape") else ([], False) for b, o in zip(base, other)]
+    rows = np.array([row for row, (found, _) in enumerate(paired) if found], np.int64)
+    blocks = []
+    if len(rows):
+        width = max(len(paired[row][0]) for row in rows.tolist())
+        indices, base_values, other_values = (np.full((len(rows), width), None, dtype=object) for _ in range(3))
+        valid = np.zeros((len(rows), width), dtype=bool)
+        for i, row in enumerate(rows.tolist()):
+            for j, (index, b, o) in enumerate(paired[row][0]):
+                indices[i, j], base_values[i, j], other_values[i, j], valid[i, j] = index, b, o, True
+        blocks.append(SampleBlock(rows, indices, base_values, other_values, valid))
+    return Pairs(count, unequal, side(base), side(other), blocks,
+                 np.array([shifted for _, shifted in paired], dtype=bool))

@@ -1,0 +1,142 @@
+"""The report of a comparison (what ``compare_dumps`` returns) and its JSON document.
+
+    report.agrees; report.first_divergence; report.per_step()
+    json.dump(report.to_json(), file)                     # the schema of docs/compare.md
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..dump import Anomaly, RecordKey
+from .config import CompareConfig
+from .matched import RecordDiffs
+from .results import ZERO_GRAD_NOTE, Divergence, Rename, StepSummary
+from .values import key_json
+
+__all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]
+
+JSON_FORMAT = "probes-compare"
+JSON_VERSION = 1
+
+
+@dataclass
+class Report:
+    """The result of ``compare_dumps``; ``agrees`` is the verdict."""
+
+    base: str
+    other: str
+    noise: str | None
+    config: CompareConfig
+    records: RecordDiffs  # matched records, in execution order (a list of RecordDiff is turned into one)
+    only_in_base: list[RecordKey]
+    only_in_other: list[RecordKey]
+    base_steps: dict[int, list[int]]  # rank -> finished steps compared
+    other_steps: dict[int, list[int]]
+    unfinished: dict[str, dict[int, list[int]]]  # "base"/"other" -> rank -> unfinished steps (not read)
+    first_divergence: Divergence | None = None
+    noise_unmatched: int = 0  # matched records without a counterpart in the noise run
+    # (key, "base" or "other": the run that has it) of each gradient exactly zero in one run and absent
+    # in the other, in execution order; not in only_in_base/only_in_other. Empty with strict_zero_grads.
+    zero_grads: list[tuple[RecordKey, str]] = field(default_factory=list)
+    # "base"/"other" -> the run's first record holding nan or inf (execution order, across ranks), or None.
+    first_nonfinite: dict[str, Anomaly | None] = field(default_factory=dict)
+    # OTHER's names compared under BASE's names (name map, fuzzy alignment), in BASE's execution order.
+    renamed: list[Rename] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.records, RecordDiffs):
+            self.records = RecordDiffs.of(self.records)
+
+    @property
+    def matched(self) -> int:
+        return len(self.records)
+
+    @property
+    def diverged_count(self) -> int:
+        """How many matched records diverged."""
+        return int(self.records.diverged.sum())
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        """Every diverged matched record, in execution order."""
+        return [record.divergence() for record in self.records.select(self.records.diverged)]
+
+    @property
+    def steps_only_in_base(self) -> list[int]:
+        return sorted(_all_steps(self.base_steps) - _all_steps(self.other_steps))
+
+    @property
+    def steps_only_in_other(self) -> list[int]:
+        return sorted(_all_steps(self.other_steps) - _all_steps(self.base_steps))
+
+    @property
+    def agrees(self) -> bool:
+        """True when every record of both runs is matched and within tolerance."""
+        return self.first_divergence is None and not self.only_in_base and not self.only_in_other
+
+    def per_step(self) -> list[StepSummary]:
+        """One summary per step of either run (matched, diverged, only in one run, the worst record)."""
+        key = (len(self.records), len(self.only_in_base), len(self.only_in_other))
+        cached = self.__dict__.get("_per_step")
+        if cached is None or cached[0] != key:
+            self.__dict__["_per_step"] = cached = (key, self._per_step())
+        return list(cached[1])
+
+    def _per_step(self) -> list[StepSummary]:
+        records = self.records
+        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(records.step.tolist()))
+        # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
+        by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
+        found, first = np.unique(records.step[by_step], return_index=True)
+        worst = dict(zip(found.tolist(), records.take(by_step[first])))
+        index = np.searchsorted(steps, records.step)
+        matched = np.bincount(index, minlength=len(steps))
+        diverged = np.bincount(index, weights=records.diverged, minlength=len(steps))
+        only_base = Counter(key[1] for key in self.only_in_base)
+        only_other = Counter(key[1] for key in self.only_in_other)
+        return [StepSummary(step, int(matched[i]), int(diverged[i]), only_base[step], only_other[step], worst.get(step))
+                for i, step in enumerate(steps)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document of docs/compare.md (strict JSON: non-finite numbers become strings)."""
+        config = self.config
+        return {
+            "format": JSON_FORMAT,
+            "version": JSON_VERSION,
+            "base": self.base,
+            "other": self.other,
+            "noise": self.noise,
+            "tolerance": {"rtol": config.rtol, "atol": config.atol, "noise_factor": config.noise_factor},
+            "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
+                        "names": list(config.names)},
+            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy},
+            "verdict": "agree" if self.agrees else "diverged",
+            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
+            "counts": {"matched": self.matched, "diverged": self.diverged_count,
+                       "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
+                       "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},
+            "steps": {"base": {str(r): s for r, s in self.base_steps.items()},
+                      "other": {str(r): s for r, s in self.other_steps.items()},
+                      "only_in_base": self.steps_only_in_base, "only_in_other": self.steps_only_in_other,
+                      "unfinished": {side: {str(r): s for r, s in ranks.items()}
+                                     for side, ranks in self.unfinished.items()}},
+            "only_in_base": [key_json(key) for key in self.only_in_base],
+            "only_in_other": [key_json(key) for key in self.only_in_other],
+            "zero_grads": [{**key_json(key), "present_in": side, "note": ZERO_GRAD_NOTE}
+                           for key, side in self.zero_grads],
+            "first_nonfinite": {side: anomaly.to_json() if anomaly else None
+                                for side, anomaly in self.first_nonfinite.items()},
+            "renamed": [rename.to_json() for rename in self.renamed],
+            "per_step": [summary.to_json() for summary in self.per_step()],
+            "divergences": [record.to_json() for record in self.records.select(self.records.diverged)],
+        }
+
+
+def _all_steps(steps: Mapping[int, list[int]]) -> set[int]:
+    return {step for by_rank in steps.values() for step in by_rank}

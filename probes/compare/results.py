@@ -1,0 +1,233 @@
+"""What a comparison finds, record by record: the differences of one record, the first divergence, a rename.
+
+    record.diverged; record.worst; record.divergence()       # RecordDiff: one matched record, its MetricDiffs
+    str(divergence); divergence.to_json()                   # Divergence: where two runs first differ
+    CellView.of(record)                                     # what a plot shows of one record
+
+The matched records as arrays are ``matched`` (RecordDiffs), the whole report ``report`` (Report).
+Nothing here reads a dump or compares values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dump import RecordKey
+from .config import MOMENTS
+from .values import format_value, is_finite_number, json_value
+
+__all__ = ["ZERO_GRAD_NOTE", "CellView", "Divergence", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
+
+ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
+
+
+@dataclass(frozen=True)
+class MetricDiff:
+    """One compared quantity of one record: a structural field, a count, a moment or the samples.
+
+    Structural fields and counts must be equal (tolerance 0). For "samples" the values are those of
+    the worst sample (largest |diff| / tolerance) and ``index`` is its flat index in the tensor.
+    """
+
+    metric: str
+    base: Any
+    other: Any
+    abs_diff: float
+    rel_diff: float
+    tolerance: float
+    index: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.abs_diff <= self.tolerance
+
+    @property
+    def ratio(self) -> float:
+        """|diff| / tolerance: above 1 means the metric broke."""
+        if self.abs_diff == 0:
+            return 0.0
+        return self.abs_diff / self.tolerance if self.tolerance > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two runs first differ: a record and the metric that broke, with both values.
+
+    ``metric`` "record" means the record exists in one run only (``base``/``other`` say "present"
+    or "missing").
+    """
+
+    rank: int
+    step: int
+    phase: str
+    name: str
+    metric: str
+    base: Any
+    other: Any
+    seq: int | None = None
+    abs_diff: float | None = None
+    rel_diff: float | None = None
+    tolerance: float | None = None
+
+    def __str__(self) -> str:
+        text = (f"rank {self.rank} step {self.step} {self.phase} {self.name}: "
+                f"{self.metric} {format_value(self.base)} (base) vs {format_value(self.other)} (other)")
+        if self.abs_diff is not None and self.tolerance is not None and math.isfinite(self.abs_diff):
+            text += f", |diff| {format_value(self.abs_diff)} > tolerance {format_value(self.tolerance)}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: json_value(getattr(self, key)) for key in (
+            "rank", "step", "phase", "name", "seq", "metric", "base", "other", "abs_diff", "rel_diff", "tolerance")}
+
+
+@dataclass
+class RecordDiff:
+    """The comparison of one matched record."""
+
+    rank: int
+    step: int
+    phase: str
+    name: str
+    seq: int  # the base run's execution sequence number
+    metrics: list[MetricDiff]  # structure, counts, moments, then the worst sample
+    samples_compared: int = 0
+    samples_max_abs: float | None = None
+    samples_cosine: float | None = None
+    noise: float | None = None  # this record's noise level (None: no noise run, or no counterpart in it)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> RecordKey:
+        return self.rank, self.step, self.phase, self.name
+
+    @property
+    def diverged(self) -> bool:
+        return any(not metric.ok for metric in self.metrics)
+
+    @property
+    def worst(self) -> MetricDiff | None:
+        """The metric with the largest |diff| / tolerance (the first in check order on ties)."""
+        worst = None
+        for metric in self.metrics:
+            if worst is None or metric.ratio > worst.ratio:
+                worst = metric
+        return worst
+
+    @property
+    def ratio(self) -> float:
+        worst = self.worst
+        return worst.ratio if worst is not None else 0.0
+
+    @property
+    def rel_error(self) -> float:
+        """The largest |other - base| among min, max, mean and std, relative to the record's magnitude.
+
+        The magnitude is max(|value|, |min|, |max|) of the base run, so a mean or std near zero (a
+        normalised activation, a gradient) does not turn a rounding difference into a huge relative error.
+        """
+        moments = [m for m in self.metrics if m.metric in MOMENTS]
+        scale = max((abs(m.base) for m in moments if m.metric in ("min", "max") and is_finite_number(m.base)),
+                    default=0.0)
+        error = 0.0
+        for m in moments:
+            if m.abs_diff == 0:
+                continue
+            magnitude = max(abs(m.base) if is_finite_number(m.base) else 0.0, scale)
+            error = max(error, m.abs_diff / magnitude if magnitude > 0 else math.inf)
+        return error
+
+    def value(self, run: str, metric: str) -> Any:
+        """The base ("base") or other ("other") value of a metric, None when it was not compared."""
+        for item in self.metrics:
+            if item.metric == metric:
+                return item.base if run == "base" else item.other
+        return None
+
+    def divergence(self) -> Divergence:
+        worst = self.worst
+        assert worst is not None
+        return Divergence(self.rank, self.step, self.phase, self.name, worst.metric, worst.base, worst.other,
+                          self.seq, worst.abs_diff, worst.rel_diff, worst.tolerance)
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            "rank": self.rank, "step": self.step, "phase": self.phase, "name": self.name, "seq": self.seq,
+            "diverged": self.diverged,
+            "metric": worst.metric if worst else None,
+            "ratio": json_value(self.ratio),
+            "metrics": {m.metric: {"base": json_value(m.base), "other": json_value(m.other),
+                                   "abs_diff": json_value(m.abs_diff), "rel_diff": json_value(m.rel_diff),
+                                   "tolerance": json_value(m.tolerance), "ok": m.ok,
+                                   **({"index": m.index} if m.index is not None else {})}
+                        for m in self.metrics},
+            "samples": {"compared": self.samples_compared, "max_abs_diff": json_value(self.samples_max_abs),
+                        "cosine": json_value(self.samples_cosine)},
+            "noise": json_value(self.noise),
+            "notes": self.notes,
+        }
+
+
+@dataclass(frozen=True)
+class CellView:
+    """What a plot shows of one matched record: its verdict and its worst metric (``RecordDiffs.views``)."""
+
+    rel_error: float
+    diverged: bool
+    ratio: float
+    metric: str | None  # the worst metric (None: nothing was compared)
+    base: Any
+    other: Any
+
+    @classmethod
+    def of(cls, record: RecordDiff) -> "CellView":
+        worst = record.worst
+        return cls(record.rel_error, record.diverged, record.ratio, worst.metric if worst else None,
+                   worst.base if worst else None, worst.other if worst else None)
+
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    step: int
+    matched: int
+    diverged: int
+    only_in_base: int
+    only_in_other: int
+    worst: RecordDiff | None  # the matched record with the largest ratio in this step
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            "step": self.step, "matched": self.matched, "diverged": self.diverged,
+            "only_in_base": self.only_in_base, "only_in_other": self.only_in_other,
+            "worst": None if worst is None else {
+                "rank": worst.rank, "phase": worst.phase, "name": worst.name,
+                "metric": worst.worst.metric if worst.worst else None, "ratio": json_value(worst.ratio),
+                "rel_error": json_value(worst.rel_error)},
+        }
+
+
+@dataclass(frozen=True)
+class Rename:
+    """A name of OTHER compared as a name of BASE: given by the name map, or paired by fuzzy alignment."""
+
+    phase: str | None  # None: every phase (a name map renames a name wherever it stands)
+    other: str
+    base: str
+    how: str  # "map" or "fuzzy"
+    confidence: float  # 1.0 for the map; fuzzy: see probes.compare.align
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.phase} " if self.phase else ""
+        sure = "" if self.how == "map" else f", confidence {self.confidence:.2f}: {self.reason}"
+        return f"{where}{self.other} -> {self.base} ({self.how}{sure})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "other": self.other, "base": self.base, "how": self.how,
+                "confidence": self.confidence, "reason": self.reason}
+

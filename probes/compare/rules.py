@@ -1,0 +1,129 @@
+"""The comparison rules, defined once, on whole arrays: tolerance, difference, ratio, noise bound, sample pairing.
+
+    tolerance(config, base, noise)          # per value: max(atol + rtol * |base|, noise_factor * noise)
+    difference(base, other)                 # |other - base|; a non-number or non-finite value must be the same
+    relative(diff, base); ratio(diff, tol)  # rel_diff and |diff| / tolerance, as MetricDiff keeps them
+    pair_samples(b_idx, b_val, o_idx, o_val)  # (index, base, other) at the positions both records sampled
+
+Arrays are float64 (values a column holds: every compared pair of a large comparison) or object (Python
+values as a record holds them: exact integers, values kept in ``extra``); the same function serves both, so
+an exact integer is subtracted exactly and a non-number compares by Python equality. A None value is
+passed as a separate ``null`` mask. docs/compare.md states the rules in words.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .config import CompareConfig
+from .values import is_finite_number
+
+__all__ = ["as_floats", "difference", "distance", "finite", "pair_samples", "ratio", "relative", "same", "tolerance"]
+
+
+def finite(values: np.ndarray) -> np.ndarray:
+    """``is_finite_number`` of each value (a bool is no number)."""
+    if values.dtype.kind == "f":
+        return np.isfinite(values)
+    return np.frompyfunc(is_finite_number, 1, 1)(values).astype(bool)
+
+
+def as_floats(values: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """The values as float64 where ``numbers`` (nan elsewhere): what the tolerance and rel_diff divide by."""
+    if values.dtype.kind == "f":
+        return np.where(numbers, values, np.nan)
+    found = np.full(values.shape, np.nan)
+    found[numbers] = values[numbers].astype(np.float64)
+    return found
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def same(base: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Per pair: the same value (nan equals nan)."""
+    if base.dtype.kind == "f" and other.dtype.kind == "f":
+        return (base == other) | (np.isnan(base) & np.isnan(other))
+    return np.frompyfunc(_same_value, 2, 1)(base, other).astype(bool)
+
+
+def difference(base: np.ndarray, other: np.ndarray, null_base: np.ndarray | None = None,
+               null_other: np.ndarray | None = None) -> np.ndarray:
+    """|other - base| of two finite numbers (integers exactly, then as a float); otherwise 0 when both are the
+    same value (None only equals None), else inf."""
+    null_base = np.zeros(base.shape, bool) if null_base is None else null_base
+    null_other = np.zeros(other.shape, bool) if null_other is None else null_other
+    numbers = finite(base) & finite(other) & ~null_base & ~null_other
+    diff = np.where(np.where(null_base | null_other, null_base & null_other, same(base, other)), 0.0, np.inf)
+    if numbers.any():
+        with np.errstate(invalid="ignore", over="ignore"):
+            found = np.abs(other[numbers] - base[numbers])
+        diff[numbers] = found.astype(np.float64)
+    return diff
+
+
+def relative(diff: np.ndarray, base: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """rel_diff: |diff| / |base| (0 when both are 0, inf when only base is); for non-numbers the diff itself."""
+    magnitude = np.abs(as_floats(base, numbers))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scaled = diff / np.where(magnitude != 0, magnitude, 1.0)
+    return np.where(~numbers, diff, np.where(magnitude != 0, scaled, np.where(diff == 0, 0.0, np.inf)))
+
+
+def tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None, numbers: np.ndarray | None = None
+              ) -> np.ndarray:
+    """atol + rtol * |base| (atol where base is no finite number), raised to noise_factor * noise where that is
+    larger; ``noise``: per value the record's noise level, nan (or None for all) without one."""
+    numbers = finite(base) if numbers is None else numbers
+    fixed = np.abs(as_floats(base, numbers))
+    with np.errstate(invalid="ignore", over="ignore"):
+        fixed *= config.rtol
+        fixed += config.atol
+    fixed[~numbers] = config.atol
+    if noise is None:
+        return fixed
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = config.noise_factor * noise  # nan (0 * inf, or no level) never raises the tolerance
+    return np.where(bound > fixed, bound, fixed)
+
+
+def ratio(diff: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """MetricDiff.ratio: 0 for no difference, else |diff| / tolerance (inf for a tolerance of 0)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        found = diff / np.where(tol > 0, tol, 1.0)
+    return np.where(diff == 0, 0.0, np.where(tol > 0, found, np.inf))
+
+
+def _distance(base: Any, other: Any) -> Any:
+    try:
+        return abs(other - base)
+    except TypeError:  # not numbers: only equality means anything
+        return math.inf
+
+
+def distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """|other - base| of two samples as Python computes it (a bool is a number here; no number: inf)."""
+    if base.dtype.kind == "f" and other.dtype.kind == "f":
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.abs(other - base)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.frompyfunc(_distance, 2, 1)(base, other)
+
+
+def pair_samples(base_indices: Any, base_values: Any, other_indices: Any, other_values: Any
+                 ) -> tuple[list[tuple[Any, Any, Any]], bool]:
+    """((flat index, base value, other value) at the sample positions both records have, whether the index
+    lists differ). Equal index lists pair by position; otherwise only the common indices pair. No pairs
+    unless all four are lists."""
+    if not all(isinstance(v, list) for v in (base_indices, base_values, other_indices, other_values)):
+        return [], False
+    if base_indices == other_indices:
+        return list(zip(base_indices, base_values, other_values)), False
+    other_at = dict(zip(other_indices, other_values))
+    return [(i, v, other_at[i]) for i, v in zip(base_indices, base_values) if i in other_at], True
