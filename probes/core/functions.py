@@ -2,14 +2,15 @@
 
 Both are identities on their tensors. Being autograd Functions, they are carried into an exported
 ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the same ``forward`` and
-``backward`` on every step that eager PyTorch calls. Their first argument is passed by pointer and
-is therefore live state, not a constant frozen at export.
+``backward`` on every step that eager PyTorch calls. Their non-tensor arguments are passed by pointer
+and are therefore live state, not constants frozen at export.
 
-    outputs = TensorProbe.apply(site, *tensors)        # per-step on_forward / on_backward calls
-    outputs = StepBoundary.apply(tracker, *tensors)    # end of the root module's forward; its backward
-                                                       # makes the step close when that backward pass ends
+    outputs = TensorProbe.apply(tracker, site, *tensors)   # per-step on_forward / on_backward calls
+    outputs = StepBoundary.apply(tracker, *tensors)        # end of the root module's forward; its backward
+                                                           # makes the step close when that backward pass ends
 
-Both report to the subscription's ``probes.core.steps.StepTracker`` through its public calls.
+``tracker`` is the subscription's ``probes.core.steps.StepTracker``, which both report to through its
+public calls; ``site`` is plain data (``ProbeSite``) naming where the probe sits.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class TensorProbe(torch.autograd.Function):
     """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
 
     @staticmethod
-    def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.event = None if _ort_compat.is_exporting() else site.manager.steps.probe_forward(site, tensors)
+    def forward(ctx: Any, tracker: "StepTracker", site: ProbeSite, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.tracker = tracker
+        ctx.event = None if _ort_compat.is_exporting() else tracker.probe_forward(site, tensors)
         outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
@@ -98,8 +100,8 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.event is not None:
-            ctx.event.site.manager.steps.probe_backward(ctx.event, differentiated(ctx, grads))
-        return (None, *grads_for_inputs(ctx, grads))
+            ctx.tracker.probe_backward(ctx.event, differentiated(ctx, grads))
+        return (None, None, *grads_for_inputs(ctx, grads))
 
 
 class StepBoundary(torch.autograd.Function):
@@ -122,8 +124,8 @@ class StepBoundary(torch.autograd.Function):
 
 
 def _describe_site(non_tensor_args: Sequence[Any]) -> str:
-    """A TensorProbe's site name, for its PythonOp's ``comment`` attribute."""
-    site = non_tensor_args[0] if non_tensor_args else None
+    """A TensorProbe's site name, for its PythonOp's ``comment`` attribute (its arguments: tracker, site)."""
+    site = non_tensor_args[1] if len(non_tensor_args) > 1 else None
     if not isinstance(site, ProbeSite):
         return ""
     return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"

@@ -45,17 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
-from . import compiled
 from .selection import Selection
 from ..utils.phases import Phase
-
-if TYPE_CHECKING:
-    from .manager import SubscriberManager
 
 SiteKind = Literal["input", "output", "inspect"]
 
@@ -64,7 +60,8 @@ SiteKind = Literal["input", "output", "inspect"]
 class ProbeSite:
     """Where a probe sits: one module's inputs or outputs, or one ``inspect_activation`` name.
 
-    Sites are identity objects shared by every copy of the model (ORT deep-copies it to export).
+    Plain data: it knows nothing of the subscription that made it. Compared and hashed by identity, since
+    a subscription keys its per-site state (call counts, failures, caches) by its own sites.
     """
 
     name: str  # the module's qualified name ("<root>" for the root), or the inspect name
@@ -72,14 +69,6 @@ class ProbeSite:
     module_index: int  # position in the root's named_modules(); -1 for inspect sites
     depth: int  # 0 for the root
     module_class: str
-    manager: "SubscriberManager"
-    compiled_key: int = field(init=False, repr=False)  # how a torch.compile graph names this site
-
-    def __post_init__(self) -> None:
-        self.compiled_key = compiled.site_key(self)
-
-    def __deepcopy__(self, memo: dict) -> "ProbeSite":
-        return self
 
     def record_name(self, tensor_index: int, call: int = 0) -> str:
         """Stable name of the i-th tensor here, e.g. ``encoder.layers.0.output.1``.

@@ -173,8 +173,8 @@ def test_hooks_and_probe_functions_use_only_the_step_trackers_public_calls():
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)
     manager = SubscriberManager()
-    spy = _PublicCallsOnly(manager.steps)
-    manager.steps = spy
+    spy = _PublicCallsOnly(manager.tracker)
+    manager.tracker = spy
     recorder = Recorder()
     with manager.subscribe(model, [recorder]):
         train_steps(model, 2)
@@ -192,7 +192,7 @@ def test_the_step_tracker_alone_numbers_and_closes_steps():
     recorder = Recorder()
     tracker = StepTracker(forward_running=lambda: False)
     tracker.reset([recorder])
-    site = ProbeSite("layer", "output", 1, 1, "Linear", SubscriberManager())
+    site = ProbeSite("layer", "output", 1, 1, "Linear")
     x = torch.ones(2)
     event = tracker.probe_forward(site, [x])
     tracker.forward_returned()

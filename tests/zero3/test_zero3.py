@@ -104,7 +104,7 @@ def test_hooks_refuse_a_copy_of_the_model():
     # ORTModule deep-copies the model before export unless told not to; a copy cannot be gathered.
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     subscriber = ZeROOffloadSubscriber(_Offload(model))
-    site = ProbeSite("<root>", "input", 0, 0, "Sequential", None)
+    site = ProbeSite("<root>", "input", 0, 0, "Sequential")
     with pytest.raises(DeepCopiedModuleError, match="ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0"):
         subscriber.pre_forward_module_apply(site, copy.deepcopy(model), (torch.zeros(1, 2),), {})
 
