@@ -82,8 +82,8 @@ class LoadedDump:
         """Row indices in execution order: step, forward before backward, seq, rank (``execution_order``)."""
         codes, phases = self.codes("phase")
         ranks = np.array([phase_rank(phase) for phase in phases.to_pylist()], np.int64)
-        phase_rank = ranks[codes] if len(self) else np.zeros(0, np.int64)
-        return np.lexsort((self.rank, self.seq, phase_rank, self.step))
+        phase_order = ranks[codes] if len(self) else np.zeros(0, np.int64)
+        return np.lexsort((self.rank, self.seq, phase_order, self.step))
 
     def column(self, name: str, rows: np.ndarray | None = None) -> list:
         """A column's values (of ``rows``) as Python objects."""
