@@ -44,7 +44,7 @@ from exporters import _torch_compat
 from .functions import mark_frozen
 
 if TYPE_CHECKING:
-    from .interface import ProbeSite
+    from .sites import ProbeSite
     from .steps import StepTracker
 
 # What an op call is: a module's input or output probe, the root's step boundary, or an

@@ -21,7 +21,7 @@ import torch
 
 from exporters import _ort_compat, register_probe_function
 
-from .interface import ProbeSite
+from .sites import ProbeSite
 
 if TYPE_CHECKING:
     from .steps import StepTracker

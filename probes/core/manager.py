@@ -41,7 +41,8 @@ from ..utils import TensorLeaves, at_exit
 from . import compiled, rootcall, wrappers
 from .functions import StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
-from .interface import ProbeSite, SubscriberBase
+from .interface import SubscriberBase
+from .sites import ProbeSite
 
 ROOT_NAME = "<root>"
 
@@ -87,7 +88,7 @@ class ManagerRegistry:
     """
 
     def __init__(self) -> None:
-        # Holds each manager as long as its model lives, so that its hooks (which reach it) keep working.
+        # Which manager holds each model, so that subscribing it again replaces the old subscription.
         self.holders: "weakref.WeakKeyDictionary[torch.nn.Module, SubscriberManager]" = weakref.WeakKeyDictionary()
         self.running: list[SubscriberManager] = []  # managers whose root forward runs, innermost last
         self.live: "weakref.WeakSet[SubscriberManager]" = weakref.WeakSet()
@@ -222,7 +223,7 @@ class SubscriberManager:
         site = self.inspect_site(name, type(tensor).__name__)
         if not self.tracker.wants_site(site):
             return tensor
-        (probed,) = TensorProbe.apply(site, tensor)
+        (probed,) = TensorProbe.apply(self.tracker, site, tensor)
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:

@@ -37,7 +37,8 @@ import torch
 from exporters import _torch_compat
 
 from .failures import SiteFailures
-from .interface import ProbeEvent, ProbeSite, SubscriberBase
+from .interface import SubscriberBase
+from .sites import ProbeEvent, ProbeSite
 
 
 _QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward
