@@ -23,9 +23,9 @@ from probes.models import TinyTransformer, TransformerConfig, make_batch
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 
 
-def train_steps(model, steps, seed=0):
+def train_steps(model, count, seed=0):
     losses = []
-    for step in range(steps):
+    for step in range(count):
         batch = make_batch(CONFIG, batch_size=4, seed=seed + step)
         loss = model(batch["tokens"], labels=batch["labels"])
         loss.backward()
@@ -105,6 +105,42 @@ def test_probes_do_not_change_loss_or_gradients_bit_for_bit():
             for (name, a), (_, b) in zip(probed.named_parameters(), plain.named_parameters()):
                 assert torch.equal(a.grad, b.grad), name
     assert observer.calls
+
+
+class SiteRecorder(Recorder):
+    """A Recorder that also keeps the site of every forward call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[ProbeSite] = []
+
+    def on_forward(self, event, tensors):
+        self.sites.append(event.site)
+        super().on_forward(event, tensors)
+
+
+def test_a_deep_copy_of_a_probed_model_reports_to_the_same_subscription():
+    # ORTModule deep-copies the model, hooks included, before it exports: the copy's probes must reach
+    # the live subscription, whose manager, tracker and sites the copy shares instead of copying them.
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    recorder = SiteRecorder()
+    manager = SubscriberManager()
+    with manager.subscribe(model, [recorder]):
+        memo: dict = {}
+        twin = copy.deepcopy(model, memo)
+        copied = [value for key, value in memo.items() if key != id(memo)]
+        assert not [value for value in copied if isinstance(value, (SubscriberManager, StepTracker, ProbeSite))]
+        assert hook_count(twin) == hook_count(model)
+        original_losses = train_steps(model, 1)
+        twin_losses = train_steps(twin, 1)
+        assert manager.step == 2 and recorder.step_ends == [0, 1]
+        assert recorder.names(1, "forward") == recorder.names(0, "forward")
+        assert recorder.names(1, "backward") == recorder.names(0, "backward")
+        half = len(recorder.sites) // 2
+        assert all(a is b for a, b in zip(recorder.sites[:half], recorder.sites[half:]))
+        assert set(map(id, recorder.sites)) <= set(map(id, manager.sites))
+        assert torch.equal(original_losses[0], twin_losses[0])
 
 
 def test_unsubscribe_removes_every_hook_and_restores_outputs():
