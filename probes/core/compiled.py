@@ -51,8 +51,6 @@ if TYPE_CHECKING:
 # ``inspect_activation`` call (its site is made when it first runs, by name, by the owner: making one
 # while tracing would be Python side effects dynamo cannot put in a graph).
 _INPUT, _OUTPUT, _BOUNDARY, _INSPECT = 0, 1, 2, 3
-_KIND_OF = {_INPUT: "input", _OUTPUT: "output"}
-_PROBE_OF = {"input": _INPUT, "output": _OUTPUT}
 
 
 class SiteOwner(Protocol):
@@ -143,7 +141,7 @@ def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int
     if what == _BOUNDARY:  # may raise on purpose where a phase ends (the anomaly sentinel): not caught
         tracker.backward_reached_root() if backward else tracker.forward_returned()
         return
-    site = owner.inspect_site(name) if what == _INSPECT else owner.module_site(module, _KIND_OF[what])
+    site = owner.inspect_site(name) if what == _INSPECT else owner.module_site(module, "input" if what == _INPUT else "output")
     if site is None:
         return
     try:
@@ -201,7 +199,7 @@ def _pass(key: int, module: int, what: int, tensors: Sequence[torch.Tensor], nam
 def probe(key: int, site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Pass ``tensors`` through a probe of the module site ``site`` of subscription ``key`` in the program
     dynamo is tracing."""
-    return _pass(key, site.module_index, _PROBE_OF[site.kind], tensors)
+    return _pass(key, site.module_index, _INPUT if site.kind == "input" else _OUTPUT, tensors)
 
 
 def inspect(key: int, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@ ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the
 ``backward`` on every step that eager PyTorch calls. Their non-tensor arguments are passed by pointer
 and are therefore live state, not constants frozen at export.
 
-    outputs = TensorProbe.apply(tracker, site, *tensors)   # per-step on_forward / on_backward calls
-    outputs = StepBoundary.apply(tracker, *tensors)        # end of the root module's forward; its backward
-                                                           # makes the step close when that backward pass ends
+    outputs = TensorProbe.apply(SiteProbe(tracker, site), *tensors)   # per-step on_forward / on_backward calls
+    outputs = StepBoundary.apply(tracker, *tensors)                   # end of the root module's forward; its
+                                                                      # backward makes the step close when that
+                                                                      # backward pass ends
 
 ``tracker`` is the subscription's ``probes.core.steps.StepTracker``, which both report to through its
 public calls; ``site`` is plain data (``ProbeSite``) naming where the probe sits.
@@ -15,6 +16,7 @@ public calls; ``site`` is plain data (``ProbeSite``) naming where the probe sits
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -86,13 +88,26 @@ def can_probe(tensor: torch.Tensor) -> bool:
     return not (tensor.is_nested and tensor.layout == torch.strided)
 
 
+@dataclass(frozen=True, eq=False)
+class SiteProbe:
+    """A TensorProbe's one non-tensor argument: the tracker it reports to, and where it sits.
+
+    One per site and subscription, made by the manager. One argument, passed to ORT as one pointer.
+    """
+
+    tracker: "StepTracker"
+    site: ProbeSite
+
+
 class TensorProbe(torch.autograd.Function):
     """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
 
     @staticmethod
-    def forward(ctx: Any, tracker: "StepTracker", site: ProbeSite, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.tracker = tracker
-        ctx.event = None if _ort_compat.is_exporting() else tracker.probe_forward(site, tensors)
+    def forward(ctx: Any, probe: SiteProbe, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.event = None
+        if not _ort_compat.is_exporting():
+            ctx.tracker = probe.tracker
+            ctx.event = probe.tracker.probe_forward(probe.site, tensors)
         outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
@@ -101,7 +116,7 @@ class TensorProbe(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.event is not None:
             ctx.tracker.probe_backward(ctx.event, differentiated(ctx, grads))
-        return (None, None, *grads_for_inputs(ctx, grads))
+        return (None, *grads_for_inputs(ctx, grads))
 
 
 class StepBoundary(torch.autograd.Function):
@@ -124,10 +139,11 @@ class StepBoundary(torch.autograd.Function):
 
 
 def _describe_site(non_tensor_args: Sequence[Any]) -> str:
-    """A TensorProbe's site name, for its PythonOp's ``comment`` attribute (its arguments: tracker, site)."""
-    site = non_tensor_args[1] if len(non_tensor_args) > 1 else None
-    if not isinstance(site, ProbeSite):
+    """A TensorProbe's site name, for its PythonOp's ``comment`` attribute."""
+    probe = non_tensor_args[0] if non_tensor_args else None
+    if not isinstance(probe, SiteProbe):
         return ""
+    site = probe.site
     return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"
 
 

@@ -39,7 +39,7 @@ from exporters.handles import Handle
 
 from ..utils import TensorLeaves, at_exit
 from . import compiled, rootcall, wrappers
-from .functions import StepBoundary, TensorProbe, can_probe
+from .functions import SiteProbe, StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
 from .interface import SubscriberBase
 from .sites import ProbeSite
@@ -114,6 +114,7 @@ class SubscriberManager:
         self._handles: list[RemovableHandle | Handle] = []
         self._module_sites: list[tuple[ProbeSite, ProbeSite]] = []  # (input, output) per module index
         self._inspect_sites: dict[str, ProbeSite] = {}
+        self._probes: dict[ProbeSite, SiteProbe] = {}  # each site's TensorProbe argument
         self._unobserved_warned: set[ProbeSite] = set()
         self._subscription: Subscription | None = None
         self._compiled_key: int | None = None  # how torch.compile graphs find this subscription (compiled.OPS)
@@ -184,6 +185,7 @@ class SubscriberManager:
         self._subscription = None
         self._module_sites.clear()
         self._inspect_sites.clear()
+        self._probes.clear()
         self._unobserved_warned.clear()
         for subscriber in subscribers:
             subscriber.close()
@@ -223,7 +225,7 @@ class SubscriberManager:
         site = self.inspect_site(name, type(tensor).__name__)
         if not self.tracker.wants_site(site):
             return tensor
-        (probed,) = TensorProbe.apply(self.tracker, site, tensor)
+        (probed,) = TensorProbe.apply(self._probes[site], tensor)
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
@@ -231,6 +233,7 @@ class SubscriberManager:
         site = self._inspect_sites.get(name)
         if site is None:
             site = self._inspect_sites[name] = ProbeSite(name, "inspect", -1, -1, tensor_class)
+            self._probes[site] = SiteProbe(self.tracker, site)
         return site
 
     def module_site(self, module_index: int, kind: str) -> ProbeSite | None:
@@ -252,6 +255,7 @@ class SubscriberManager:
             inputs, outputs = (ProbeSite(qualified, kind, index, depth, type(module).__name__)
                                for kind in ("input", "output"))
             self._module_sites.append((inputs, outputs))
+            self._probes.update({site: SiteProbe(self.tracker, site) for site in (inputs, outputs)})
             probe_inputs = self.tracker.wants_site(inputs)
             probe_outputs = self.tracker.wants_site(outputs)
             if index != 0 and not (builders or probe_inputs or probe_outputs):
@@ -345,7 +349,7 @@ class SubscriberManager:
             key = self._compiled_key
             return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
-            return TensorProbe.apply(self.tracker, site, *tensors)
+            return TensorProbe.apply(self._probes[site], *tensors)
         if tensors:
             return StepBoundary.apply(self.tracker, *tensors)
         if not _ort_compat.is_exporting():
