@@ -22,7 +22,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .interface import ProbeEvent, ProbeSite, SubscriberBase
+    from .interface import SubscriberBase
+    from .sites import ProbeEvent, ProbeSite
 
 _REASON_LENGTH = 300
 _ALL = None  # switched off for every subscriber

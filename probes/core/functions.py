@@ -2,25 +2,28 @@
 
 Both are identities on their tensors. Being autograd Functions, they are carried into an exported
 ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the same ``forward`` and
-``backward`` on every step that eager PyTorch calls. Their first argument is passed by pointer and
-is therefore live state, not a constant frozen at export.
+``backward`` on every step that eager PyTorch calls. Their non-tensor arguments are passed by pointer
+and are therefore live state, not constants frozen at export.
 
-    outputs = TensorProbe.apply(site, *tensors)        # per-step on_forward / on_backward calls
-    outputs = StepBoundary.apply(tracker, *tensors)    # end of the root module's forward; its backward
-                                                       # makes the step close when that backward pass ends
+    outputs = TensorProbe.apply(SiteProbe(tracker, site), *tensors)   # per-step on_forward / on_backward calls
+    outputs = StepBoundary.apply(tracker, *tensors)                   # end of the root module's forward; its
+                                                                      # backward makes the step close when that
+                                                                      # backward pass ends
 
-Both report to the subscription's ``probes.core.steps.StepTracker`` through its public calls.
+``tracker`` is the subscription's ``probes.core.steps.StepTracker``, which both report to through its
+public calls; ``site`` is plain data (``ProbeSite``) naming where the probe sits.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from exporters import _ort_compat, register_probe_function
 
-from .interface import ProbeSite
+from .sites import ProbeSite
 
 if TYPE_CHECKING:
     from .steps import StepTracker
@@ -85,12 +88,26 @@ def can_probe(tensor: torch.Tensor) -> bool:
     return not (tensor.is_nested and tensor.layout == torch.strided)
 
 
+@dataclass(frozen=True, eq=False)
+class SiteProbe:
+    """A TensorProbe's one non-tensor argument: the tracker it reports to, and where it sits.
+
+    One per site and subscription, made by the manager. One argument, passed to ORT as one pointer.
+    """
+
+    tracker: "StepTracker"
+    site: ProbeSite
+
+
 class TensorProbe(torch.autograd.Function):
     """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
 
     @staticmethod
-    def forward(ctx: Any, site: "ProbeSite", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.event = None if _ort_compat.is_exporting() else site.manager.steps.probe_forward(site, tensors)
+    def forward(ctx: Any, probe: SiteProbe, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.event = None
+        if not _ort_compat.is_exporting():
+            ctx.tracker = probe.tracker
+            ctx.event = probe.tracker.probe_forward(probe.site, tensors)
         outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs
@@ -98,7 +115,7 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if ctx.event is not None:
-            ctx.event.site.manager.steps.probe_backward(ctx.event, differentiated(ctx, grads))
+            ctx.tracker.probe_backward(ctx.event, differentiated(ctx, grads))
         return (None, *grads_for_inputs(ctx, grads))
 
 
@@ -123,9 +140,10 @@ class StepBoundary(torch.autograd.Function):
 
 def _describe_site(non_tensor_args: Sequence[Any]) -> str:
     """A TensorProbe's site name, for its PythonOp's ``comment`` attribute."""
-    site = non_tensor_args[0] if non_tensor_args else None
-    if not isinstance(site, ProbeSite):
+    probe = non_tensor_args[0] if non_tensor_args else None
+    if not isinstance(probe, SiteProbe):
         return ""
+    site = probe.site
     return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"
 
 

@@ -45,73 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import compiled
 from .selection import Selection
-from ..utils.phases import Phase
+from .sites import ProbeEvent, ProbeSite
 
-if TYPE_CHECKING:
-    from .manager import SubscriberManager
-
-SiteKind = Literal["input", "output", "inspect"]
-
-
-@dataclass(eq=False)
-class ProbeSite:
-    """Where a probe sits: one module's inputs or outputs, or one ``inspect_activation`` name.
-
-    Sites are identity objects shared by every copy of the model (ORT deep-copies it to export).
-    """
-
-    name: str  # the module's qualified name ("<root>" for the root), or the inspect name
-    kind: SiteKind
-    module_index: int  # position in the root's named_modules(); -1 for inspect sites
-    depth: int  # 0 for the root
-    module_class: str
-    manager: "SubscriberManager"
-    compiled_key: int = field(init=False, repr=False)  # how a torch.compile graph names this site
-
-    def __post_init__(self) -> None:
-        self.compiled_key = compiled.site_key(self)
-
-    def __deepcopy__(self, memo: dict) -> "ProbeSite":
-        return self
-
-    def record_name(self, tensor_index: int, call: int = 0) -> str:
-        """Stable name of the i-th tensor here, e.g. ``encoder.layers.0.output.1``.
-
-        A module called more than once in a step gets ``#<call>`` after its name from the second call.
-        """
-        base = self.name if call == 0 else f"{self.name}#{call}"
-        if self.kind == "inspect":
-            return base if tensor_index == 0 else f"{base}.{tensor_index}"
-        return f"{base}.{self.kind}.{tensor_index}"
-
-    def legacy_name(self, tensor_index: int) -> str:
-        """The original onnxruntime hooks' form: ``<Class>_<module index>_<i>th_output``."""
-        if self.kind == "inspect":
-            return self.name
-        return f"{self.module_class}_{self.module_index}_{tensor_index}th_{self.kind}"
-
-
-@dataclass(frozen=True)
-class ProbeEvent:
-    """One probe firing: a site, in a step, in a phase."""
-
-    site: ProbeSite
-    step: int
-    phase: Phase
-    seq: int  # execution order within the step; every phase shares one counter
-    call: int = 0  # how many times this site fired earlier in the step (see ``record_name``)
-    forward_step: int | None = None  # backward only: the step of the forward it differentiates, if another
-
-    def record_name(self, tensor_index: int) -> str:
-        return self.site.record_name(tensor_index, self.call)
-
+__all__ = ["ProbeEvent", "ProbeSite", "SubscriberBase"]
 
 _GRAPH_BUILDING_CALLS = ("pre_forward_module_apply", "post_forward_module_apply", "pre_forward_outmost_module_apply",
                          "post_forward_outmost_module_apply")

@@ -15,8 +15,9 @@ through ``StepBoundary``; those Functions do the per-step work, so the same code
 executes the exported graph and the hooks no longer fire. While dynamo traces (torch.compile), the
 hooks put the custom ops of ``compiled`` in the graph instead.
 
-Those Functions report to the manager's ``StepTracker`` (``manager.steps``, ``probes.core.steps``),
+Those Functions are handed the manager's ``StepTracker`` (``manager.tracker``, ``probes.core.steps``),
 which numbers the steps, closes them and makes the per-step calls; its docstring has the step rules.
+The sites they get are plain data: nothing in the hot path points back to the manager.
 
 Module names ignore wrappers (DDP, FSDP, torch.compile, DeepSpeed, checkpoint wrappers, ORTModule).
 """
@@ -38,9 +39,10 @@ from exporters.handles import Handle
 
 from ..utils import TensorLeaves, at_exit
 from . import compiled, rootcall, wrappers
-from .functions import StepBoundary, TensorProbe, can_probe
+from .functions import SiteProbe, StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
-from .interface import ProbeSite, SubscriberBase
+from .interface import SubscriberBase
+from .sites import ProbeSite
 
 ROOT_NAME = "<root>"
 
@@ -77,28 +79,46 @@ class Subscription(Handle):
             self.manager.unsubscribe()
 
 
-# Which manager currently holds each model, so that subscribing again replaces the old subscription.
-_HOLDERS: "weakref.WeakKeyDictionary[torch.nn.Module, SubscriberManager]" = weakref.WeakKeyDictionary()
-# Managers whose root forward is running; inspect_activation reports to the innermost.
-_RUNNING: list["SubscriberManager"] = []
-_LIVE: "weakref.WeakSet[SubscriberManager]" = weakref.WeakSet()
+class ManagerRegistry:
+    """What all managers share: which manager holds each model, whose root forward runs, which to finish at exit.
+
+    Process-wide, and so one instance (``REGISTRY``): a model subscribed again from any manager must
+    find the manager holding it, ``inspect_activation`` is a plain function called inside any subscribed
+    forward, and interpreter exit must reach every manager.
+    """
+
+    def __init__(self) -> None:
+        # Which manager holds each model, so that subscribing it again replaces the old subscription.
+        self.holders: "weakref.WeakKeyDictionary[torch.nn.Module, SubscriberManager]" = weakref.WeakKeyDictionary()
+        self.running: list[SubscriberManager] = []  # managers whose root forward runs, innermost last
+        self.live: "weakref.WeakSet[SubscriberManager]" = weakref.WeakSet()
+
+    def forward_running(self, manager_ref: "weakref.ref[SubscriberManager]") -> bool:
+        return manager_ref() in self.running
+
+    def finish_all(self) -> None:
+        for manager in list(self.live):
+            manager.unsubscribe()
+
+
+REGISTRY = ManagerRegistry()
 
 
 class SubscriberManager:
     """Registers subscribers on a model; see the module docstring."""
 
     def __init__(self) -> None:
-        self.steps = StepTracker(forward_running=self._forward_running)
+        # Weakly: the tracker is handed to probe Functions, and an exported graph keeps those arguments.
+        self.tracker = StepTracker(forward_running=functools.partial(REGISTRY.forward_running,
+                                                                     weakref.ref(self)))
         self._handles: list[RemovableHandle | Handle] = []
-        self._sites: list[ProbeSite] = []
+        self._module_sites: list[tuple[ProbeSite, ProbeSite]] = []  # (input, output) per module index
         self._inspect_sites: dict[str, ProbeSite] = {}
+        self._probes: dict[ProbeSite, SiteProbe] = {}  # each site's TensorProbe argument
+        self._unobserved_warned: set[ProbeSite] = set()
         self._subscription: Subscription | None = None
+        self._compiled_key: int | None = None  # how torch.compile graphs find this subscription (compiled.OPS)
         self._wrapper_ref: weakref.ref | None = None
-
-    def __deepcopy__(self, memo: dict) -> "SubscriberManager":
-        # ORT deep-copies the model (and so its hooks) before exporting; the copy's probes must
-        # report to this manager, which owns the run state and the subscribers.
-        return self
 
     # Public API -----------------------------------------------------------------------------
 
@@ -129,14 +149,15 @@ class SubscriberManager:
         root = wrappers.unwrap(model)
         exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
-        previous = _HOLDERS.get(root)
+        previous = REGISTRY.holders.get(root)
         if previous is not None:
             previous.unsubscribe()
 
-        self.steps.reset(subscribers)
+        self.tracker.reset(subscribers)
+        self._compiled_key = compiled.OPS.register(self)
         self._register_hooks(root)
-        _HOLDERS[root] = self
-        _LIVE.add(self)
+        REGISTRY.holders[root] = self
+        REGISTRY.live.add(self)
         self._wrapper_ref = weakref.ref(model) if model is not root else None
         _ort_compat.signal_model_changed(model)
         self._subscription = Subscription(self, root)
@@ -147,20 +168,25 @@ class SubscriberManager:
         """Remove every hook this manager added, finish the open step and close the subscribers."""
         if self._subscription is None:
             return
-        subscribers = self.steps.subscribers
-        self.steps.stop()
+        subscribers = self.tracker.subscribers
+        self.tracker.stop()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._compiled_key is not None:
+            compiled.OPS.unregister(self._compiled_key)
+            self._compiled_key = None
         root = self._subscription.model
-        if root is not None and _HOLDERS.get(root) is self:
-            del _HOLDERS[root]
+        if root is not None and REGISTRY.holders.get(root) is self:
+            del REGISTRY.holders[root]
         wrapper = self._wrapper_ref() if self._wrapper_ref is not None else None
         if wrapper is not None:
             _ort_compat.signal_model_changed(wrapper)
         self._subscription = None
-        self._sites.clear()
+        self._module_sites.clear()
         self._inspect_sites.clear()
+        self._probes.clear()
+        self._unobserved_warned.clear()
         for subscriber in subscribers:
             subscriber.close()
 
@@ -168,78 +194,104 @@ class SubscriberManager:
     def flush(self) -> None:
         """Finish the open step now (a step closes by itself when its backward ends; this closes a
         forward-only one, e.g. after evaluation)."""
-        self.steps.close_open_step()
+        self.tracker.close_open_step()
 
     @property
     def step(self) -> int:
         """The number of steps begun so far (the number the next step will get)."""
-        return self.steps.step
+        return self.tracker.step
 
     @property
     def subscribers(self) -> tuple[SubscriberBase, ...]:
-        return self.steps.subscribers
+        return self.tracker.subscribers
 
     @property
     def sites(self) -> tuple[ProbeSite, ...]:
         """The module sites of the current subscription, in registration order."""
-        return tuple(self._sites)
+        return tuple(output for _, output in self._module_sites)
 
     def get_subscriber(self, subscriber_type: type) -> SubscriberBase:
-        for subscriber in self.steps.subscribers:
+        for subscriber in self.tracker.subscribers:
             if isinstance(subscriber, subscriber_type):
                 return subscriber
         raise LookupError(f"no {subscriber_type.__qualname__} is subscribed to this manager")
 
     def inspect(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Probe an intermediate tensor under ``name``; returns the tensor to use from then on."""
-        if not self.steps.observers:
+        if not self.tracker.observers:
             return tensor
         if torch.compiler.is_compiling():  # the site is made by name when the compiled probe first runs
-            return compiled.inspect(self._sites[0], name, tensor)
+            return compiled.inspect(self._compiled_key, name, tensor)
         site = self.inspect_site(name, type(tensor).__name__)
-        if not self.steps.wants_site(site):
+        if not self.tracker.wants_site(site):
             return tensor
-        (probed,) = TensorProbe.apply(site, tensor)
+        (probed,) = TensorProbe.apply(self._probes[site], tensor)
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
         """The site of the ``inspect_activation`` name ``name`` (made on first use)."""
         site = self._inspect_sites.get(name)
         if site is None:
-            site = self._inspect_sites[name] = ProbeSite(name, "inspect", -1, -1, tensor_class, self)
+            site = self._inspect_sites[name] = ProbeSite(name, "inspect", -1, -1, tensor_class)
+            self._probes[site] = SiteProbe(self.tracker, site)
         return site
+
+    def module_site(self, module_index: int, kind: str) -> ProbeSite | None:
+        """The ``"input"`` or ``"output"`` site of the module at ``module_index`` (None outside the subscription)."""
+        if not 0 <= module_index < len(self._module_sites):
+            return None
+        sites = self._module_sites[module_index]
+        return sites[0] if kind == "input" else sites[1]
 
     # Hooks ------------------------------------------------------------------------------------
 
     def _register_hooks(self, root: torch.nn.Module) -> None:
         # Which sites get a probe is fixed here, at subscribe time: under ORTModule the exported graph
         # then holds exactly the wanted probes, and step cadences are decided per call, never by a re-export.
-        builders = any(s.builds_graph for s in self.steps.subscribers)
+        builders = any(s.builds_graph for s in self.tracker.subscribers)
         for index, (name, module) in enumerate(wrappers.user_named_modules(root)):
             qualified = name or ROOT_NAME
             depth = 0 if not name else name.count(".") + 1
-            sites = {kind: ProbeSite(qualified, kind, index, depth, type(module).__name__, self)
-                     for kind in ("input", "output")}
-            self._sites.append(sites["output"])
-            probe_inputs = self.steps.wants_site(sites["input"])
-            probe_outputs = self.steps.wants_site(sites["output"])
+            inputs, outputs = (ProbeSite(qualified, kind, index, depth, type(module).__name__)
+                               for kind in ("input", "output"))
+            self._module_sites.append((inputs, outputs))
+            self._probes.update({site: SiteProbe(self.tracker, site) for site in (inputs, outputs)})
+            probe_inputs = self.tracker.wants_site(inputs)
+            probe_outputs = self.tracker.wants_site(outputs)
             if index != 0 and not (builders or probe_inputs or probe_outputs):
                 continue  # nobody wants this module: no hook, no cost
-            pre = functools.partial(self._pre_forward_hook, sites["input"], index == 0, probe_inputs)
-            post = functools.partial(self._post_forward_hook, sites["output"], index == 0, probe_outputs)
+            pre, post = self._module_hooks(inputs, outputs, index == 0, probe_inputs, probe_outputs)
             if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
                 self._handles.append(rootcall.wrap_forward(module, pre, post))
             else:
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(post))
 
+    def _module_hooks(self, inputs: ProbeSite, outputs: ProbeSite, is_root: bool, probe_inputs: bool,
+                      probe_outputs: bool) -> tuple[Callable, Callable]:
+        """A module's forward pre-hook and forward hook.
+
+        Closures, not bound methods or partials: ORTModule deep-copies the model, hooks included, before
+        exporting, and ``copy.deepcopy`` copies no function. The copy's hooks are therefore these very
+        closures, reporting to this manager and its sites; a bound method would copy the manager, a
+        partial its sites.
+        """
+        def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+
+        def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
+            return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+
+        return pre_forward, post_forward
+
     def _pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        subscribers = self.steps.subscribers
+        subscribers = self.tracker.subscribers
         if is_root:
-            if self in _RUNNING:  # a forward that raised never reached the post-hook
-                _RUNNING.remove(self)
-            _RUNNING.append(self)
+            running = REGISTRY.running
+            if self in running:  # a forward that raised never reached the post-hook
+                running.remove(self)
+            running.append(self)
             for subscriber in subscribers:
                 args, kwargs = subscriber.pre_forward_outmost_module_apply(site, module, args, kwargs)
         for subscriber in subscribers:
@@ -250,7 +302,7 @@ class SubscriberManager:
 
     def _post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                            args: tuple, outputs: Any) -> Any:
-        subscribers = self.steps.subscribers
+        subscribers = self.tracker.subscribers
         for subscriber in subscribers:
             outputs = subscriber.post_forward_module_apply(site, module, args, outputs)
         if probe:
@@ -259,21 +311,22 @@ class SubscriberManager:
             for subscriber in subscribers:
                 outputs = subscriber.post_forward_outmost_module_apply(site, module, args, outputs)
             outputs = self._apply_to_tensors(site, outputs, boundary=True)
-            if _RUNNING and _RUNNING[-1] is self:
-                _RUNNING.pop()
+            running = REGISTRY.running
+            if running and running[-1] is self:
+                running.pop()
         return outputs
 
     def _guarded_apply(self, site: ProbeSite, structure: Any) -> Any:
         """``_apply_to_tensors``; should inserting the probe itself fail, the module runs without it (one
         warning; the site stays off), since a probe never stops training."""
-        if self.steps.failures.is_off(site):
+        if self.tracker.failures.is_off(site):
             return structure
         try:
             return self._apply_to_tensors(site, structure)
         except Exception as error:
             if torch.compiler.is_compiling():
                 raise  # dynamo's own errors while tracing: it breaks the graph there, or reports the failure
-            self.steps.failures.switch_off(site, None, None, error)
+            self.tracker.failures.switch_off(site, None, None, error)
             return structure
 
     def _apply_to_tensors(self, site: ProbeSite, structure: Any, *, boundary: bool = False) -> Any:
@@ -284,7 +337,8 @@ class SubscriberManager:
         leaves = TensorLeaves.of(structure, select=_is_probeable)
         if not boundary:
             unobservable = [leaf for leaf in leaves.leaves if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
-            if unobservable:
+            if unobservable and site not in self._unobserved_warned:
+                self._unobserved_warned.add(site)
                 _warn_unobserved(site, unobservable)
         if not leaves.positions and not boundary:
             return structure
@@ -292,17 +346,15 @@ class SubscriberManager:
 
     def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool) -> Sequence[torch.Tensor]:
         if torch.compiler.is_compiling():  # dynamo is tracing: the graph gets the probe ops
-            return compiled.boundary(site, tensors) if boundary else compiled.probe(site, tensors)
+            key = self._compiled_key
+            return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
-            return TensorProbe.apply(site, *tensors)
+            return TensorProbe.apply(self._probes[site], *tensors)
         if tensors:
-            return StepBoundary.apply(self.steps, *tensors)
+            return StepBoundary.apply(self.tracker, *tensors)
         if not _ort_compat.is_exporting():
-            self.steps.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
+            self.tracker.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
         return ()
-
-    def _forward_running(self) -> bool:
-        return self in _RUNNING
 
 
 GlobalSubscriberManager = SubscriberManager()
@@ -319,12 +371,10 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"inspect_activation needs a non-empty str name, got {name!r}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"inspect_activation({name!r}, ...) needs a torch.Tensor, got {type(tensor).__qualname__}")
-    if not _RUNNING:
+    running = REGISTRY.running
+    if not running:
         return tensor
-    return _RUNNING[-1].inspect(name, tensor)
-
-
-_UNOBSERVED_WARNED: "weakref.WeakSet[ProbeSite]" = weakref.WeakSet()
+    return running[-1].inspect(name, tensor)
 
 
 def _is_probeable(leaf: Any) -> bool:
@@ -332,17 +382,9 @@ def _is_probeable(leaf: Any) -> bool:
 
 
 def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:
-    if site in _UNOBSERVED_WARNED:
-        return
-    _UNOBSERVED_WARNED.add(site)
     kinds = ", ".join(sorted({f"{tensor.dtype} {tensor.layout} nested tensor" for tensor in tensors}))
     warnings.warn(f"probes: {site.name!r} {site.kind} has tensors no autograd Function can pass ({kinds}); "
                   "they go on unobserved (no record). This warning is not repeated.", stacklevel=3)
 
 
-def _finish_at_exit() -> None:
-    for manager in list(_LIVE):
-        manager.unsubscribe()
-
-
-at_exit("subscriptions", _finish_at_exit)
+at_exit("subscriptions", REGISTRY.finish_all)

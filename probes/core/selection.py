@@ -35,7 +35,7 @@ from ..utils.patterns import check_patterns, compile_pattern
 from ..utils.phases import OBSERVED, RECOMPUTE
 
 if TYPE_CHECKING:
-    from .interface import ProbeSite
+    from .sites import ProbeSite
 
 @dataclass(frozen=True)
 class Selection:

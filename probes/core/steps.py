@@ -3,14 +3,14 @@
 The probe Functions (``probes.core.functions``) are its only callers, in eager PyTorch and inside
 ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on_step_end``).
 
-    steps = StepTracker(forward_running=lambda: False)
-    steps.reset(subscribers)                         # a new subscription: counting starts at step 0
-    event = steps.probe_forward(site, tensors)       # TensorProbe.forward
-    steps.probe_backward(event, grads)               # TensorProbe.backward
-    steps.forward_returned()                         # StepBoundary.forward: the root forward returned (on_forward_end)
-    steps.backward_reached_root()                    # StepBoundary.backward
-    steps.close_open_step()                          # the manager's flush()
-    steps.stop()                                     # the manager's unsubscribe(): no more calls
+    tracker = StepTracker(forward_running=lambda: False)
+    tracker.reset(subscribers)                         # a new subscription: counting starts at step 0
+    event = tracker.probe_forward(site, tensors)       # TensorProbe.forward
+    tracker.probe_backward(event, grads)               # TensorProbe.backward
+    tracker.forward_returned()                         # StepBoundary.forward: the root forward returned (on_forward_end)
+    tracker.backward_reached_root()                    # StepBoundary.backward
+    tracker.close_open_step()                          # the manager's flush()
+    tracker.stop()                                     # the manager's unsubscribe(): no more calls
 
 The rules (docs/training.md says what each training set-up gives):
 
@@ -37,7 +37,8 @@ import torch
 from exporters import _torch_compat
 
 from .failures import SiteFailures
-from .interface import ProbeEvent, ProbeSite, SubscriberBase
+from .interface import SubscriberBase
+from .sites import ProbeEvent, ProbeSite
 
 
 _QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward
@@ -47,8 +48,8 @@ _QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait
 class RunState:
     """Mutable run state of one subscription, shared by its hooks and probe Functions.
 
-    ORT freezes a PythonOp's non-tensor arguments at export; the probes reach this object through a
-    pointer, so the exported graph sees its updates.
+    ORT freezes a PythonOp's non-tensor arguments at export; the probes reach this object through their
+    tracker, passed by pointer, so the exported graph sees its updates.
     """
 
     step: int = 0  # the number the next step gets: the count of steps begun so far
@@ -104,10 +105,6 @@ class StepTracker:
         self._queued: dict[int, collections.deque[ProbeEvent | Recomputed]] = {}
         self._taken: dict[int, ProbeEvent | Recomputed] = {}
         self.failures = SiteFailures()  # sites whose probe code raised: switched off, training goes on
-
-    def __deepcopy__(self, memo: dict) -> "StepTracker":
-        # ORT deep-copies the model (hooks and their Function arguments included) before exporting.
-        return self
 
     def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
         """Start counting from step 0 for a new set of subscribers."""

@@ -34,9 +34,6 @@ class ModuleBinding:
     params: tuple[torch.nn.Parameter, ...] = ()  # the parameters ZeroPreForward returns full-size
     backward_fetches: int = 0  # backward fetches not yet matched by a backward release
 
-    def __deepcopy__(self, memo: dict) -> "ModuleBinding":
-        return self
-
 
 def _hand_off_gradients(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
     """Accumulate gradients computed outside PyTorch's graph (by ORT) into the parameters.

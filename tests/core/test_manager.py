@@ -23,9 +23,9 @@ from probes.models import TinyTransformer, TransformerConfig, make_batch
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 
 
-def train_steps(model, steps, seed=0):
+def train_steps(model, count, seed=0):
     losses = []
-    for step in range(steps):
+    for step in range(count):
         batch = make_batch(CONFIG, batch_size=4, seed=seed + step)
         loss = model(batch["tokens"], labels=batch["labels"])
         loss.backward()
@@ -107,6 +107,42 @@ def test_probes_do_not_change_loss_or_gradients_bit_for_bit():
     assert observer.calls
 
 
+class SiteRecorder(Recorder):
+    """A Recorder that also keeps the site of every forward call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[ProbeSite] = []
+
+    def on_forward(self, event, tensors):
+        self.sites.append(event.site)
+        super().on_forward(event, tensors)
+
+
+def test_a_deep_copy_of_a_probed_model_reports_to_the_same_subscription():
+    # ORTModule deep-copies the model, hooks included, before it exports: the copy's probes must reach
+    # the live subscription, whose manager, tracker and sites the copy shares instead of copying them.
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    recorder = SiteRecorder()
+    manager = SubscriberManager()
+    with manager.subscribe(model, [recorder]):
+        memo: dict = {}
+        twin = copy.deepcopy(model, memo)
+        copied = [value for key, value in memo.items() if key != id(memo)]
+        assert not [value for value in copied if isinstance(value, (SubscriberManager, StepTracker, ProbeSite))]
+        assert hook_count(twin) == hook_count(model)
+        original_losses = train_steps(model, 1)
+        twin_losses = train_steps(twin, 1)
+        assert manager.step == 2 and recorder.step_ends == [0, 1]
+        assert recorder.names(1, "forward") == recorder.names(0, "forward")
+        assert recorder.names(1, "backward") == recorder.names(0, "backward")
+        half = len(recorder.sites) // 2
+        assert all(a is b for a, b in zip(recorder.sites[:half], recorder.sites[half:]))
+        assert set(map(id, recorder.sites)) <= set(map(id, manager.sites))
+        assert torch.equal(original_losses[0], twin_losses[0])
+
+
 def test_unsubscribe_removes_every_hook_and_restores_outputs():
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)
@@ -173,8 +209,8 @@ def test_hooks_and_probe_functions_use_only_the_step_trackers_public_calls():
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)
     manager = SubscriberManager()
-    spy = _PublicCallsOnly(manager.steps)
-    manager.steps = spy
+    spy = _PublicCallsOnly(manager.tracker)
+    manager.tracker = spy
     recorder = Recorder()
     with manager.subscribe(model, [recorder]):
         train_steps(model, 2)
@@ -192,7 +228,7 @@ def test_the_step_tracker_alone_numbers_and_closes_steps():
     recorder = Recorder()
     tracker = StepTracker(forward_running=lambda: False)
     tracker.reset([recorder])
-    site = ProbeSite("layer", "output", 1, 1, "Linear", SubscriberManager())
+    site = ProbeSite("layer", "output", 1, 1, "Linear")
     x = torch.ones(2)
     event = tracker.probe_forward(site, [x])
     tracker.forward_returned()

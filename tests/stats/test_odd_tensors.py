@@ -225,7 +225,7 @@ def probe_directly(out: Path, tensors: list[tuple[str, torch.Tensor]]) -> tuple[
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for seq, (name, tensor) in enumerate(tensors):
-            site = ProbeSite(name, "output", seq + 1, 1, "Map", manager=None)
+            site = ProbeSite(name, "output", seq + 1, 1, "Map")
             subscriber.on_forward(ProbeEvent(site, 0, "forward", seq), [tensor])
         subscriber.on_step_end(0)
         subscriber.close()

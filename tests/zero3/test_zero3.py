@@ -28,6 +28,7 @@ from probes import SubscriberBase, SubscriberManager  # noqa: E402
 from probes.testing import assert_parity  # noqa: E402
 from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
 from probes.core.interface import ProbeSite  # noqa: E402
+from probes.zero3.functions import ModuleBinding  # noqa: E402
 from probes.zero3 import (  # noqa: E402
     DeepCopiedModuleError,
     ZeROOffloadSubscriber,
@@ -104,9 +105,23 @@ def test_hooks_refuse_a_copy_of_the_model():
     # ORTModule deep-copies the model before export unless told not to; a copy cannot be gathered.
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     subscriber = ZeROOffloadSubscriber(_Offload(model))
-    site = ProbeSite("<root>", "input", 0, 0, "Sequential", None)
+    site = ProbeSite("<root>", "input", 0, 0, "Sequential")
     with pytest.raises(DeepCopiedModuleError, match="ORTMODULE_DEEPCOPY_BEFORE_MODEL_EXPORT=0"):
         subscriber.pre_forward_module_apply(site, copy.deepcopy(model), (torch.zeros(1, 2),), {})
+
+
+def test_a_copy_of_a_subscribed_model_shares_the_bindings_and_its_hooks_refuse_it():
+    # ORTModule's deep copy reaches the hooks, not what they act on: no binding (module, offload) is copied,
+    # and the copy's hooks, being the original's, find the copy's modules are not DeepSpeed's.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    subscriber = ZeROOffloadSubscriber(_Offload(model))
+    with SubscriberManager().subscribe(model, [subscriber]):
+        memo: dict = {}
+        twin = copy.deepcopy(model, memo)
+        assert not [value for key, value in memo.items() if key != id(memo) and isinstance(value, ModuleBinding)]
+        assert memo[id(model)] is twin
+        with pytest.raises(DeepCopiedModuleError):
+            twin(torch.zeros(1, 2))
 
 
 def test_closing_warns_only_when_a_live_engine_loses_its_hooks():

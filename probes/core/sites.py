@@ -1,0 +1,63 @@
+"""Where a probe sits and what one firing is: plain data, the vocabulary every other core module shares.
+
+    site = ProbeSite("encoder.layers.0", "output", module_index=3, depth=3, module_class="Layer")
+    site.record_name(1)                           # "encoder.layers.0.output.1"
+    event = ProbeEvent(site, step=0, phase="forward", seq=7)
+
+Imports nothing of probes.core, so that any core module may name a site, even for annotations only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..utils.phases import Phase
+
+SiteKind = Literal["input", "output", "inspect"]
+
+
+@dataclass(eq=False)
+class ProbeSite:
+    """Where a probe sits: one module's inputs or outputs, or one ``inspect_activation`` name.
+
+    Plain data: it knows nothing of the subscription that made it. Compared and hashed by identity, since
+    a subscription keys its per-site state (call counts, failures, caches) by its own sites.
+    """
+
+    name: str  # the module's qualified name ("<root>" for the root), or the inspect name
+    kind: SiteKind
+    module_index: int  # position in the root's named_modules(); -1 for inspect sites
+    depth: int  # 0 for the root
+    module_class: str
+
+    def record_name(self, tensor_index: int, call: int = 0) -> str:
+        """Stable name of the i-th tensor here, e.g. ``encoder.layers.0.output.1``.
+
+        A module called more than once in a step gets ``#<call>`` after its name from the second call.
+        """
+        base = self.name if call == 0 else f"{self.name}#{call}"
+        if self.kind == "inspect":
+            return base if tensor_index == 0 else f"{base}.{tensor_index}"
+        return f"{base}.{self.kind}.{tensor_index}"
+
+    def legacy_name(self, tensor_index: int) -> str:
+        """The original onnxruntime hooks' form: ``<Class>_<module index>_<i>th_output``."""
+        if self.kind == "inspect":
+            return self.name
+        return f"{self.module_class}_{self.module_index}_{tensor_index}th_{self.kind}"
+
+
+@dataclass(frozen=True)
+class ProbeEvent:
+    """One probe firing: a site, in a step, in a phase."""
+
+    site: ProbeSite
+    step: int
+    phase: Phase
+    seq: int  # execution order within the step; every phase shares one counter
+    call: int = 0  # how many times this site fired earlier in the step (see ``record_name``)
+    forward_step: int | None = None  # backward only: the step of the forward it differentiates, if another
+
+    def record_name(self, tensor_index: int) -> str:
+        return self.site.record_name(tensor_index, self.call)
