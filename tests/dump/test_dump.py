@@ -39,7 +39,7 @@ from probes.cli import show as show_main
 DumpWriter = functools.partial(DumpWriter, format="jsonl")
 
 DUMP_SOURCE = Path(dump.__file__).resolve().parent  # the package probes/dump
-ROOT = DUMP_SOURCE.parents[2]
+ROOT = DUMP_SOURCE.parents[1]
 
 # Source for a fresh interpreter: imports probes.dump as ``dump`` without torch (fast). The __init__ of
 # probes, probes.utils and exporters import torch, so they are skipped: empty packages with their paths.
