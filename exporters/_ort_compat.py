@@ -170,9 +170,6 @@ def add_pythonop_export_handler(func_name: str, handler: Any) -> None:
     register(func_name)(handler)
 
 
-_RELEASE_AT_EXIT: list[bool] = []
-
-
 def register_pythonop_runtime(func_name: str, function: type, infer_shape: Any, alias_input: Any) -> None:
     """Tell ORT's PythonOp kernels which class runs ``func_name``, its shape and alias functions.
 
@@ -193,12 +190,7 @@ def register_pythonop_runtime(func_name: str, function: type, infer_shape: Any, 
             f"onnxruntime's PythonOp registration functions are missing ({error}); "
             "is this onnxruntime-training (not plain onnxruntime)?"
         ) from error
-    if not _RELEASE_AT_EXIT:
-        # ORT's function pool is a C++ static holding these Python objects; released after the
-        # interpreter is gone, it crashes the process at exit. ORTModule registers this release
-        # only when an ORTModule is constructed, which a standalone export may never do.
-        atexit.register(unregister_python_functions)
-        _RELEASE_AT_EXIT.append(True)
+    _PATCHES.release_at_exit(unregister_python_functions)
     register_torch_autograd_function(func_name, function)
     if infer_shape is not None:
         register_shape_inference_function(func_name, infer_shape)
@@ -247,9 +239,6 @@ class ExportRewrite:
     drop_inputs: Callable[[Any, Any, list[str]], list[str]]
 
 
-_rewrite: dict[str, Any] = {"current": None, "originals": {}}
-
-
 def _gtm_class() -> type:
     module = importlib.import_module(_GTM_MODULE)
     cls = getattr(module, "GraphTransitionManager", None)
@@ -277,73 +266,106 @@ def install_export_rewrite(rewrite: ExportRewrite) -> None:
     _check_version()
     cls = _gtm_class()
     pull_weight_trigger()
-    _rewrite["current"] = rewrite
-    originals = _rewrite["originals"]
-    if originals:
-        return
-    for name in _EXPORT_STEPS:
-        originals[name] = cls.__dict__[name].__func__
-    cls._export_model = staticmethod(functools.wraps(originals["_export_model"])(_export_model))
-    cls._post_export_process = staticmethod(functools.wraps(originals["_post_export_process"])(_post_export_process))
-
-
-def _managed(flattened_module: Any) -> tuple[ExportRewrite, torch.nn.Module] | None:
-    rewrite: ExportRewrite | None = _rewrite["current"]
-    model = getattr(flattened_module, "_original_module", None)
-    if rewrite is None or not isinstance(model, torch.nn.Module) or not rewrite.is_managed(model):
-        return None
-    return rewrite, model
+    _PATCHES.install_rewrite(cls, rewrite)
 
 
 def _export_model(**kwargs: Any) -> Any:
-    original = _rewrite["originals"]["_export_model"]
-    managed = _managed(kwargs.get("flattened_module"))
-    if managed is None:
-        return original(**kwargs)
-    rewrite, model = managed
-    if kwargs.get("enable_zero_stage3_support"):
-        raise Zero3ExportError(
-            "ORTMODULE_ENABLE_ZERO_STAGE3=1 turns on ORT's own ZeRO-3 support, which conflicts with probes' "
-            "ZeRO-3 hooks (probes.zero3.configure_ort_compatible_zero_stage3); unset it"
-        )
-    # A deep copy's parameters are bare partitions without DeepSpeed's bookkeeping.
-    kwargs["deepcopy_before_model_export"] = False
-    with rewrite.export_context(model):
-        exported_model, *rest = original(**kwargs)
-    rewrite.rewrite_exported(exported_model, kwargs["flattened_module"])
-    return (exported_model, *rest)
+    return _PATCHES.export_model(**kwargs)
 
 
 def _post_export_process(**kwargs: Any) -> Any:
-    info = _rewrite["originals"]["_post_export_process"](**kwargs)
-    flattened_module = kwargs.get("flatten_module")
-    managed = _managed(flattened_module)
-    if managed is None or kwargs.get("export_mode") != torch.onnx.TrainingMode.TRAINING:
+    return _PATCHES.post_export_process(**kwargs)
+
+
+class _OrtPatches:
+    """What this adapter changed in the imported onnxruntime: its exit release and its export steps.
+
+    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps are static methods
+    of ORT's GraphTransitionManager class, shared by every ORTModule of the process.
+    """
+
+    def __init__(self) -> None:
+        self.releases_at_exit = False
+        self.rewrite: ExportRewrite | None = None
+        self.original_steps: dict[str, Callable[..., Any]] = {}  # ORT's own, once wrapped
+
+    def release_at_exit(self, unregister_python_functions: Callable[[], None]) -> None:
+        if self.releases_at_exit:
+            return
+        # ORT's function pool is a C++ static holding these Python objects; released after the
+        # interpreter is gone, it crashes the process at exit. ORTModule registers this release
+        # only when an ORTModule is constructed, which a standalone export may never do.
+        atexit.register(unregister_python_functions)
+        self.releases_at_exit = True
+
+    def install_rewrite(self, cls: type, rewrite: ExportRewrite) -> None:
+        self.rewrite = rewrite
+        if self.original_steps:
+            return
+        for name in _EXPORT_STEPS:
+            self.original_steps[name] = cls.__dict__[name].__func__
+        cls._export_model = staticmethod(functools.wraps(self.original_steps["_export_model"])(_export_model))
+        cls._post_export_process = staticmethod(
+            functools.wraps(self.original_steps["_post_export_process"])(_post_export_process))
+
+    def managed(self, flattened_module: Any) -> tuple[ExportRewrite, torch.nn.Module] | None:
+        rewrite = self.rewrite
+        model = getattr(flattened_module, "_original_module", None)
+        if rewrite is None or not isinstance(model, torch.nn.Module) or not rewrite.is_managed(model):
+            return None
+        return rewrite, model
+
+    def export_model(self, **kwargs: Any) -> Any:
+        original = self.original_steps["_export_model"]
+        managed = self.managed(kwargs.get("flattened_module"))
+        if managed is None:
+            return original(**kwargs)
+        rewrite, model = managed
+        if kwargs.get("enable_zero_stage3_support"):
+            raise Zero3ExportError(
+                "ORTMODULE_ENABLE_ZERO_STAGE3=1 turns on ORT's own ZeRO-3 support, which conflicts with probes' "
+                "ZeRO-3 hooks (probes.zero3.configure_ort_compatible_zero_stage3); unset it"
+            )
+        # A deep copy's parameters are bare partitions without DeepSpeed's bookkeeping.
+        kwargs["deepcopy_before_model_export"] = False
+        with rewrite.export_context(model):
+            exported_model, *rest = original(**kwargs)
+        rewrite.rewrite_exported(exported_model, kwargs["flattened_module"])
+        return (exported_model, *rest)
+
+    def post_export_process(self, **kwargs: Any) -> Any:
+        info = self.original_steps["_post_export_process"](**kwargs)
+        flattened_module = kwargs.get("flatten_module")
+        managed = self.managed(flattened_module)
+        if managed is None or kwargs.get("export_mode") != torch.onnx.TrainingMode.TRAINING:
+            return info
+        rewrite, _ = managed
+        if getattr(info, "is_mem_efficient_grad_management_enabled", False):
+            raise Zero3ExportError(
+                "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=1 pulls parameters from PyTorch by itself, which cannot "
+                "work with ZeRO-3 partitioned parameters; unset it"
+            )
+        try:
+            model = info._post_export_processed_model
+            graph_inputs = list(info.onnx_graph_input_names)
+            require_grad = list(info.onnx_graph_input_names_require_grad)
+        except AttributeError as error:
+            raise OrtInternalsError(f"ORT's PostExportProcessedModelInfo changed ({error})") from error
+        removed = rewrite.drop_inputs(model, flattened_module, graph_inputs)
+        if not removed:
+            return info
+        trigger, _, _ = pull_weight_trigger()
+        info.onnx_graph_input_names = _replace_first(graph_inputs, removed, trigger)
+        info.onnx_graph_input_names_require_grad = _replace_first(require_grad, removed, trigger)
+        info.onnx_graph_input_names_user_defined = [*info.onnx_graph_input_names_user_defined, trigger]
+        info.onnx_graph_input_names_require_grad_user_defined = [
+            *info.onnx_graph_input_names_require_grad_user_defined, trigger]
+        # Makes ORT feed the trigger (a fresh (1,) zeros tensor requiring grad) on every run.
+        info.is_mem_efficient_grad_management_enabled = True
         return info
-    rewrite, _ = managed
-    if getattr(info, "is_mem_efficient_grad_management_enabled", False):
-        raise Zero3ExportError(
-            "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT=1 pulls parameters from PyTorch by itself, which cannot "
-            "work with ZeRO-3 partitioned parameters; unset it"
-        )
-    try:
-        model = info._post_export_processed_model
-        graph_inputs = list(info.onnx_graph_input_names)
-        require_grad = list(info.onnx_graph_input_names_require_grad)
-    except AttributeError as error:
-        raise OrtInternalsError(f"ORT's PostExportProcessedModelInfo changed ({error})") from error
-    removed = rewrite.drop_inputs(model, flattened_module, graph_inputs)
-    if not removed:
-        return info
-    trigger, _, _ = pull_weight_trigger()
-    info.onnx_graph_input_names = _replace_first(graph_inputs, removed, trigger)
-    info.onnx_graph_input_names_require_grad = _replace_first(require_grad, removed, trigger)
-    info.onnx_graph_input_names_user_defined = [*info.onnx_graph_input_names_user_defined, trigger]
-    info.onnx_graph_input_names_require_grad_user_defined = [*info.onnx_graph_input_names_require_grad_user_defined,
-                                                             trigger]
-    # Makes ORT feed the trigger (a fresh (1,) zeros tensor requiring grad) on every run.
-    info.is_mem_efficient_grad_management_enabled = True
-    return info
+
+
+_PATCHES = _OrtPatches()
 
 
 def _replace_first(names: list[str], removed: list[str], replacement: str) -> list[str]:

@@ -30,7 +30,6 @@ from .pythonop import emit_probe, identity_alias_input, identity_infer_shape
 from .registry import ProbeFunctionSpec, on_register, registered_specs, spec_for
 
 _ORTMODULE = "onnxruntime.training.ortmodule"
-_STATE = {"installed": False, "waiting": False}
 
 
 def _ort_handler(spec: ProbeFunctionSpec) -> Callable[..., Any]:
@@ -50,44 +49,60 @@ def _install_spec(spec: ProbeFunctionSpec) -> None:
     _ort_compat.register_pythonop_runtime(spec.name, spec.function, shape, alias)
 
 
-def _install_now() -> None:
-    for spec in registered_specs():
-        _install_spec(spec)
-    if not _STATE["installed"]:
-        _STATE["installed"] = True
-        on_register(_install_spec)
+class _OrtInstallation:
+    """Whether the probe exporters are registered with ORTModule, or wait for its import.
+
+    Process-wide: ORT's PythonOp export handlers and kernel registrations are module globals of the
+    one imported onnxruntime, and the import hook sits on the process's ``sys.meta_path``.
+    """
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.waiting = False  # an _AfterImport finder is on sys.meta_path
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        if _ort_compat.is_ortmodule_imported():
+            self.install_now()
+            return
+        if self.waiting or not _ort_compat.is_onnxruntime_installed():
+            return
+        sys.meta_path.insert(0, _AfterImport(_ORTMODULE, self.install_after_import))
+        self.waiting = True
+
+    def install_now(self) -> None:
+        for spec in registered_specs():
+            _install_spec(spec)
+        if not self.installed:
+            self.installed = True
+            on_register(_install_spec)
+
+    def install_after_import(self, module: Any) -> None:
+        # Raising here would break the user's `import onnxruntime.training.ortmodule`; ORT then exports
+        # the probes with its default exporter (correct, with an extra copy per probe output).
+        try:
+            self.install_now()
+        except Exception as error:  # noqa: BLE001 - any failure must leave ORT importable
+            warnings.warn(
+                f"probes could not install their PythonOp exporters into ORTModule ({error}); ORT's default "
+                "exporter will be used, which copies every probed tensor",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+_INSTALLATION = _OrtInstallation()
 
 
 def is_installed() -> bool:
     """True once the probe exporters are registered with an imported ORTModule."""
-    return _STATE["installed"]
+    return _INSTALLATION.installed
 
 
 def install_for_ort() -> None:
     """Register the probe exporters with ORTModule now, or as soon as the program imports it."""
-    if _STATE["installed"]:
-        return
-    if _ort_compat.is_ortmodule_imported():
-        _install_now()
-        return
-    if _STATE["waiting"] or not _ort_compat.is_onnxruntime_installed():
-        return
-    sys.meta_path.insert(0, _AfterImport(_ORTMODULE, _install_after_import))
-    _STATE["waiting"] = True
-
-
-def _install_after_import(module: Any) -> None:
-    # Raising here would break the user's `import onnxruntime.training.ortmodule`; ORT then exports
-    # the probes with its default exporter (correct, with an extra copy per probe output).
-    try:
-        _install_now()
-    except Exception as error:  # noqa: BLE001 - any failure must leave ORT importable
-        warnings.warn(
-            f"probes could not install their PythonOp exporters into ORTModule ({error}); ORT's default "
-            "exporter will be used, which copies every probed tensor",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    _INSTALLATION.install()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

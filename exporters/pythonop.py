@@ -31,8 +31,24 @@ from .registry import ProbeFunctionSpec
 PYTHON_OP = "com.microsoft::PythonOp"
 _INT64 = (-(2**63), 2**63 - 1)
 
-# Objects passed by pointer, kept alive so that the ids in exported graphs stay valid (ORT does the same).
-_POINTER_REFERENCES: dict[int, Any] = {}
+
+class _PointerArguments:
+    """The objects exported graphs hold by pointer (``id()``), kept alive for the life of the process.
+
+    Process-wide: an exported graph (a file, or ORTModule's cached graph) may run at any later time
+    in this process and outlives every object of ours; its ids must stay valid, as ORT keeps its own.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, Any] = {}
+
+    def pointer(self, value: Any) -> int:
+        """``id(value)``, with ``value`` kept alive so that the id stays valid."""
+        self._held[id(value)] = value
+        return id(value)
+
+
+_POINTERS = _PointerArguments()
 
 
 class PythonOpExportError(RuntimeError):
@@ -129,8 +145,7 @@ def encode_arguments(spec: ProbeFunctionSpec, cconv: str, args: Sequence[Any]) -
         elif isinstance(value, float):
             kind, encoded = "float", value
         else:
-            kind, encoded = "pointer", id(value)
-            _POINTER_REFERENCES[id(value)] = value
+            kind, encoded = "pointer", _POINTERS.pointer(value)
         values, positions = scalars[kind]
         values.append(encoded)
         positions.append(position)

@@ -33,16 +33,44 @@ class ProbeFunctionSpec:
         return qualified_name(self.function)
 
 
-_SPECS: dict[type, ProbeFunctionSpec] = {}
-_LISTENERS: list[Callable[[ProbeFunctionSpec], None]] = []
-
-
 def qualified_name(function: type) -> str:
     return f"{function.__module__}.{function.__qualname__}"
 
 
 def _no_description(non_tensor_args: Sequence[Any]) -> str:
     return ""
+
+
+class _Registry:
+    """The registered probe Functions and who wants to hear of new ones.
+
+    Process-wide: ORT finds a PythonOp's Function by its qualified class name in its own process-wide
+    pool, and a Function class is itself process-wide, so one registration serves every export.
+    """
+
+    def __init__(self) -> None:
+        self.specs: dict[type, ProbeFunctionSpec] = {}
+        self.listeners: list[Callable[[ProbeFunctionSpec], None]] = []
+
+    def register(self, spec: ProbeFunctionSpec) -> None:
+        self.specs[spec.function] = spec
+        for listener in self.listeners:
+            listener(spec)
+
+    def unregister(self, function: type) -> None:
+        self.specs.pop(function, None)
+
+    def spec_for(self, function: type) -> ProbeFunctionSpec | None:
+        return self.specs.get(function)
+
+    def registered(self) -> tuple[ProbeFunctionSpec, ...]:
+        return tuple(self.specs.values())
+
+    def on_register(self, listener: Callable[[ProbeFunctionSpec], None]) -> None:
+        self.listeners.append(listener)
+
+
+_REGISTRY = _Registry()
 
 
 def register_probe_function(function: type[torch.autograd.Function], *, describe: Describe | None = None,
@@ -61,25 +89,23 @@ def register_probe_function(function: type[torch.autograd.Function], *, describe
             "qualified name, which must be unique: define it at module level"
         )
     spec = ProbeFunctionSpec(function, describe or _no_description, identity)
-    _SPECS[function] = spec
-    for listener in _LISTENERS:
-        listener(spec)
+    _REGISTRY.register(spec)
     return spec
 
 
 def unregister_probe_function(function: type[torch.autograd.Function]) -> None:
     """Stop exporting ``function`` with exporters/ (ORT's own registrations stay until exit)."""
-    _SPECS.pop(function, None)
+    _REGISTRY.unregister(function)
 
 
 def spec_for(function: type) -> ProbeFunctionSpec | None:
-    return _SPECS.get(function)
+    return _REGISTRY.spec_for(function)
 
 
 def registered_specs() -> tuple[ProbeFunctionSpec, ...]:
-    return tuple(_SPECS.values())
+    return _REGISTRY.registered()
 
 
 def on_register(listener: Callable[[ProbeFunctionSpec], None]) -> None:
     """Call ``listener(spec)`` for every Function registered from now on (ORT installs itself this way)."""
-    _LISTENERS.append(listener)
+    _REGISTRY.on_register(listener)

@@ -31,18 +31,38 @@ class LiveWriter(Protocol):
         """Waits for everything queued so far; never raises the writer's error."""
 
 
-_LIVE_WRITERS: weakref.WeakSet[LiveWriter] = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
+class _LiveWriters:
+    """The DumpWriters of this process that are open, held weakly (a writer dropped unclosed is not kept).
+
+    Process-wide: a reader finds the writers to wait for by the path it reads, whoever opened them.
+    """
+
+    def __init__(self) -> None:
+        self._writers: weakref.WeakSet[LiveWriter] = weakref.WeakSet()
+        self._lock = threading.Lock()  # writers open and close on other threads while a reader copies the set
+
+    def add(self, writer: LiveWriter) -> None:
+        with self._lock:
+            self._writers.add(writer)
+
+    def discard(self, writer: LiveWriter) -> None:
+        with self._lock:
+            self._writers.discard(writer)
+
+    def snapshot(self) -> list[LiveWriter]:
+        with self._lock:
+            return list(self._writers)
+
+
+_LIVE = _LiveWriters()
 
 
 def add_live(writer: LiveWriter) -> None:
-    with _LIVE_LOCK:
-        _LIVE_WRITERS.add(writer)
+    _LIVE.add(writer)
 
 
 def discard_live(writer: LiveWriter) -> None:
-    with _LIVE_LOCK:
-        _LIVE_WRITERS.discard(writer)
+    _LIVE.discard(writer)
 
 
 def resolved(path: str | Path) -> Path:
@@ -60,8 +80,7 @@ def flush_writers(path: str | Path) -> None:
     and ``assert_parity`` already do this). ``path`` may be a dump directory, a rank directory or a step
     file. Never raises a writer's error: a failed writer's error belongs to the training thread.
     """
-    with _LIVE_LOCK:
-        writers = list(_LIVE_WRITERS)
+    writers = _LIVE.snapshot()
     if not writers:
         return
     target = resolved(path)

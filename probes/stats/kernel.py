@@ -8,7 +8,10 @@
 cache, under a name that carries the row's version, the torch version and the vector ISA. The module
 says which fields its row has (``row_fields()``); a load checks them against ``KernelRow``, so the
 C++ tuple and the Python names cannot drift apart. ``backend()`` tells which backend CPU tensors use;
-``PROBES_NUMERICS_BACKEND=torch|cpp`` forces one.
+``PROBES_NUMERICS_BACKEND=torch|cpp`` forces one. The variable is read each time a backend is chosen
+(``default_backend()``: each ``summarize()`` without ``backend=``, each new subscriber's rows), so it may
+be set after import. The kernel's build is tried once per process and never reset: a failed build is not
+retried, and ``cpp`` chosen later raises its error.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from exporters import _torch_compat
 
 from ..dump.statistics import ACCUMULATED
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "load",
+__all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "default_backend", "load",
            "resolve_backend", "row_getter"]
 
 # Bump when the row changes: a build under the old name is then not reused from the shared cache.
@@ -95,21 +98,6 @@ class Kernel:
         """Statistics of a contiguous CPU tensor of a KERNEL_DTYPES dtype."""
         # KernelRow._make without its length check, which the field check on load made redundant.
         return tuple.__new__(KernelRow, self.stats_tuple(x, shift))
-
-
-def _read_default_backend() -> str:
-    choice = os.environ.get("PROBES_NUMERICS_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        warnings.warn(f"PROBES_NUMERICS_BACKEND={choice!r} is not one of {BACKENDS}; using auto")
-        return "auto"
-    return choice
-
-
-DEFAULT_BACKEND = _read_default_backend()  # what PROBES_NUMERICS_BACKEND asks for: "auto", "cpp" or "torch"
-_lock = threading.Lock()
-_kernel: Kernel | None = None
-_error: BaseException | None = None
-_warned = False
 
 
 def resolve_backend(choice: str) -> str:
@@ -179,33 +167,68 @@ def _first_lines(error: BaseException, count: int = 6) -> str:
     return "\n".join((lines[:1] + errors[: count - 1]) if errors else lines[:count])
 
 
+class _StatsKernel:
+    """The kernel of this process: loaded once, or the error of its one failed build; the backend setting.
+
+    Process-wide: a loaded extension module stays in the interpreter (it cannot be unloaded), and a
+    build takes seconds, so it is tried once per process; its failure is warned about once.
+    """
+
+    def __init__(self, build: Callable[[], Kernel]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._kernel: Kernel | None = None
+        self._error: BaseException | None = None
+        self._warned = False
+        self._ignored_settings: set[str] = set()  # invalid PROBES_NUMERICS_BACKEND values warned about
+
+    def default_backend(self) -> str:
+        choice = os.environ.get("PROBES_NUMERICS_BACKEND", "auto").strip().lower() or "auto"
+        if choice not in BACKENDS:
+            if choice not in self._ignored_settings:
+                self._ignored_settings.add(choice)
+                warnings.warn(f"PROBES_NUMERICS_BACKEND={choice!r} is not one of {BACKENDS}; using auto")
+            return "auto"
+        return choice
+
+    def load(self, *, required: bool) -> Kernel | None:
+        if self._kernel is not None:
+            return self._kernel
+        with self._lock:
+            if self._kernel is None and self._error is None:
+                try:
+                    self._kernel = self._build()
+                except Exception as error:  # compiler, ninja or loader failure, or a row that does not match
+                    self._error = error
+            if self._kernel is not None:
+                return self._kernel
+            if required:
+                raise RuntimeError(
+                    "probes.stats: the C++ statistics kernel was requested but could not be built:\n"
+                    + _first_lines(self._error)
+                ) from self._error
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "probes.stats: building the C++ statistics kernel failed; using the slower torch "
+                    "path:\n" + _first_lines(self._error),
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+
+
+_STATS_KERNEL = _StatsKernel(_build)
+
+
+def default_backend() -> str:
+    """What ``PROBES_NUMERICS_BACKEND`` asks for now: "auto" (unset or invalid, warned once), "cpp" or "torch"."""
+    return _STATS_KERNEL.default_backend()
+
+
 def load(*, required: bool) -> Kernel | None:
     """The kernel (built on first use), or None (warning once) if it cannot be built and was not required."""
-    global _kernel, _error, _warned
-    if _kernel is not None:
-        return _kernel
-    with _lock:
-        if _kernel is None and _error is None:
-            try:
-                _kernel = _build()
-            except Exception as error:  # compiler, ninja or loader failure, or a row that does not match
-                _error = error
-        if _kernel is not None:
-            return _kernel
-        if required:
-            raise RuntimeError(
-                "probes.stats: the C++ statistics kernel was requested but could not be built:\n"
-                + _first_lines(_error)
-            ) from _error
-        if not _warned:
-            _warned = True
-            warnings.warn(
-                "probes.stats: building the C++ statistics kernel failed; using the slower torch "
-                "path:\n" + _first_lines(_error),
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return None
+    return _STATS_KERNEL.load(required=required)
 
 
 def backend() -> str:
@@ -213,6 +236,7 @@ def backend() -> str:
 
         backend()   # "cpp" where a C++ compiler is installed
     """
-    if DEFAULT_BACKEND == "torch":
+    choice = default_backend()
+    if choice == "torch":
         return "torch"
-    return "cpp" if load(required=DEFAULT_BACKEND == "cpp") is not None else "torch"
+    return "cpp" if load(required=choice == "cpp") is not None else "torch"

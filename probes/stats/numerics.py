@@ -29,7 +29,7 @@ import torch
 from ..dump.statistics import ACCUMULATED, DERIVED, Statistic
 from ..utils import check_int
 from . import kernel
-from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES, KernelRow, backend, row_getter
+from .kernel import KERNEL_DTYPES, KernelRow, backend, default_backend, row_getter
 from .views import check_readable
 
 __all__ = ["TensorSummary", "backend", "decode_row", "device_row", "device_samples", "kernel_reads_whole", "merge_rows", "sample_index_tensor", "sample_indices",
@@ -348,7 +348,7 @@ def summarize(
     backend: "auto" (default), "cpp" (fail if the kernel cannot be built) or "torch".
     A host API: the statistics of a device tensor are read back (one transfer).
     """
-    choice = DEFAULT_BACKEND if backend is None else kernel.resolve_backend(backend)
+    choice = default_backend() if backend is None else kernel.resolve_backend(backend)
     check_readable(tensor)
     if tensor.is_neg():  # a lazily negated view: the kernel reads memory, which holds -x
         tensor = tensor.resolve_neg()

@@ -27,7 +27,7 @@ from ..core import ProbeEvent, ProbeSite
 from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
-from .kernel import DEFAULT_BACKEND, KERNEL_DTYPES
+from .kernel import KERNEL_DTYPES, default_backend
 from .numerics import (_WIDENED, DEFAULT_BUCKET_SIZE, device_row, device_samples, kernel_reads_whole, sample_index_tensor, sample_indices,
                        summarize)
 from .views import check_readable, dtype_name, is_dense, layout_name, or_none, shape_of, statistics_view
@@ -95,7 +95,8 @@ class StepRows:
         self._checked = 0  # entries already read by ``anomalies``
         self._names: dict[tuple[ProbeSite, int, int], tuple] = {}  # (site, index, call) -> names
         self._described: dict[tuple, Described] = {}
-        self._kernel = kernel.load(required=DEFAULT_BACKEND == "cpp") if DEFAULT_BACKEND != "torch" else None
+        choice = default_backend()
+        self._kernel = kernel.load(required=choice == "cpp") if choice != "torch" else None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

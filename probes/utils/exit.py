@@ -15,32 +15,44 @@ here under its stage and one ``atexit`` hook runs the stages in this order:
 from __future__ import annotations
 
 import atexit
+import itertools
 from typing import Callable
 
 from exporters.handles import Handle
 
 STAGES = ("exiting", "subscriptions", "writers")
 
-_callbacks: dict[str, dict[int, Callable[[], None]]] = {stage: {} for stage in STAGES}
-_next_id = [0]
+
+class _ExitSequence:
+    """The callbacks of each stage, run in stage order by one ``atexit`` hook.
+
+    Process-wide: the interpreter exits once, and the order across all of probes is the point.
+    """
+
+    def __init__(self) -> None:
+        self._callbacks: dict[str, dict[int, Callable[[], None]]] = {stage: {} for stage in STAGES}
+        self._keys = itertools.count()
+
+    def add(self, stage: str, callback: Callable[[], None]) -> Handle:
+        if stage not in self._callbacks:
+            raise ValueError(f"unknown exit stage {stage!r}; expected one of {STAGES}")
+        key = next(self._keys)
+        callbacks = self._callbacks[stage]
+        callbacks[key] = callback
+        return Handle(lambda: callbacks.pop(key, None))
+
+    def run(self) -> None:
+        for stage in STAGES:
+            callbacks = self._callbacks[stage]
+            while callbacks:  # callbacks may register or remove others; each runs once
+                key = next(iter(callbacks))
+                callbacks.pop(key)()
+
+
+_SEQUENCE = _ExitSequence()
+atexit.register(_SEQUENCE.run)
 
 
 def at_exit(stage: str, callback: Callable[[], None]) -> Handle:
     """Run ``callback()`` at interpreter exit in ``stage`` (see the module doc); ``remove()`` cancels it."""
-    if stage not in _callbacks:
-        raise ValueError(f"unknown exit stage {stage!r}; expected one of {STAGES}")
-    key = _next_id[0]
-    _next_id[0] += 1
-    _callbacks[stage][key] = callback
-    return Handle(lambda: _callbacks[stage].pop(key, None))
-
-
-def _run() -> None:
-    for stage in STAGES:
-        callbacks = _callbacks[stage]
-        while callbacks:  # callbacks may register or remove others; each runs once
-            key = next(iter(callbacks))
-            callbacks.pop(key)()
-
-
-atexit.register(_run)
+    return _SEQUENCE.add(stage, callback)

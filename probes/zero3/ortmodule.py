@@ -9,6 +9,7 @@ exported graph reads the full-size parameters from ``ZeroPreForward``'s outputs 
 from __future__ import annotations
 
 import weakref
+
 import torch
 
 from exporters import _deepspeed_compat, _ort_compat, partitioned_embedding_export, register_probe_function
@@ -16,8 +17,25 @@ from exporters import zero3 as zero3_export
 
 from .functions import ZeroPostForward, ZeroPreForward, describe_binding
 
-# Models (the roots the hooks see) whose ZeRO-3 hooks are probes'.
-_MANAGED_ROOTS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+class _ManagedRoots:
+    """The models (the roots the hooks see) whose ZeRO-3 hooks are probes', held weakly.
+
+    Process-wide: the export rewrite sits in ORT's GraphTransitionManager class, shared by every
+    ORTModule, and asks of each model it exports whether it is one of these.
+    """
+
+    def __init__(self) -> None:
+        self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def add(self, model: torch.nn.Module) -> None:
+        self._roots.add(model)
+
+    def __contains__(self, model: object) -> bool:
+        return model in self._roots
+
+
+_MANAGED_ROOTS = _ManagedRoots()
 
 
 def prepare_ortmodule_export(model: torch.nn.Module) -> None:
@@ -26,7 +44,7 @@ def prepare_ortmodule_export(model: torch.nn.Module) -> None:
     register_probe_function(ZeroPreForward, describe=describe_binding, identity=False)
     register_probe_function(ZeroPostForward, describe=describe_binding)
     zero3_export.install(zero3_export.Zero3ExportSpec(
-        is_managed=lambda model: model in _MANAGED_ROOTS,
+        is_managed=_MANAGED_ROOTS.__contains__,
         is_partitioned=_deepspeed_compat.is_partitioned,
         full_shape=_deepspeed_compat.full_shape,
         pre_forward=ZeroPreForward,

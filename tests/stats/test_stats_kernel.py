@@ -1,5 +1,6 @@
 """The C++ statistics kernel: its named row, checked against the module's own field names, and the
-backend choice with its warn-once fallback to the torch path."""
+backend choice (PROBES_NUMERICS_BACKEND, read when a backend is chosen) with its warn-once fallback to
+the torch path."""
 
 from __future__ import annotations
 
@@ -13,14 +14,12 @@ import torch
 from probes.stats import kernel, numerics
 from probes.stats.kernel import Kernel, KernelRow, row_getter
 from probes.stats.numerics import summarize
+from probes.stats.rows import StepRows
 
 
 def unloaded(monkeypatch: pytest.MonkeyPatch, *, build: Callable[[], Kernel]) -> None:
     """The kernel module as before its first load (restored after the test), building with ``build``."""
-    monkeypatch.setattr(kernel, "_build", build)
-    monkeypatch.setattr(kernel, "_kernel", None)
-    monkeypatch.setattr(kernel, "_error", None)
-    monkeypatch.setattr(kernel, "_warned", False)
+    monkeypatch.setattr(kernel, "_STATS_KERNEL", kernel._StatsKernel(build))
 
 
 def test_the_row_is_named_by_the_module() -> None:
@@ -91,3 +90,38 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch)
         assert numerics.backend() == "torch"
     with pytest.raises(RuntimeError, match="could not be built"):
         summarize(x, backend="cpp")
+
+
+def test_the_backend_variable_is_read_when_a_backend_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.tensor([1.0, 2.0, math.nan])
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", "torch")
+    assert kernel.default_backend() == numerics.backend() == "torch"
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", " CPP ")
+    assert kernel.default_backend() == numerics.backend() == "cpp"
+    monkeypatch.delenv("PROBES_NUMERICS_BACKEND")
+    assert kernel.default_backend() == "auto"
+
+    def broken() -> Kernel:
+        raise RuntimeError("Error building extension 'x':\nmain.cpp:1:1: error: expected something")
+
+    unloaded(monkeypatch, build=broken)
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the torch backend never tries the build
+        assert summarize(x).mean == 1.5 and StepRows(rank=0, sample_count=0)._kernel is None
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", "cpp")
+    with pytest.raises(RuntimeError, match="could not be built"):
+        summarize(x)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        StepRows(rank=0, sample_count=0)
+
+
+def test_an_unknown_backend_variable_warns_once_and_means_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = kernel.load(required=True)
+    unloaded(monkeypatch, build=lambda: built)
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", "fortran")
+    with pytest.warns(UserWarning, match=r"PROBES_NUMERICS_BACKEND='fortran' is not one of \('auto', 'cpp', 'torch'\); using auto"):
+        assert kernel.default_backend() == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel.default_backend() == "auto" and numerics.backend() == "cpp"
