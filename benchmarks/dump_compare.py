@@ -23,7 +23,8 @@ import numpy as np
 
 from benchmarks.common import environment, table
 from probes.cli import main as probes_main
-from probes.dump import DumpWriter, load_dump, load_table
+from probes.dump import load_dump, load_table
+from probes.dump.writer import DumpWriter
 
 FULL = (1000, 1000)  # steps, records per step: a million records per run
 QUICK = (20, 100)

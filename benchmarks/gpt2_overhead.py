@@ -20,7 +20,7 @@ import torch
 from benchmarks.common import environment, interleaved, median, table
 from benchmarks.step_overhead import _original_subscribe
 from probes import StatisticsSubscriber, SubscriberManager
-from probes.dump import flush_writers
+from probes.dump.live import flush_writers
 
 FULL = {"n_layer": 6, "n_head": 4, "n_embd": 128, "seq": 64, "batch": 4}
 STEPS_PER_TIMING = 4  # back to back, as in training: the dump writer works while the next step runs

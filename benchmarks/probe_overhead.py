@@ -26,7 +26,7 @@ from torch import nn
 
 from benchmarks.common import environment, interleaved, median, table
 from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
-from probes.dump import flush_writers
+from probes.dump.live import flush_writers
 
 FULL_COUNTS = (10, 100, 1000)
 STEPS_PER_TIMING = 5

@@ -22,7 +22,7 @@ os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # a fail
 import torch
 
 from benchmarks.common import environment, interleaved, median, table
-from probes.dump import flush_writers
+from probes.dump.live import flush_writers
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 

@@ -9,24 +9,13 @@
 See docs/exporters.md.
 """
 
-from ._ort_compat import is_exporting
 from .embedding import partitioned_embedding_export
 from .export import export_onnx
 from .ort import inference_session, install_for_ort
 from .pythonop import ProbeExportWarning, PythonOpExportError
-from .registry import ProbeFunctionSpec, register_probe_function, unregister_probe_function
-from .symbolic import python_op_symbolic
+from .registry import register_probe_function
 
 __all__ = [
-    "ProbeFunctionSpec",
-    "ProbeExportWarning",
-    "PythonOpExportError",
-    "export_onnx",
-    "inference_session",
-    "install_for_ort",
-    "is_exporting",
-    "partitioned_embedding_export",
-    "python_op_symbolic",
-    "register_probe_function",
-    "unregister_probe_function",
+    "ProbeExportWarning", "PythonOpExportError", "export_onnx", "inference_session", "install_for_ort",
+    "partitioned_embedding_export", "register_probe_function",
 ]

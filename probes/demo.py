@@ -31,7 +31,7 @@ import torch
 
 from .core import SubscriberManager
 from .compare import compare_dumps, format_report, write_html
-from .dump import list_steps
+from .dump.reader import list_steps
 from .models import TinyTransformer, TransformerConfig, make_batch
 from .stats import StatisticsSubscriber
 from .testing import BugInjection, inject_bug

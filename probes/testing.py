@@ -29,7 +29,7 @@ from .compare.results import ZERO_GRAD_NOTE
 from .compare.names import NameMapLike
 from .compare.terminal import counts_line, verdict
 
-__all__ = ["BugInjection", "assert_parity", "inject_bug", "parity_message"]
+__all__ = ["assert_parity", "inject_bug"]
 
 
 def parity_message(report: Report, limit: int = 5) -> str:

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from helpers import Recorder, tiny_gpt2, gpt2_batch
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
 from probes.compare import compare_dumps
-from probes.dump import list_steps
+from probes.dump.reader import list_steps
 
 
 class Block(torch.nn.Module):

@@ -23,7 +23,7 @@ from .export import export, tensorboard
 from .merge import merge
 from .show import show
 
-__all__ = ["COMMANDS", "compare", "export", "main", "merge", "show", "tensorboard"]
+__all__: list[str] = []
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str] | None], int], str]] = {
     "show": (show, "print a dump's records as a table; --anomalies: where the first nan/inf was"),

@@ -10,7 +10,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..dump import first_anomaly, format_records, record_anomaly
+from ..dump import first_anomaly
+from ..dump.anomaly import record_anomaly
+from ..dump.table import format_records
 from .common import EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXAMPLES = [

@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..dump import Record, RecordKey
+from ..dump import Record
+from ..dump.record import RecordKey
 from .results import Rename
 from .reading import LoadedDump
 

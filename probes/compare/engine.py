@@ -27,7 +27,9 @@ from typing import TextIO
 import numpy as np
 import pyarrow.compute as pc
 
-from ..dump import Anomaly, Record, RecordKey, first_anomaly
+from ..dump import Record, first_anomaly
+from ..dump.anomaly import Anomaly
+from ..dump.record import RecordKey
 from ..dump.record import execution_order
 from ..utils.phases import GRADIENT_PHASES
 from ..utils.progress import progress_meter

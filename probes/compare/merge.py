@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..dump import Record, legacy_block
+from ..dump import Record
+from ..dump.legacy import legacy_block
 from ..dump.record import execution_order
 
 logger = logging.getLogger("probes.merge_activation_summary")

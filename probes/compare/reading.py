@@ -23,7 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..dump import DumpFormatError, DumpReader, Record, RecordKey, StepFile
+from ..dump import DumpFormatError, DumpReader, Record
+from ..dump.reader import StepFile
+from ..dump.record import RecordKey
 from ..dump.columns import SCHEMA, table_to_records
 from ..utils.phases import phase_rank
 from .config import COUNTS, MOMENTS, CompareConfig

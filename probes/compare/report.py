@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dump import Anomaly, RecordKey
+from ..dump.anomaly import Anomaly
+from ..dump.record import RecordKey
 from .config import CompareConfig
 from .matched import RecordDiffs
 from .results import ZERO_GRAD_NOTE, Divergence, Rename, StepSummary

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dump import RecordKey
+from ..dump.record import RecordKey
 from .config import MOMENTS
 from .values import format_value, is_finite_number, json_value
 

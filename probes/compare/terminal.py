@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..dump import RecordKey
+from ..dump.record import RecordKey
 from ..utils.tables import text_table
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..dump import RecordKey
+from ..dump.record import RecordKey
 from ..utils.tables import printable
 
 __all__ = ["format_value", "is_finite_number", "json_value", "key_json"]

@@ -7,5 +7,7 @@ from .failures import ProbeFailureWarning
 from .manager import GlobalSubscriberManager, SubscriberManager, Subscription, inspect_activation
 from .interface import ProbeEvent, ProbeSite, SubscriberBase
 
-__all__ = ["GlobalSubscriberManager", "ProbeEvent", "ProbeFailureWarning", "ProbeSite", "SubscriberBase", "SubscriberManager",
-           "Subscription", "inspect_activation"]
+__all__ = [
+    "GlobalSubscriberManager", "ProbeEvent", "ProbeFailureWarning", "ProbeSite", "SubscriberBase",
+    "SubscriberManager", "Subscription", "inspect_activation",
+]

@@ -37,7 +37,8 @@ import exporters
 from exporters import _ort_compat
 from exporters.handles import Handle
 
-from ..utils import TensorLeaves, at_exit
+from ..utils.exit import at_exit
+from ..utils.tree import TensorLeaves
 from . import compiled, rootcall, wrappers
 from .functions import SiteProbe, StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker

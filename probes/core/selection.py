@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from ..utils import check_int
+from ..utils.checks import check_int
 from ..utils.patterns import check_patterns, compile_pattern
 from ..utils.phases import OBSERVED, RECOMPUTE
 

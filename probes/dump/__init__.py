@@ -19,40 +19,12 @@ of this process wait for its live writers), ``reader`` (listing, parsing, comple
 ``legacy`` (the original onnxruntime hooks' text block).
 """
 
-from .anomaly import Anomaly, first_anomaly, record_anomaly
-from .layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, DumpFormatError, DumpLayout, DumpWriteError,
-                     safe_component)
-from .legacy import legacy_block, legacy_file_name
-from .live import flush_writers
-from .reader import DumpReader, StepFile, list_steps, load_dump, load_table
-from .record import Record, RecordKey, TensorFields, record_key
-from .table import format_records
-from .writer import DumpWriter, WriterConfig
+from .anomaly import first_anomaly
+from .layout import DumpFormatError, DumpWriteError
+from .reader import DumpReader, load_dump, load_table
+from .record import Record
 
 __all__ = [
-    "Anomaly",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "DumpFormatError",
-    "DumpLayout",
-    "DumpReader",
-    "DumpWriteError",
-    "DumpWriter",
-    "Record",
-    "RecordKey",
-    "TensorFields",
-    "StepFile",
-    "WriterConfig",
-    "first_anomaly",
-    "flush_writers",
-    "format_records",
-    "legacy_block",
-    "legacy_file_name",
-    "list_steps",
-    "load_dump",
-    "load_table",
-    "record_anomaly",
-    "record_key",
-    "safe_component",
+    "DumpFormatError", "DumpReader", "DumpWriteError", "Record", "first_anomaly", "load_dump", "load_table",
 ]
 

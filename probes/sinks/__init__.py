@@ -17,11 +17,12 @@ from typing import TextIO
 
 from .ort_layout import export_ort_layout
 from .output import ExportSummary
-from .tensorboard import DEFAULT_STATISTICS, LiveTensorBoard, write_tensorboard
-from .tabular import CSV_COLUMNS, export_csv, export_jsonl
+from .tensorboard import LiveTensorBoard, write_tensorboard
+from .tabular import export_csv, export_jsonl
 
-__all__ = ["CSV_COLUMNS", "DEFAULT_STATISTICS", "FORMATS", "ExportSummary", "LiveTensorBoard", "export_csv",
-           "export_dump", "export_jsonl", "export_ort_layout", "write_tensorboard"]
+__all__ = [
+    "ExportSummary", "LiveTensorBoard", "export_dump", "write_tensorboard",
+]
 
 _EXPORTERS = {"jsonl": export_jsonl, "csv": export_csv, "ort": export_ort_layout}
 FORMATS = tuple(_EXPORTERS)

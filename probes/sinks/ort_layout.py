@@ -19,7 +19,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-from ..dump import StepFile, legacy_block, legacy_file_name, safe_component
+from ..dump.layout import safe_component
+from ..dump.legacy import legacy_block, legacy_file_name
+from ..dump.reader import StepFile
 from ..dump.record import Record, execution_order
 from ..utils.phases import OBSERVED
 from .output import ExportSummary, atomic_output, check_output, ranks_of, select_files

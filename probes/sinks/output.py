@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..dump import DumpReader, StepFile
+from ..dump import DumpReader
+from ..dump.reader import StepFile
 
 __all__ = ["ExportSummary", "atomic_output", "check_output", "select_files"]
 

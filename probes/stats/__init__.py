@@ -5,10 +5,11 @@ every probed tensor.
     from probes.stats import StatisticsSubscriber, summarize, tensor_record
 """
 
-from .numerics import TensorSummary, backend, sample_indices, summarize, take_samples
-from .record import tensor_record
+from .numerics import TensorSummary, summarize
 from .sentinel import AnomalyError, AnomalySentinel, AnomalyWarning
 from .recorder import StatisticsSubscriber, SubscriberClosedWarning, UnsupportedTensorWarning
 
-__all__ = ["AnomalyError", "AnomalySentinel", "AnomalyWarning", "StatisticsSubscriber", "SubscriberClosedWarning", "TensorSummary", "UnsupportedTensorWarning",
-           "backend", "sample_indices", "summarize", "take_samples", "tensor_record"]
+__all__ = [
+    "AnomalyError", "AnomalySentinel", "AnomalyWarning", "StatisticsSubscriber", "SubscriberClosedWarning",
+    "TensorSummary", "UnsupportedTensorWarning", "summarize",
+]

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..dump.statistics import ACCUMULATED, DERIVED, Statistic
-from ..utils import check_int
+from ..utils.checks import check_int
 from . import kernel
 from .kernel import KERNEL_DTYPES, KernelRow, backend, default_backend, row_getter
 from .views import check_readable

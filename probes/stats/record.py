@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..dump import TensorFields
+from ..dump.record import TensorFields
 from ..dump.rowblock import NAME_FIELDS
 from .numerics import DEFAULT_BUCKET_SIZE
 from .rows import StepRows, unsupported_description

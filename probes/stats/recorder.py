@@ -34,8 +34,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..core import ProbeEvent, SubscriberBase
-from ..dump import DumpWriter
-from ..utils import check_int
+from ..dump.writer import DumpWriter
+from ..utils.checks import check_int
 from .record import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason
 from .rows import StepRows
 from .sentinel import Action, AnomalyWatch

@@ -33,7 +33,8 @@ import torch
 from exporters import _ort_compat
 
 from ..core import ProbeEvent, SubscriberBase
-from ..dump import Anomaly, Record, record_anomaly
+from ..dump import Record
+from ..dump.anomaly import Anomaly, record_anomaly
 from .record import process_rank
 from .rows import StepRows
 

@@ -43,7 +43,7 @@ def check_patterns(value: str | Sequence[str] | None, argument: str) -> tuple[st
         raise ValueError(f"{argument} must be a pattern string, a list of them or None, got {type(value).__qualname__}")
     patterns = tuple(value)
     if not patterns:
-        raise ValueError(f"{argument} is empty; pass None to select every name, or at least one pattern")
+        raise ValueError(f"{argument} is empty; pass None to select every module (every name), or at least one pattern")
     for pattern in patterns:
         compile_pattern(pattern, argument)  # fails now, naming the bad pattern
     return patterns

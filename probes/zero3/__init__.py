@@ -9,11 +9,10 @@ Rooms: ``functions`` (the gather/release autograd Functions), ``subscriber`` (Ze
 See docs/zero3.md.
 """
 
-from .functions import ModuleBinding, ZeroPostForward, ZeroPreForward
-from .patch import (Zero3Patch, Zero3Settings, configure_ort_compatible_zero_stage3, is_configured, manager_of,
-                    restore_zero_stage3_hooks)
+from .patch import configure_ort_compatible_zero_stage3, restore_zero_stage3_hooks
 from .offload import DeepCopiedModuleError, ZeROOffloadSubscriber
 
-__all__ = ["DeepCopiedModuleError", "ModuleBinding", "ZeROOffloadSubscriber", "Zero3Patch", "Zero3Settings",
-           "ZeroPostForward", "ZeroPreForward", "configure_ort_compatible_zero_stage3", "is_configured",
-           "manager_of", "restore_zero_stage3_hooks"]
+__all__ = [
+    "DeepCopiedModuleError", "ZeROOffloadSubscriber", "configure_ort_compatible_zero_stage3",
+    "restore_zero_stage3_hooks",
+]

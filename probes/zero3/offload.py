@@ -17,7 +17,8 @@ from exporters import _deepspeed_compat, _ort_compat
 from exporters.handles import Handle
 
 from ..core import ProbeSite, SubscriberBase, wrappers
-from ..utils import TensorLeaves, at_exit
+from ..utils.exit import at_exit
+from ..utils.tree import TensorLeaves
 from .functions import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
 
 _exiting = False  # set in the first exit stage, before the subscriptions close

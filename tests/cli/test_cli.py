@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from probes.cli import COMMANDS, main
-from probes.dump import DumpWriter
+from probes.dump.writer import DumpWriter
 
 
 def record(step, name, seq, mean=0.5, rank=0):

@@ -24,7 +24,8 @@ from probes.__main__ import main as probes_main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import render_html
 from probes.compare.terminal import verdict
-from probes.dump import DumpWriter, load_dump
+from probes.dump import load_dump
+from probes.dump.writer import DumpWriter
 from probes.models import TinyTransformer, TransformerConfig
 from probes.stats.recorder import tensor_record
 from probes.testing import assert_parity, inject_bug, parity, parity_message  # noqa: F401  (parity: fixture)

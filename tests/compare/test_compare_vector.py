@@ -18,7 +18,8 @@ import pytest
 from probes.compare import compare_dumps
 from probes.compare.config import CompareConfig
 from probes.compare.results import CellView, MetricDiff, RecordDiff
-from probes.dump import DumpWriter, load_dump
+from probes.dump import load_dump
+from probes.dump.writer import DumpWriter
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-300, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), 3.5, 1e-7]
 

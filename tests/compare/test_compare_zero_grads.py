@@ -17,7 +17,7 @@ from probes.__main__ import main as probes_main
 from probes.compare import compare_dumps, format_report
 from probes.compare.engine import is_zero_gradient
 from probes.compare.results import ZERO_GRAD_NOTE
-from probes.dump import DumpWriter
+from probes.dump.writer import DumpWriter
 from probes.compare.html import render_html
 from probes.stats.recorder import tensor_record
 from probes.testing import assert_parity

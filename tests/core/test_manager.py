@@ -247,7 +247,7 @@ def test_the_step_tracker_alone_numbers_and_closes_steps():
 EXIT_SCRIPT = textwrap.dedent("""
     import torch
     from probes import SubscriberBase, SubscriberManager
-    from probes.utils import at_exit
+    from probes.utils.exit import at_exit
 
     class Ends(SubscriberBase):
         def on_step_end(self, step):

@@ -20,19 +20,13 @@ from pathlib import Path
 import pytest
 
 from probes import dump
-from probes.dump import (
-    DumpFormatError,
-    DumpReader,
-    DumpWriteError,
-    DumpWriter,
-    StepFile,
-    format_records,
-    list_steps,
-    load_dump,
-    safe_component,
-    stepfiles,
-)
-from probes.cli import show as show_main
+from probes.dump.writer import DumpWriter
+from probes.dump import DumpFormatError, DumpReader, DumpWriteError, load_dump, stepfiles
+from probes.dump.layout import safe_component
+from probes.dump.reader import StepFile, list_steps
+from probes.dump.table import format_records
+from probes.dump.writer import DumpWriter
+from probes.cli.show import show as show_main
 
 # This page is the JSON Lines format's (format="jsonl", and every dump of format version 1);
 # tests/dump/test_dump_parquet.py is the Parquet format's (the default) and what the two share.
@@ -50,6 +44,7 @@ for _name in ("exporters", "probes", "probes.utils"):
     _package.__path__ = [os.path.join({str(ROOT)!r}, *_name.split("."))]
     sys.modules[_name] = _package
 from probes import dump
+from probes.dump.writer import DumpWriter
 assert "torch" not in sys.modules
 """
 
@@ -231,7 +226,7 @@ def test_close_finishes_open_steps_but_an_exception_leaves_them_unfinished(tmp_p
 CRASHING_CHILD = IMPORT_DUMP_WITHOUT_TORCH + r"""
 import time
 
-writer = dump.DumpWriter(sys.argv[1], format="jsonl")
+writer = DumpWriter(sys.argv[1], format="jsonl")
 pad = "x" * 200
 for step in (0, 1):
     for index in range(50):

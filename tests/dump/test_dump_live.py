@@ -23,7 +23,10 @@ import torch
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.compare import compare_dumps
 from probes.compare.reading import read_dump
-from probes.dump import DumpReader, DumpWriteError, DumpWriter, flush_writers, list_steps, load_dump
+from probes.dump import DumpReader, DumpWriteError, load_dump
+from probes.dump.live import flush_writers
+from probes.dump.reader import list_steps
+from probes.dump.writer import DumpWriter
 from probes.dump import reader as dump_reader
 from probes.dump import stepfiles
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -272,7 +275,7 @@ def assert_one_clean_warning(result: subprocess.CompletedProcess, directory: Pat
 
 WRITER_SCRIPT = IMPORT_DUMP_WITHOUT_TORCH + """
 import shutil
-writer = dump.DumpWriter(sys.argv[1])
+writer = DumpWriter(sys.argv[1])
 for step in (0, 1):
     writer.write(step, {"name": "a", "phase": "forward", "seq": 0})
     writer.finish_step(step)
@@ -294,7 +297,7 @@ MANAGER_SCRIPT = """
 import shutil, sys
 import torch
 from probes import StatisticsSubscriber, SubscriberManager
-from probes.dump import flush_writers
+from probes.dump.live import flush_writers
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 SubscriberManager.subscribe(model, [StatisticsSubscriber(sys.argv[1])])

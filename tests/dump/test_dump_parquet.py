@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager, load_dump, load_table
-from probes.dump import DumpFormatError, DumpReader, DumpWriteError, DumpWriter, list_steps, stepfiles
+from probes.dump import DumpFormatError, DumpReader, DumpWriteError, stepfiles
+from probes.dump.reader import list_steps
+from probes.dump.writer import DumpWriter
 from probes.dump.columns import SCHEMA
 from probes.models import TinyTransformer, make_batch
 from test_dump import IMPORT_DUMP_WITHOUT_TORCH
@@ -176,7 +178,7 @@ def test_close_after_an_exception_leaves_the_open_step_readable_as_unfinished(tm
 CRASHING_CHILD = IMPORT_DUMP_WITHOUT_TORCH + r"""
 import time
 
-writer = dump.DumpWriter(sys.argv[1])
+writer = DumpWriter(sys.argv[1])
 for step in range(1000000):
     for index in range(50):
         writer.write(step, {"name": f"layer{index}", "phase": "forward", "seq": index, "samples": [0.5] * 32})

@@ -7,7 +7,8 @@ import typing
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
-from probes.dump import Record, record_key
+from probes.dump import Record
+from probes.dump.record import record_key
 from probes.stats.numerics import summarize
 
 DECLARED = set(typing.get_type_hints(Record))

@@ -243,7 +243,7 @@ def test_tensor_hidden_in_a_non_tensor_argument_names_the_probe_and_argument():
 def tagged_probe():
     exporters.register_probe_function(TaggedProbe, describe=lambda args: f"tag={args[0]}")
     yield TaggedProbe
-    exporters.unregister_probe_function(TaggedProbe)
+    exporters.registry.unregister_probe_function(TaggedProbe)
 
 
 def test_registered_probe_exports_its_scalars_and_rejects_an_unpassable_one(tagged_probe):

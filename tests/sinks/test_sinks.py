@@ -12,14 +12,16 @@ import warnings
 
 import pytest
 
-from probes.sinks import DEFAULT_STATISTICS
+from probes.sinks.tensorboard import DEFAULT_STATISTICS
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.cli import main
-from probes.dump import DumpWriter, load_dump
-from probes.sinks import (CSV_COLUMNS, LiveTensorBoard, export_csv, export_dump, export_jsonl, export_ort_layout,
-                           write_tensorboard)
+from probes.dump import load_dump
+from probes.dump.writer import DumpWriter
+from probes.sinks import LiveTensorBoard, export_dump, write_tensorboard
+from probes.sinks.ort_layout import export_ort_layout
+from probes.sinks.tabular import CSV_COLUMNS, export_csv, export_jsonl
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

@@ -28,7 +28,8 @@ from torch.utils import _pytree as pytree
 
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
 from probes.dump import stepfiles as dump_module
-from probes.dump import DumpWriteError, list_steps
+from probes.dump import DumpWriteError
+from probes.dump.reader import list_steps
 from probes.stats.numerics import summarize, take_samples
 from probes.stats import SubscriberClosedWarning, UnsupportedTensorWarning
 from probes.core.interface import ProbeEvent, ProbeSite

@@ -20,7 +20,10 @@ import torch
 from helpers import called_by_ort_runtime
 from probes import AnomalyError, AnomalySentinel, StatisticsSubscriber, SubscriberManager, load_dump
 from probes.cli import main as probes_main
-from probes.dump import DumpWriter, first_anomaly, list_steps, record_anomaly
+from probes.dump import first_anomaly
+from probes.dump.anomaly import record_anomaly
+from probes.dump.reader import list_steps
+from probes.dump.writer import DumpWriter
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.stats import AnomalyWarning
 from probes.testing import inject_bug

@@ -16,7 +16,7 @@ from torch import nn
 
 from helpers import train_run
 from probes import StatisticsSubscriber, SubscriberManager, inspect_activation, load_dump
-from probes.dump import list_steps
+from probes.dump.reader import list_steps
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.testing import assert_parity
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from exporters.handles import Handle
-from probes.utils import TensorLeaves, check_int, printable, text_table
+from probes.utils.checks import check_int
+from probes.utils.tables import printable, text_table
+from probes.utils.tree import TensorLeaves
 
 
 def test_handle_undoes_once_and_is_a_context_manager() -> None:
@@ -71,7 +73,7 @@ def test_text_table_aligns_columns_and_printable_escapes_control_characters() ->
 
 def test_exit_stages_run_in_order_and_removed_callbacks_do_not_run() -> None:
     script = textwrap.dedent("""
-        from probes.utils import at_exit
+        from probes.utils.exit import at_exit
         at_exit("writers", lambda: print("writers"))
         at_exit("subscriptions", lambda: print("subscriptions"))
         at_exit("exiting", lambda: print("exiting"))
@@ -82,5 +84,5 @@ def test_exit_stages_run_in_order_and_removed_callbacks_do_not_run() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["exiting", "subscriptions", "writers"]
     with pytest.raises(ValueError, match="unknown exit stage"):
-        from probes.utils import at_exit
+        from probes.utils.exit import at_exit
         at_exit("later", lambda: None)

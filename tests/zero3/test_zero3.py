@@ -29,13 +29,10 @@ from probes.testing import assert_parity  # noqa: E402
 from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
 from probes.core.interface import ProbeSite  # noqa: E402
 from probes.zero3.functions import ModuleBinding  # noqa: E402
-from probes.zero3 import (  # noqa: E402
-    DeepCopiedModuleError,
-    ZeROOffloadSubscriber,
-    configure_ort_compatible_zero_stage3,
-    is_configured,
-    restore_zero_stage3_hooks,
-)
+from probes.zero3 import (
+    DeepCopiedModuleError, ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3, restore_zero_stage3_hooks,
+)  # noqa: E402
+from probes.zero3.patch import is_configured  # noqa: E402
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
 STEPS = 5
