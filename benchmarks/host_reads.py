@@ -237,7 +237,7 @@ def measure(record_stacks: bool = True) -> dict[str, Any]:
 
 
 def measure_in_subprocess(backend: str = "torch", timeout: float = 600) -> dict[str, Any]:
-    """``measure`` under ``PROBES_NUMERICS_BACKEND=<backend>`` (read when probes is imported: a fresh process)."""
+    """``measure`` under ``PROBES_NUMERICS_BACKEND=<backend>`` (in a fresh process of its own, as a user would set it)."""
     env = dict(os.environ, PROBES_NUMERICS_BACKEND=backend)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "benchmarks.host_reads", "--backend", backend, "--json"], cwd=ROOT,

@@ -5,7 +5,7 @@
 The counter is ``benchmarks.host_reads.count_host_reads`` (a device sync on CUDA is such a read); the
 step is ``benchmarks.host_reads.measure``'s: 4 blocks of Linear(64, 64) + ReLU, two warm-up steps,
 then one counted step, on the default statistics backend in this process and on the torch backend
-(the path device tensors take) in a subprocess, since PROBES_NUMERICS_BACKEND is read at import.
+(the path device tensors take) in a subprocess, each in a process of its own (the kernel is built once per process).
 """
 
 from __future__ import annotations
