@@ -51,6 +51,9 @@ def write_dump(path: str, seed: int = 0) -> None:
 def test_docs_code_runs(page, tmp_path, monkeypatch):
     """The blocks of one page run in order, in one namespace and one working directory."""
     monkeypatch.chdir(tmp_path)
+    # A page runs as a fresh program would: no torch.compile state (e.g. shapes dynamo has already marked
+    # dynamic) left by earlier tests that compiled the same model code.
+    torch._dynamo.reset()
     for name in ("eager_out", "eager_out2", "ort_out"):
         write_dump(name)
     torch.manual_seed(0)
