@@ -6,6 +6,7 @@
 
 from .core import (GlobalSubscriberManager, ProbeEvent, ProbeFailureWarning, ProbeSite, SubscriberBase, SubscriberManager, Subscription,
                    inspect_activation)
+from .config import ConfigError, from_config
 from .dump import load_dump, load_table
 from .stats import AnomalyError, AnomalySentinel, StatisticsSubscriber
 from .zero3 import ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3
@@ -13,6 +14,7 @@ from .zero3 import ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3
 __all__ = [
     "AnomalyError",
     "AnomalySentinel",
+    "ConfigError",
     "GlobalSubscriberManager",
     "ProbeEvent",
     "ProbeFailureWarning",
@@ -23,6 +25,7 @@ __all__ = [
     "Subscription",
     "ZeROOffloadSubscriber",
     "configure_ort_compatible_zero_stage3",
+    "from_config",
     "inspect_activation",
     "load_dump",
     "load_table",

@@ -32,6 +32,8 @@ FLOORS: dict[str, int] = {
     "probes.sinks": 5,
     "probes.zero3": 6,
     "probes.testing": 6,
+    "probes.config": 6,
+    "probes.integrations": 7,
     "probes.cli": 7,
     "probes.demo": 7,
     "probes": 8,  # the package's front door, ``python -m probes`` and the kept old module names

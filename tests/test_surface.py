@@ -14,10 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 SURFACE: dict[str, list[str]] = {
-    "probes": ["AnomalyError", "AnomalySentinel", "GlobalSubscriberManager", "ProbeEvent", "ProbeFailureWarning",
+    "probes": ["AnomalyError", "AnomalySentinel", "ConfigError", "GlobalSubscriberManager", "ProbeEvent", "ProbeFailureWarning",
                "ProbeSite", "StatisticsSubscriber", "SubscriberBase", "SubscriberManager", "Subscription",
-               "ZeROOffloadSubscriber", "configure_ort_compatible_zero_stage3", "inspect_activation", "load_dump",
-               "load_table"],
+               "ZeROOffloadSubscriber", "configure_ort_compatible_zero_stage3", "from_config", "inspect_activation",
+               "load_dump", "load_table"],
     "probes.core": ["GlobalSubscriberManager", "ProbeEvent", "ProbeFailureWarning", "ProbeSite", "SubscriberBase",
                     "SubscriberManager", "Subscription", "inspect_activation"],
     "probes.stats": ["AnomalyError", "AnomalySentinel", "AnomalyWarning", "StatisticsSubscriber",
@@ -30,6 +30,9 @@ SURFACE: dict[str, list[str]] = {
     "probes.zero3": ["DeepCopiedModuleError", "ZeROOffloadSubscriber", "configure_ort_compatible_zero_stage3",
                      "restore_zero_stage3_hooks"],
     "probes.testing": ["assert_parity", "inject_bug"],
+    "probes.integrations": [],
+    "probes.integrations.transformers": ["ProbesCallback"],
+    "probes.integrations.lightning": ["ProbesCallback"],
     "probes.utils": [],
     "probes.cli": [],
     "exporters": ["ProbeExportWarning", "PythonOpExportError", "export_onnx", "inference_session", "install_for_ort",

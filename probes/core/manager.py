@@ -24,11 +24,12 @@ Module names ignore wrappers (DDP, FSDP, torch.compile, DeepSpeed, checkpoint wr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -196,6 +197,27 @@ class SubscriberManager:
         """Finish the open step now (a step closes by itself when its backward ends; this closes a
         forward-only one, e.g. after evaluation)."""
         self.tracker.close_open_step()
+
+    @_BindsGlobalOnClass
+    def pause(self) -> None:
+        """Finish the open step, then record nothing until ``resume()``: forwards run while paused (an
+        evaluation between training steps) are not steps, and the step count does not move."""
+        self.tracker.pause()
+
+    @_BindsGlobalOnClass
+    def resume(self) -> None:
+        """Record again after ``pause()``; the next forward opens the next step."""
+        self.tracker.resume()
+
+    @_BindsGlobalOnClass
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """``with manager.paused(): evaluate(model)``: ``pause()``, then ``resume()`` on the way out."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     @property
     def step(self) -> int:

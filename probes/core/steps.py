@@ -10,6 +10,7 @@ ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on
     tracker.forward_returned()                         # StepBoundary.forward: the root forward returned (on_forward_end)
     tracker.backward_reached_root()                    # StepBoundary.backward
     tracker.close_open_step()                          # the manager's flush()
+    tracker.pause(); tracker.resume()                  # the manager's pause()/resume(): evaluation, say
     tracker.stop()                                     # the manager's unsubscribe(): no more calls
 
 The rules (docs/training.md says what each training set-up gives):
@@ -20,6 +21,8 @@ The rules (docs/training.md says what each training set-up gives):
   forward starts, or on ``close_open_step()`` (the manager's ``flush()``/``unsubscribe()``).
 - A forward that runs inside a backward pass is a recomputation (activation checkpointing): not a
   step, not a new call of its modules, not recorded (unless a subscriber sets ``observe_recompute``).
+- While paused, probes pass their tensors through untouched: no step opens, nothing is recorded and the
+  step count does not move, so evaluation between training steps leaves no trace in the numbering.
 - A backward pass that reaches a step already closed (``retain_graph=True`` and a second
   ``backward()``, a second-order backward) opens a backward-only step of its own. A second backward
   of the same forward within one step is recorded as a new call of the module (``name#k``).
@@ -105,6 +108,7 @@ class StepTracker:
         self._queued: dict[int, collections.deque[ProbeEvent | Recomputed]] = {}
         self._taken: dict[int, ProbeEvent | Recomputed] = {}
         self.failures = SiteFailures()  # sites whose probe code raised: switched off, training goes on
+        self.paused = False
 
     def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
         """Start counting from step 0 for a new set of subscribers."""
@@ -115,6 +119,16 @@ class StepTracker:
         self._observers = tuple(s for s in subscribers if s.observes_tensors)
         self._wanting.clear()
         self.failures.clear()
+        self.paused = False
+
+    def pause(self) -> None:
+        """Finish the open step, then let probes pass until ``resume()`` (no step, no record, no count)."""
+        self.close_open_step()
+        self.paused = True
+
+    def resume(self) -> None:
+        """Probes record again; the next forward opens the next step."""
+        self.paused = False
 
     def stop(self) -> None:
         """The subscription ended: the open step closes, and no subscriber gets another call (the
@@ -147,8 +161,9 @@ class StepTracker:
     # Called by the probe Functions ------------------------------------------------------------
 
     def probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed | None:
-        """A probe's forward fired: its event (kept by the probe for its backward), None once the site is off."""
-        if self.failures.is_off(site):
+        """A probe's forward fired: its event (kept by the probe for its backward), None once the site is off
+        or while paused."""
+        if self.paused or self.failures.is_off(site):
             return None
         try:
             return self._probe_forward(site, tensors)
@@ -179,7 +194,7 @@ class StepTracker:
 
     def probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
         """A probe's backward fired with the gradients of its outputs; ``token`` is what its forward returned."""
-        if self.failures.is_off(token.site):
+        if self.paused or self.failures.is_off(token.site):
             return
         try:
             self._probe_backward(token, grads)
@@ -229,7 +244,7 @@ class StepTracker:
 
     def forward_returned(self) -> None:
         """The root module's forward returned."""
-        if _torch_compat.current_backward() is not None:
+        if self.paused or _torch_compat.current_backward() is not None:
             return  # the root itself recomputed by a checkpoint
         step = self._begin_forward_work()
         self.state.forward_done = True

@@ -14,6 +14,8 @@ Layout of an output directory D (one writer per rank, all ranks may share D):
                                              and every dump of version 1): one JSON object per line
     D/rank_<r>/step_<NNNNNN>.jsonl.partial   a step still being written, or left unfinished by a crash (both
                                              formats: JSON Lines, so whatever reached it stays readable)
+    D/rank_<r>/trainer_steps.jsonl           only under a trainer callback: one JSON object per probes step,
+                                             the trainer's step it belongs to (``probes.dump.trainer_steps``)
     D/rank_<r>/step_<NNNNNN>.order.txt       the finished step's records in execution order, one
                                              "<name>_<phase>" per line (like order.txt of onnxruntime's
                                              StatisticsSubscriber)
@@ -46,6 +48,7 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 STEP_FORMATS = ("parquet", "jsonl")
 MANIFEST_NAME = "manifest.json"
+TRAINER_STEPS_NAME = "trainer_steps.jsonl"
 OVERRIDE_HINT = "pass override_output_dir=True (DumpWriter(..., override=True)) or choose another directory"
 
 RANK_DIR_RE = re.compile(r"rank_(0|[1-9][0-9]*)")
@@ -102,6 +105,10 @@ class DumpLayout:
 
     def order_file(self, rank: int, step: int) -> Path:
         return self.rank_dir(rank) / f"step_{step:06d}.order.txt"
+
+    def trainer_steps_file(self, rank: int) -> Path:
+        """Which trainer step each probes step belongs to (written by the trainer callbacks)."""
+        return self.rank_dir(rank) / TRAINER_STEPS_NAME
 
 
 _SAFE_CHARS = frozenset(string.ascii_letters + string.digits + "-_.")

@@ -511,3 +511,38 @@ def test_unsubscribing_an_ortmodule_reexports_without_probes():
     manager.unsubscribe()
     train_ort(model, 1)
     assert len(recorder.calls) == calls, "probes still ran after unsubscribe"
+
+
+def test_forwards_while_paused_are_not_steps_and_leave_no_record():
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder()
+    manager = SubscriberManager()
+    with manager.subscribe(model, [recorder]):
+        train_steps(model, 1)
+        model(make_batch(CONFIG, batch_size=1)["tokens"])  # forward only: left open ...
+        with manager.paused():  # ... until pause() finishes it
+            assert recorder.step_ends == [0, 1]
+            with torch.no_grad():
+                model(make_batch(CONFIG, batch_size=1)["tokens"])
+            train_steps(model, 1)  # a training step while paused is not recorded either
+        assert manager.step == 2 and recorder.step_ends == [0, 1]
+        calls = len(recorder.calls)
+        train_steps(model, 1)
+        assert manager.step == 3 and recorder.step_ends == [0, 1, 2]
+        assert {c.step for c in recorder.calls[calls:]} == {2}
+        assert {c.phase for c in recorder.calls[calls:]} == {"forward", "backward"}
+
+
+def test_pause_on_the_class_pauses_the_global_manager():
+    model = TinyTransformer(CONFIG)
+    recorder = Recorder()
+    SubscriberManager.subscribe(model, [recorder])
+    try:
+        SubscriberManager.pause()
+        train_steps(model, 1)
+        assert GlobalSubscriberManager.step == 0 and not recorder.calls
+        SubscriberManager.resume()
+        train_steps(model, 1)
+        assert GlobalSubscriberManager.step == 1 and recorder.step_ends == [0]
+    finally:
+        SubscriberManager.unsubscribe()
