@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -216,3 +217,30 @@ def test_torch_compile_records_what_eager_records(tmp_path, monkeypatch):
     assert report.agrees, report.first_divergence
     assert not report.only_in_base and not report.only_in_other
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_two_ranks_under_ddp_or_deepspeed_zero3_record_each_rank(tmp_path, backend):
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), *sys.path]),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(29531 + (backend == "deepspeed")), str(here / "hf_run.py"),
+                          str(tmp_path / "out"), *(["deepspeed"] if backend == "deepspeed" else [])],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = re.findall(r"rank (\d) of 2 wrapped (\w+) weights ([-+]?[0-9.]+e[-+][0-9]+)", run.stdout)
+    assert sorted(rank for rank, _, _ in ranks) == ["0", "1"], run.stdout
+    assert {wrapped for _, wrapped, _ in ranks} == {"DeepSpeedEngine" if backend == "deepspeed"
+                                                     else "DistributedDataParallel"}
+    assert len({weights for _, _, weights in ranks}) == 1  # the ranks stayed in step
+    accumulate = 1 if backend == "deepspeed" else 2  # see hf_run.py
+    expected = [(step, step // accumulate + 1, step % accumulate) for step in range(2 * accumulate)]
+    records = load_dump(tmp_path / "out")
+    for rank in (0, 1):
+        assert {r["step"] for r in records if r["rank"] == rank} == set(range(2 * accumulate))
+        mapping = read_trainer_steps(tmp_path / "out")[rank]
+        assert [(m.step, m.trainer_step, m.micro_step) for m in mapping.values()] == expected
+    names = [{(r["step"], r["phase"], r["name"]) for r in records if r["rank"] == rank} for rank in (0, 1)]
+    assert names[0] == names[1] and (0, "forward", "transformer.h.0.mlp.output.0") in names[0]
