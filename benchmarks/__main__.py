@@ -19,6 +19,7 @@ BENCHMARKS = (
     "benchmarks.dump_compare",
     "benchmarks.zero3_bench",
     "benchmarks.host_reads",
+    "benchmarks.callback_overhead",
 )
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks

@@ -17,7 +17,8 @@ object per probes step in ``<dump>/rank_<r>/trainer_steps.jsonl``:
 - ``micro_step``: the step's position among the micro-batches of that update (0-based).
 - ``epoch``: the trainer's epoch when the update was done (Hugging Face: fractional), or None.
 
-Lines are appended and flushed per update, so a crash loses at most a cut last line, which readers skip.
+Lines are appended per update (flushed, not fsync'ed: the training thread does not wait for the disk),
+so a crash of the process loses nothing and a cut last line, if any, is skipped by readers.
 """
 
 from __future__ import annotations
@@ -59,9 +60,8 @@ class TrainerStepLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as stream:
-            stream.write(lines)
-            stream.flush()
-            os.fsync(stream.fileno())
+            stream.write(lines)  # closing flushes: a crash of the process loses nothing; no fsync on the
+            # training thread (the step files are made durable by the writer's thread)
 
     def clear(self) -> None:
         """Start the file again (a new run writing into the same dump with ``override_output_dir``)."""
