@@ -244,3 +244,21 @@ def test_two_ranks_under_ddp_or_deepspeed_zero3_record_each_rank(tmp_path, backe
         assert [(m.step, m.trainer_step, m.micro_step) for m in mapping.values()] == expected
     names = [{(r["step"], r["phase"], r["name"]) for r in records if r["rank"] == rank} for rank in (0, 1)]
     assert names[0] == names[1] and (0, "forward", "transformer.h.0.mlp.output.0") in names[0]
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_a_model_in_ortmodule_records_what_eager_records(tmp_path, monkeypatch):
+    from onnxruntime.training.ortmodule import ORTModule
+
+    from helpers import called_by_ort_runtime
+
+    train(tmp_path, ProbesCallback(tmp_path / "eager"), steps=2)
+    callers = []  # per probe call: whether ORT's runtime made it
+    probe_forward = StepTracker.probe_forward
+    monkeypatch.setattr(StepTracker, "probe_forward",
+                        lambda self, *args: (callers.append(called_by_ort_runtime()), probe_forward(self, *args))[1])
+    train(tmp_path, ProbesCallback(tmp_path / "ort"), steps=2, model=ORTModule(tiny_gpt2()))
+    assert callers and all(callers)
+    report = compare_dumps(tmp_path / "eager", tmp_path / "ort")
+    assert report.agrees, report.first_divergence
