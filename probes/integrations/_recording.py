@@ -7,6 +7,8 @@
     recording.update_done(trainer_step=3, epoch=0.75)   # the optimizer ran: pause, map the steps
     recording.stop()                  # train end, or an exception: unsubscribe, the dump is complete
 
+``RecordingCallback`` is the part both ``ProbesCallback`` classes share: their arguments and what they show.
+
 The stages of a run: the options are checked when the callback is made (``probes.config``: a bad
 option or file fails before the trainer starts); the subscribers are built at train begin, once the
 process knows its rank; between a trainer's training micro-batches the subscription is paused, so its
@@ -119,3 +121,23 @@ class TrainerRecording:
         for log in self._logs:
             log.append(entries)
 
+
+
+class RecordingCallback:
+    """What both callbacks take and show: ``ProbesCallback("out", **options)``, ``config=``, ``PROBES_CONFIG``.
+
+    ``manager`` is the ``SubscriberManager`` of the run (None before it begins), ``subscribers`` what it
+    built (empty outside training).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike | None = None, *, config: str | os.PathLike | None = None,
+                 **options: Any) -> None:
+        self._recording = TrainerRecording.of(output_dir, config=config, options=options, owner="ProbesCallback")
+
+    @property
+    def manager(self) -> SubscriberManager | None:
+        return self._recording.manager
+
+    @property
+    def subscribers(self) -> tuple[SubscriberBase, ...]:
+        return self._recording.subscribers

@@ -15,39 +15,19 @@ Face callback (``probes.integrations.transformers``); docs/lightning.md has a wo
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 from lightning.pytorch import Callback
 
-from ..core import SubscriberBase, SubscriberManager
-from ._recording import TrainerRecording
+from ._recording import RecordingCallback
 
 __all__ = ["ProbesCallback"]
 
 
-class ProbesCallback(Callback):
-    """``Trainer(..., callbacks=[ProbesCallback("out", every_n_steps=50)])``; see the module docstring.
-
-    ``manager`` is the ``SubscriberManager`` of the run (None before it begins), ``subscribers`` what it built (empty outside
-    fitting).
-    """
-
-    def __init__(self, output_dir: str | os.PathLike | None = None, *, config: str | os.PathLike | None = None,
-                 **options: Any) -> None:
-        self._recording = TrainerRecording.of(output_dir, config=config, options=options, owner="ProbesCallback")
-        self._updates = 0
-
-    @property
-    def manager(self) -> SubscriberManager | None:
-        return self._recording.manager
-
-    @property
-    def subscribers(self) -> tuple[SubscriberBase, ...]:
-        return self._recording.subscribers
+class ProbesCallback(RecordingCallback, Callback):
+    """``Trainer(..., callbacks=[ProbesCallback("out", every_n_steps=50)])``; see the module docstring
+    (options, ``manager`` and ``subscribers``: ``RecordingCallback``)."""
 
     def on_fit_start(self, trainer, pl_module):
-        self._updates = trainer.global_step
+        self._updates = trainer.global_step  # when the last update was mapped
         self._recording.start(pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

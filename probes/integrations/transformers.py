@@ -17,35 +17,16 @@ docs/transformers.md has a worked example.
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 from transformers import TrainerCallback
 
-from ..core import SubscriberBase, SubscriberManager
-from ._recording import TrainerRecording
+from ._recording import RecordingCallback
 
 __all__ = ["ProbesCallback"]
 
 
-class ProbesCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[ProbesCallback("out", every_n_steps=50)])``; see the module docstring.
-
-    ``manager`` is the ``SubscriberManager`` of the run (None before it begins) (``manager.step``: probes steps so far), and
-    ``subscribers`` what it built (empty outside training).
-    """
-
-    def __init__(self, output_dir: str | os.PathLike | None = None, *, config: str | os.PathLike | None = None,
-                 **options: Any) -> None:
-        self._recording = TrainerRecording.of(output_dir, config=config, options=options, owner="ProbesCallback")
-
-    @property
-    def manager(self) -> SubscriberManager | None:
-        return self._recording.manager
-
-    @property
-    def subscribers(self) -> tuple[SubscriberBase, ...]:
-        return self._recording.subscribers
+class ProbesCallback(RecordingCallback, TrainerCallback):
+    """``Trainer(..., callbacks=[ProbesCallback("out", every_n_steps=50)])``; see the module docstring
+    (options, ``manager`` and ``subscribers``: ``RecordingCallback``)."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._recording.start(model)
