@@ -43,8 +43,7 @@ class TrainerStep:
 
     def describe(self) -> str:
         """``"trainer step 3, micro-batch 0"`` (how reports show it)."""
-        update = "no trainer step (training ended first)" if self.trainer_step is None \
-            else f"trainer step {self.trainer_step}"
+        update = "before any trainer step ended" if self.trainer_step is None else f"trainer step {self.trainer_step}"
         return f"{update}, micro-batch {self.micro_step}"
 
 
@@ -68,20 +67,28 @@ class TrainerStepLog:
         self.path.unlink(missing_ok=True)
 
 
-def read_trainer_steps(root: str | os.PathLike) -> dict[int, dict[int, TrainerStep]]:
+def read_trainer_steps(path: str | os.PathLike) -> dict[int, dict[int, TrainerStep]]:
     """Every rank's mapping from probes step to ``TrainerStep``; ranks without a file are left out.
 
-    A cut last line (a crash while appending) is skipped; any other bad line is a ``DumpFormatError``.
+    ``path`` is what the readers take: a dump directory, a ``rank_<r>`` directory or a step file (then
+    its rank only). A cut last line (a crash while appending) is skipped; any other bad line is a
+    ``DumpFormatError``.
     """
-    root = Path(root)
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    if RANK_DIR_RE.fullmatch(path.name):
+        rank_dirs = [path]
+    elif path.is_dir():
+        rank_dirs = sorted(path.iterdir())
+    else:
+        return {}
     found: dict[int, dict[int, TrainerStep]] = {}
-    if not root.is_dir():
-        return found
-    for rank_dir in sorted(root.iterdir()):
+    for rank_dir in rank_dirs:
         match = RANK_DIR_RE.fullmatch(rank_dir.name)
-        path = rank_dir / TRAINER_STEPS_NAME
-        if match and path.is_file():
-            found[int(match.group(1))] = _read(path)
+        log = rank_dir / TRAINER_STEPS_NAME
+        if match and log.is_file():
+            found[int(match.group(1))] = _read(log)
     return found
 
 

@@ -1,0 +1,69 @@
+"""The trainer step map beside a dump: written per update, read back, shown by ``probes show``."""
+
+from __future__ import annotations
+
+import pytest
+
+from probes.cli import main
+from probes.dump import DumpFormatError
+from probes.dump.trainer_steps import TrainerStep, TrainerStepLog, read_trainer_steps
+from probes.dump.writer import DumpWriter
+
+
+def write_dump(path, steps=3, rank=0):
+    writer = DumpWriter(path, rank=rank)
+    for step in range(steps):
+        writer.write(step, {"rank": rank, "step": step, "phase": "forward", "seq": 0, "name": "fc.output.0",
+                            "mean": 0.5})
+        writer.finish_step(step)
+    writer.close()
+
+
+def test_entries_round_trip_per_rank_from_any_path_the_readers_take(tmp_path):
+    write_dump(tmp_path / "d", rank=0)
+    write_dump(tmp_path / "d", rank=1)
+    for rank in (0, 1):
+        log = TrainerStepLog(tmp_path / "d", rank=rank)
+        log.append([TrainerStep(step=0, trainer_step=1, micro_step=0, epoch=0.5),
+                    TrainerStep(step=1, trainer_step=1, micro_step=1, epoch=0.5)])
+        log.append([TrainerStep(step=2, trainer_step=None, micro_step=0)])
+    both = read_trainer_steps(tmp_path / "d")
+    assert set(both) == {0, 1}
+    assert both[1][1] == TrainerStep(step=1, trainer_step=1, micro_step=1, epoch=0.5)
+    assert both[0][2].describe() == "before any trainer step ended, micro-batch 0"
+    assert set(read_trainer_steps(tmp_path / "d" / "rank_1")) == {1}
+    assert set(read_trainer_steps(tmp_path / "d" / "rank_0" / "step_000001.parquet")) == {0}
+    assert read_trainer_steps(tmp_path / "nowhere") == {}
+
+
+def test_a_cut_last_line_is_skipped_and_a_bad_line_is_an_error_naming_it(tmp_path):
+    write_dump(tmp_path / "d")
+    log = TrainerStepLog(tmp_path / "d", rank=0)
+    log.append([TrainerStep(step=0, trainer_step=1, micro_step=0)])
+    with open(log.path, "a") as f:
+        f.write('{"step": 1, "trainer_st')  # a crash while appending
+    assert list(read_trainer_steps(tmp_path / "d")[0]) == [0]
+    log.path.write_text('{"step": 0, "trainer_step": 1, "micro_step": 0}\nnot json\n')
+    with pytest.raises(DumpFormatError, match=r"trainer_steps\.jsonl, line 2: not a trainer step entry"):
+        read_trainer_steps(tmp_path / "d")
+
+
+def test_show_prints_the_trainer_step_beside_each_step(tmp_path, capsys):
+    write_dump(tmp_path / "d")
+    TrainerStepLog(tmp_path / "d", rank=0).append(
+        [TrainerStep(step=0, trainer_step=1, micro_step=0), TrainerStep(step=1, trainer_step=1, micro_step=1)])
+    assert main(["show", str(tmp_path / "d")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["step", "trainer_step", "micro_step", "phase"]
+    assert [line.split()[:3] for line in lines[1:4]] == [["0", "1", "0"], ["1", "1", "1"], ["2", "-", "-"]]
+
+
+def test_show_without_a_map_has_no_trainer_columns_and_a_damaged_map_is_a_note(tmp_path, capsys):
+    write_dump(tmp_path / "d")
+    assert main(["show", str(tmp_path / "d")]) == 0
+    assert "trainer_step" not in capsys.readouterr().out
+    TrainerStepLog(tmp_path / "d", rank=0).path.write_text("garbage\n")
+    assert main(["show", str(tmp_path / "d"), "--step", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "trainer_step" not in captured.out and "fc.output.0" in captured.out
+    assert "note: the trainer step map is not readable" in captured.err and "Traceback" not in captured.err
