@@ -49,7 +49,7 @@ def loader(count: int, *, seed: int = 0, batch_size: int = 4) -> torch.utils.dat
 
 def trainer(callback, **overrides) -> L.Trainer:
     options = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, max_epochs=1, deterministic=True)
+                   enable_model_summary=False, num_sanity_val_steps=0, max_epochs=1)
     options.update(overrides)
     return L.Trainer(callbacks=[callback], **options)
 
