@@ -17,6 +17,10 @@ from .results import CellView, RecordDiff
 __all__ = ["RecordDiffs"]
 
 
+def _unbuildable(rows: np.ndarray) -> list[RecordDiff]:
+    raise LookupError("a detached window's records are built in the window (RecordDiffs.detached)")
+
+
 class RecordDiffs(Sequence[RecordDiff]):
     """The matched records of a comparison, in execution order: the verdict of each as arrays, each
     RecordDiff built only when asked for (a comparison of a million records builds the few a report shows).
@@ -56,6 +60,44 @@ class RecordDiffs(Sequence[RecordDiff]):
                    diverged=np.array([r.diverged for r in kept], bool),
                    rel_error=np.array([r.rel_error for r in kept], np.float64),
                    build=lambda rows: [kept[row] for row in rows.tolist()])
+
+    _ARRAYS = ("rank", "step", "seq", "ratio", "diverged", "rel_error")
+
+    def detached(self, rows: np.ndarray) -> "RecordDiffs":
+        """The same arrays, with the RecordDiffs of ``rows`` built and no link to the dumps (it pickles):
+        what one window of a comparison hands on. ``moments`` are left out (``joined`` takes them apart)."""
+        self.take(rows)
+        part = RecordDiffs(**{name: getattr(self, name) for name in self._ARRAYS}, phase=self.phase, name=self.name,
+                           labels=(list(self.labels[0]), list(self.labels[1])), build=_unbuildable,
+                           worst=None if self._worst is None else (list(self._worst[0]), *self._worst[1:]))
+        part._built = {row: self._built[row] for row in np.unique(rows).tolist()}
+        return part
+
+    @classmethod
+    def joined(cls, parts: Sequence["RecordDiffs"], build: Callable[[np.ndarray], list[RecordDiff]],
+               moments: Mapping[tuple[str, str], Any] | None) -> "RecordDiffs":
+        """The records of ``parts`` one after the other (``detached`` windows, in execution order); records not
+        built in a part are built by ``build`` (rows of the whole)."""
+        labels: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        codes: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+        for part in parts:
+            for which, (found, part_codes) in enumerate(zip(part.labels, (part.phase, part.name))):
+                lookup = np.array([labels[which].setdefault(label, len(labels[which])) for label in found], np.int64)
+                codes[which].append(lookup[part_codes] if len(part_codes) else np.zeros(0, np.int64))
+        arrays = {name: np.concatenate([getattr(part, name) for part in parts]) for name in cls._ARRAYS}
+        worst = None
+        if all(part._worst is not None for part in parts):
+            metrics = parts[0]._worst[0]  # type: ignore[index]
+            worst = (metrics, *(np.concatenate([part._worst[i] for part in parts])  # type: ignore[index]
+                                for i in range(1, 5)))
+        joined = cls(**arrays, phase=np.concatenate(codes[0]), name=np.concatenate(codes[1]),
+                     labels=(list(labels[0]), list(labels[1])), build=build, worst=worst,  # type: ignore[arg-type]
+                     moments=moments)
+        offset = 0
+        for part in parts:
+            joined._built.update((row + offset, record) for row, record in part._built.items())
+            offset += len(part)
+        return joined
 
     def __len__(self) -> int:
         return len(self.ratio)
