@@ -79,7 +79,7 @@ class _Part:
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     """The window's report: its steps of each dump read (damaged files left out, of both runs), compared."""
     config = CompareConfig(**window.config)  # type: ignore[arg-type]
-    reading = CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
+    reading = config if window.steps is None else CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
     base_path, other_path, noise_path = window.paths
     base = read_dump(base_path, reading, progress=progress, skip_damaged=True)
     other = read_dump(other_path, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
