@@ -26,7 +26,7 @@ MOMENTS = names(compared="moment")  # ("min", "max", "mean", "std", "norm"): wit
 OPTIONAL_MOMENTS = frozenset(stat.name for stat in STATISTICS if stat.optional)
 DEFAULT_RTOL, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR = 1e-4, 1e-6, 10.0
 # Records of one dump read at a time (a window is whole steps, at least one): bounds a comparison's memory.
-DEFAULT_WINDOW = 200_000
+DEFAULT_WINDOW = 50_000
 
 
 @dataclass(frozen=True)

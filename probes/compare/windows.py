@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+import pyarrow as pa
 
 from ..dump import DumpFormatError, DumpReader
 from ..dump.anomaly import Anomaly
@@ -229,8 +230,14 @@ def _each(windows: Sequence[_Window], jobs: int) -> Iterable[_Part]:
 
 
 def _pooled(windows: Sequence[_Window], jobs: int, context: Any) -> Iterator[_Part]:
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_one_thread) as pool:
         yield from pool.map(_reduced, windows)
+
+
+def _one_thread() -> None:
+    """A worker's Arrow reads with one thread: the processes are the parallelism (as many as the cores)."""
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
 
 
 def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _SpilledMoments | None) -> Report:
