@@ -148,7 +148,8 @@ class DumpReader:
 
     def tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
                progress: bool | TextIO = False, label: str | None = None) -> Iterator[tuple[StepFile, pa.Table]]:
-        """(step file, its table) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        """(step file, its table) for each of ``files`` in turn; ``progress``: a bar after a second. Damaged files
+        are read past, then raised together (``DamagedSteps``) once the others are done."""
         return self._each(files, lambda step_file: self.read_table(step_file, columns), progress, label)
 
     def concat_tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
@@ -195,20 +196,29 @@ class DumpReader:
 
     def read_each(self, files: Sequence[StepFile], *, progress: bool | TextIO = False,
                   label: str | None = None) -> Iterator[tuple[StepFile, list[Record]]]:
-        """(step file, its records) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        """(step file, its records) for each of ``files`` in turn; ``progress``: a bar after a second. Damaged
+        files are read past, then raised together (``DamagedSteps``) once the others are done."""
         return self._each(files, self.read, progress, label)
 
     def _each(self, files: Sequence[StepFile], read: Callable[[StepFile], _Read], progress: bool | TextIO,
               label: str | None) -> Iterator[tuple[StepFile, _Read]]:
         meter = progress_meter(label or f"reading {self.path}", len(files), progress)
+        damaged: list[tuple[StepFile, DumpFormatError]] = []
         try:
             for done, step_file in enumerate(files, 1):
-                yield step_file, read(step_file)
+                try:
+                    found = read(step_file)
+                except DumpFormatError as error:  # read past it: the error names every damaged file
+                    damaged.append((step_file, error))
+                else:
+                    yield step_file, found
                 if meter:
                     meter.update(done)
         finally:
             if meter:
                 meter.close()
+        if damaged:
+            raise DamagedSteps(damaged)
 
     def records(self, *, include_partial: bool = False, files: Sequence[StepFile] | None = None,
                 skip_damaged: bool = False) -> list[Record]:

@@ -145,3 +145,20 @@ def test_a_damaged_step_in_both_runs_and_a_noise_run(tmp_path, capsys):
     assert [item.step for item in report.damaged["other"]] == [2]
     assert [item.step for item in report.damaged["noise"]] == [0]
     assert report.noise_unmatched == 3
+
+
+@pytest.mark.parametrize("command", [["export", "--format", "csv", "--output"], ["export", "--format", "jsonl", "--output"],
+                                     ["tensorboard", "--logdir"]])
+def test_exports_name_every_damaged_file_and_write_nothing(tmp_path, capsys, command):
+    base = write(tmp_path / "base", steps=4)
+    first, second = (base / "rank_0" / f"step_00000{step}.parquet" for step in (0, 2))
+    DAMAGE["flipped bytes"](first)
+    DAMAGE["zero bytes"](second)
+    before = _snapshot(base)
+    output = tmp_path / "out"
+    assert main([command[0], str(base), *command[1:], str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 damaged step files" in err and str(first) in err and str(second) in err
+    assert _snapshot(base) == before
+    if command[0] == "export":
+        assert not output.exists()  # written in full or not at all
