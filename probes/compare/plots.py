@@ -73,8 +73,7 @@ class Grid:
     def build(cls, report: Report) -> "Grid":
         records = report.records
         phases, names = records.labels
-        packed = (records.rank << 40) | (records.phase << 32) | records.name
-        unique, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
+        first, inverse = _rows_of(records)
         # A row's place is its seq at its earliest step, so rows follow the execution order of one step.
         order: dict[Row, tuple[int, int, int, int]] = {}
         for index in first.tolist():
@@ -93,11 +92,11 @@ class Grid:
                     order[row] = position
         rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3]))
         place = {row: i for i, row in enumerate(rows)}
-        row_of = np.array([place[row] for row in matched_rows], np.int64)[inverse] if len(unique) \
-            else np.zeros(0, np.int64)
+        row_of = np.array([place[row] for row in matched_rows], np.int32)[inverse] if len(first) \
+            else np.zeros(0, np.int32)
         worst = np.zeros(len(rows))
         np.maximum.at(worst, row_of, records.ratio)
-        steps = sorted(set(records.step.tolist()) | {step for _, step in missing})
+        steps = sorted(set(np.unique(records.step).tolist()) | {step for _, step in missing})
         return cls(rows, steps, dict(zip(rows, worst.tolist())), records, row_of, missing)
 
     def row_ratio(self, row: Row) -> float:
@@ -136,6 +135,27 @@ class Grid:
     def row_indices(self, row: Row) -> np.ndarray:
         """The matched records of ``row``, in step order."""
         return np.flatnonzero(self.row_of == self.rows.index(row))
+
+
+def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
+    """(the first record of each (rank, phase, name), in that key's order; per record its key's index): what
+    ``np.unique(keys, return_index=True, return_inverse=True)`` gives, with a table of every possible key where
+    there are few (ranks x phases x names), so ten million records take no sort and no copies of the keys."""
+    count = len(records)
+    ranks = records.rank.astype(np.int64)
+    low = int(ranks.min()) if count else 0
+    phases, names = max(1, len(records.labels[0])), max(1, len(records.labels[1]))
+    size = (int(ranks.max()) - low + 1) * phases * names if count else 0
+    key = ((ranks - low) * phases + records.phase) * names + records.name
+    if size > 4 * count + (1 << 16):  # sparse keys: sort them
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    first_at = np.full(size, count, np.int64)
+    first_at[key[::-1]] = np.arange(count - 1, -1, -1)  # repeated keys: the last assignment, the earliest record
+    present = np.flatnonzero(first_at < count)
+    index_of = np.zeros(size, np.int32)
+    index_of[present] = np.arange(len(present))
+    return first_at[present], index_of[key]
 
 
 def _heat_color(record: CellView) -> str:

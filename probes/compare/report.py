@@ -94,7 +94,7 @@ class Report:
 
     def _per_step(self) -> list[StepSummary]:
         records = self.records
-        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(records.step.tolist()))
+        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(np.unique(records.step).tolist()))
         # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
         by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
         found, first = np.unique(records.step[by_step], return_index=True)

@@ -16,6 +16,7 @@ fuzzy alignment always uses, and applied in every window. With one window this i
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import tempfile
@@ -122,13 +123,15 @@ def _reduced(window: _Window) -> _Part:
 
 
 class _SpilledMoments(Mapping[tuple[str, str], "_SpilledColumn"]):
-    """The windows' moments in a temporary file each, read back for the rows asked (the trajectories')."""
+    """The windows' moments (and the worst metrics' values) in a temporary file each, read back for the rows
+    asked: the trajectories' and the heatmap cells'."""
 
     def __init__(self) -> None:
         self._directory = tempfile.TemporaryDirectory(prefix="probes-compare-")
         self._keys: list[tuple[str, str]] | None = None
         self._files: list[np.ndarray] = []
         self._offsets = [0]
+        self._hidden: frozenset[tuple[str, str]] = frozenset()
 
     def add(self, moments: Mapping[tuple[str, str], np.ndarray], count: int) -> None:
         if self._keys is None:
@@ -151,15 +154,19 @@ class _SpilledMoments(Mapping[tuple[str, str], "_SpilledColumn"]):
         return out
 
     def __getitem__(self, key: tuple[str, str]) -> "_SpilledColumn":
-        if self._keys is None or key not in self._keys:
+        if self._keys is None or key not in self._keys or key in self._hidden:
             raise KeyError(key)
         return _SpilledColumn(self, key)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._keys or ())
+        return iter(key for key in self._keys or () if key not in self._hidden)
 
     def __len__(self) -> int:
-        return len(self._keys or ())
+        return len(list(iter(self)))
+
+    def hide(self, keys: Iterable[tuple[str, str]]) -> None:
+        """These columns are no longer listed (the caller took them on its own); the files stay."""
+        self._hidden = frozenset(keys)
 
 
 @dataclass(frozen=True)
@@ -209,16 +216,26 @@ def compare_windows(windows: Sequence[_Window], *, jobs: int = 1, progress: bool
     parts: list[_Part] = []
     try:
         for done, part in enumerate(_each(windows, jobs), 1):
-            if part.moments is not None:
-                spilled.add(part.moments, len(part.records))
-                part.moments = None
+            kept = dict(part.moments or {})
+            worst = part.records._worst
+            if worst is not None:  # read only for the heatmap cells shown: kept with the moments
+                kept[_WORST_BASE], kept[_WORST_OTHER] = worst[2], worst[3]
+                part.records._worst = (worst[0], worst[1], None, None, worst[4])
+            if kept:
+                spilled.add(kept, len(part.records))
+            part.moments = None
             parts.append(part)
+            if done % 16 == 0:
+                _give_back_memory()
             if meter:
                 meter.update(done)
     finally:
         if meter:
             meter.close()
     return _joined(windows, parts, spilled if len(spilled) else None)
+
+
+_WORST_BASE, _WORST_OTHER = ("worst", "base"), ("worst", "other")  # spilled beside the moments
 
 
 def _each(windows: Sequence[_Window], jobs: int) -> Iterable[_Part]:
@@ -253,7 +270,13 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _Spille
             found.update(zip(wanted.tolist(), again.take(wanted - offsets[index])))
         return [found[row] for row in rows.tolist()]
 
-    records = RecordDiffs.joined([part.records for part in parts], build, moments)
+    worst_values = None
+    if moments is not None and _WORST_BASE in moments:
+        worst_values = (moments[_WORST_BASE], moments[_WORST_OTHER])
+        moments.hide((_WORST_BASE, _WORST_OTHER))
+        moments = moments if len(moments) else None
+    records = RecordDiffs.joined([part.records for part in parts], build, moments, worst_values)  # consumed
+    _give_back_memory()
     first = parts[0]
     renamed: dict[str, Rename] = {}
     for part in parts:
@@ -276,6 +299,15 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _Spille
     report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
                                           if part.first_nonfinite.get(side)), None) for side in ("base", "other")}
     return report
+
+
+def _give_back_memory() -> None:
+    """Returns the windows' freed memory to the system: glibc keeps freed small arrays in its heap otherwise, and
+    the reports' work would come on top of them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def _union(found: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:

@@ -145,6 +145,11 @@ def test_a_damaged_step_in_both_runs_and_a_noise_run(tmp_path, capsys):
     assert [item.step for item in report.damaged["other"]] == [2]
     assert [item.step for item in report.damaged["noise"]] == [0]
     assert report.noise_unmatched == 3
+    for jobs in (1, 2):  # read a step at a time: the same report
+        windowed = compare_dumps(base, other, noise=noise, skip_damaged=True, window=1, jobs=jobs)
+        assert windowed.to_json() == report.to_json()
+    with pytest.raises(DamagedSteps, match="2 damaged step files: .*other.*step_000002.*noise.*step_000000"):
+        compare_dumps(base, other, noise=noise, window=1)
 
 
 @pytest.mark.parametrize("command", [["export", "--format", "csv", "--output"], ["export", "--format", "jsonl", "--output"],
