@@ -103,3 +103,23 @@ def test_the_command_line_takes_a_window_and_jobs(runs, tmp_path, capsys):
         assert main(["compare", str(runs / "base"), str(runs / "other"), *bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "expected a whole number of at least 1" in err
+
+
+@pytest.mark.parametrize("rank_scale", [1, 1 << 20])  # a table of keys; keys too sparse for one: sorted
+def test_the_heatmap_rows_are_those_of_a_sort(rank_scale):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from probes.compare.plots import _rows_of
+
+    rng = np.random.default_rng(0)
+    count = 5000
+    records = SimpleNamespace(rank=(rng.integers(0, 3, count) * rank_scale).astype(np.int32),
+                              phase=rng.integers(0, 2, count).astype(np.int32),
+                              name=rng.integers(0, 40, count).astype(np.int32),
+                              labels=(["forward", "backward"], [f"n{i}" for i in range(40)]))
+    packed = (records.rank.astype(np.int64) << 40) | (records.phase.astype(np.int64) << 32) | records.name
+    _, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
+    found_first, found_inverse = _rows_of(records)
+    assert found_first.tolist() == first.tolist() and found_inverse.tolist() == inverse.tolist()
