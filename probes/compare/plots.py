@@ -141,7 +141,7 @@ def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
     """(the first record of each (rank, phase, name), in that key's order; per record its key's index): what
     ``np.unique(keys, return_index=True, return_inverse=True)`` gives, with a table of every possible key where
     there are few (ranks x phases x names), so ten million records take no sort and no copies of the keys."""
-    count = len(records)
+    count = len(records.rank)
     ranks = records.rank.astype(np.int64)
     low = int(ranks.min()) if count else 0
     phases, names = max(1, len(records.labels[0])), max(1, len(records.labels[1]))
