@@ -78,8 +78,8 @@ class DamagedSteps(DumpFormatError):
         count = len(self.damaged)
         listed = "; ".join(str(error) for _, error in self.damaged)
         ValueError.__init__(self, f"{count} damaged step file{'s' if count > 1 else ''}: {listed}")
-        self.path, self.line = self.damaged[0][0].path, None
-        self.problem = f"{count} damaged step files"
+        first = self.damaged[0][1]  # path, line and problem: the first damaged file's, as its own error says
+        self.path, self.line, self.problem = first.path, first.line, first.problem
 
 
 class DumpReader:
