@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from ..dump import DumpFormatError, DumpReader
+from ..dump.reader import StepFile
 
 EXIT_OK, EXIT_NEGATIVE, EXIT_BAD_INPUT = 0, 1, 2
 PROG = "probes"  # also ``python -m probes``
@@ -66,6 +67,12 @@ def fail(name: str | None, message: str) -> int:
     line = " ".join(message.split())  # one line, whatever the message held
     print(f"{PROG}{f' {name}' if name else ''}: error: {line}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def damaged_note(damaged: Sequence[tuple[StepFile, DumpFormatError]]) -> str:
+    """The note of ``--skip-damaged``: which steps were left out and why, in one line."""
+    listed = "; ".join(str(error) for _, error in damaged)
+    return f"{len(damaged)} damaged step file{'s' if len(damaged) > 1 else ''} left out (--skip-damaged): {listed}"
 
 
 def open_dump(path: str | Path, *, include_partial: bool = False) -> DumpReader:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
 from ..compare import Report, compare_dumps, format_report, load_name_map, write_html
-from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL
+from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW
 from ..compare.terminal import parse_steps
 from .common import EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command
 
@@ -22,6 +23,7 @@ EXAMPLES = [
     "probes compare eager_out ort_out --step 3-5 --name 'blocks.1.*'",
     "probes compare eager_out refactored_out --map names.yaml   # names.yaml: {'\\.ffn\\.': '.mlp.'}",
     "probes compare eager_out refactored_out --fuzzy            # pair renamed modules by class, shape, order",
+    "probes compare big_a big_b --window 100000 --jobs 8         # bounded memory, eight processes",
 ]
 
 
@@ -52,10 +54,28 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report (docs/compare.md) here")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the self-contained HTML report here")
     parser.add_argument("--top", type=int, default=10, help="rows in the table of worst records (default 10)")
+    parser.add_argument("--window", type=_positive, default=DEFAULT_WINDOW, metavar="RECORDS",
+                        help=f"records of a dump read and compared at a time, whole steps (default {DEFAULT_WINDOW:,}); "
+                             "bounds the memory a comparison takes, whatever the dumps' size")
+    parser.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, metavar="N",
+                        help="processes comparing windows at once (default: the cores there are)")
+    parser.add_argument("--skip-damaged", action="store_true",
+                        help="leave damaged step files out (of both runs) and list them as a note "
+                             "(default: they are an error naming every one)")
     parser.add_argument("--strict-zero-grads", action="store_true",
                         help="a gradient exactly zero in one run and absent in the other is a divergence "
                              "(default: a note)")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def compare(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +91,8 @@ def _compare(args: argparse.Namespace) -> int:
     steps = frozenset().union(*args.step) if args.step else None
     report = compare_dumps(args.base, args.other, rtol=args.rtol, atol=args.atol, noise=args.noise,
                            noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True,
-                           strict_zero_grads=args.strict_zero_grads, name_map=name_map, fuzzy=args.fuzzy)
+                           strict_zero_grads=args.strict_zero_grads, name_map=name_map, fuzzy=args.fuzzy,
+                           window=args.window, jobs=args.jobs, skip_damaged=args.skip_damaged)
     _check_common_records(report, args)
     print(format_report(report, top=args.top))
     try:

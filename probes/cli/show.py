@@ -15,7 +15,7 @@ from ..dump.anomaly import record_anomaly
 from ..dump.layout import DumpFormatError
 from ..dump.table import format_records
 from ..dump.trainer_steps import TrainerStep, read_trainer_steps
-from .common import EXIT_OK, CommandError, command_parser, open_dump, run_command
+from .common import EXIT_OK, CommandError, command_parser, damaged_note, open_dump, run_command
 
 EXAMPLES = [
     "probes show run                      # every record of every finished step",
@@ -32,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, help="only this rank")
     parser.add_argument("--include-partial", action="store_true",
                         help="also show the complete records of unfinished steps")
+    parser.add_argument("--skip-damaged", action="store_true",
+                        help="show the steps that can be read; damaged step files are listed in a note "
+                             "(default: a damaged step file the selection needs is an error)")
     parser.add_argument("--anomalies", action="store_true",
                         help="only the records holding nan or inf (or values beyond --max-abs)")
     parser.add_argument("--max-abs", type=float, metavar="X",
@@ -46,11 +49,17 @@ def show(argv: Sequence[str] | None = None) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     reader = open_dump(args.path, include_partial=args.include_partial)
-    records = reader.records(include_partial=args.include_partial)
     steps = reader.steps()
 
     def wanted(rank: int | None, step: int) -> bool:
         return (args.rank is None or rank == args.rank) and (args.step is None or step == args.step)
+
+    # Only the files the selection needs are read: a damaged step elsewhere does not stop this one.
+    files = [f for f in reader.step_files(include_partial=args.include_partial)
+             if wanted(args.rank if f.rank is None else f.rank, f.step)]  # a lone file's records say their rank
+    records = reader.records(include_partial=args.include_partial, files=files, skip_damaged=args.skip_damaged)
+    if reader.damaged:
+        print(f"probes show: note: {damaged_note(reader.damaged)}", file=sys.stderr)
 
     if not args.include_partial:
         for rank, by_state in steps.items():

@@ -16,7 +16,7 @@ and ``report`` (the result model and its JSON), ``values`` (how values print and
 original's merged summaries).
 """
 
-from .engine import compare_dumps
+from .windows import compare_dumps
 from .html import write_html
 from .names import NameMap, NameMapError, load_name_map
 from .report import Report

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..dump.statistics import STATISTICS, names
 from ..utils.patterns import check_patterns, name_matcher
 
-__all__ = ["COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "MOMENTS", "OPTIONAL_MOMENTS", "STRUCTURE",
+__all__ = ["COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "DEFAULT_WINDOW", "MOMENTS", "OPTIONAL_MOMENTS", "STRUCTURE",
            "CompareConfig"]
 
 STRUCTURE = ("shape", "dtype", "numel")
@@ -25,6 +25,8 @@ MOMENTS = names(compared="moment")  # ("min", "max", "mean", "std", "norm"): wit
 # Moments a dump written before they existed lacks: compared only where both records have a value.
 OPTIONAL_MOMENTS = frozenset(stat.name for stat in STATISTICS if stat.optional)
 DEFAULT_RTOL, DEFAULT_ATOL, DEFAULT_NOISE_FACTOR = 1e-4, 1e-6, 10.0
+# Records of one dump read at a time (a window is whole steps, at least one): bounds a comparison's memory.
+DEFAULT_WINDOW = 50_000
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,11 @@ class CompareConfig:
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
+
+    def fields(self) -> dict[str, object]:
+        """The arguments that make this config again (it pickles through them: a window run in another process)."""
+        return {name: getattr(self, name) for name in ("rtol", "atol", "noise_factor", "steps", "names",
+                                                        "strict_zero_grads", "fuzzy")}
 
     def wants_step(self, step: int) -> bool:
         return self.steps is None or step in self.steps

@@ -1,8 +1,10 @@
 """Compare two statistics dumps: match records, measure their differences, find the first divergence.
 
-    report = compare_dumps("pt_out", "ort_out", rtol=1e-4, atol=1e-6, noise="pt_out2")
+    report = compare_loaded(read_dump("pt_out"), read_dump("ort_out"), CompareConfig())
     if not report.agrees: print(report.first_divergence)
     python -m probes compare pt_out ort_out [--noise pt_out2] [--json r.json] [--html r.html]
+
+``compare_dumps`` (``windows``) reads the dumps a window of steps at a time and runs this on each window.
 
 Records are matched by (rank, step, phase, name); records present on one side only are listed,
 never dropped. A gradient that is exactly zero everywhere in one run and absent in the other (one
@@ -20,8 +22,7 @@ RecordDiff objects a report shows; ``compare_records`` is the same for records a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TextIO
 
 import numpy as np
@@ -34,16 +35,15 @@ from ..dump.record import execution_order
 from ..utils.phases import GRADIENT_PHASES
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
-from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, CompareConfig
+from .config import CompareConfig
 from .details import record_diffs
 from .matched import RecordDiffs
-from .names import NameMapLike, as_name_map
-from .reading import LoadedDump, read_dump
+from .reading import LoadedDump
 from .report import Report
 from .results import Divergence, RecordDiff, Rename
 from .vector import WORST, match, measure, noise_levels
 
-__all__ = ["compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient"]
+__all__ = ["compare_loaded", "compare_records", "is_zero_gradient"]
 
 
 def compare_records(base: Record, other: Record, config: CompareConfig = CompareConfig(),
@@ -53,15 +53,17 @@ def compare_records(base: Record, other: Record, config: CompareConfig = Compare
 
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
-                   noise: LoadedDump | None = None, *, progress: bool | TextIO = False) -> Report:
-    """Compares two loaded dumps (see ``compare_dumps``); with ``config.fuzzy``, renames ``other``'s records.
+                   noise: LoadedDump | None = None, *, progress: bool | TextIO = False,
+                   fuzzy: Sequence[Rename] | None = None) -> Report:
+    """Compares two loaded dumps (see ``compare_dumps``); with ``config.fuzzy``, renames ``other``'s records
+    (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
 
     The checks run on whole columns (``vector``); only the records a report shows become RecordDiff objects.
     """
     renamed = [Rename(None, original, new, "map", 1.0, "the name map")
                for original, new in other.renamed.items()]
     if config.fuzzy:
-        paired = fuzzy_renames(base, other)
+        paired = fuzzy_renames(base, other) if fuzzy is None else list(fuzzy)
         apply_renames(other, paired)
         renamed += paired
     meter = progress_meter("comparing", 4, progress)
@@ -218,30 +220,3 @@ def _first_nonfinite(loaded: LoadedDump) -> Anomaly | None:
         maybe = (np.nan_to_num(nan) > 0) | (np.nan_to_num(inf) > 0)
     maybe |= pc.is_valid(table.column("extra")).to_numpy(zero_copy_only=False)
     return first_anomaly(loaded.take(np.flatnonzero(maybe)))
-
-
-def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
-                  noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
-                  steps: Iterable[int] | None = None, names: Sequence[str] = (),
-                  progress: bool | TextIO = False, strict_zero_grads: bool = False,
-                  name_map: NameMapLike | None = None, fuzzy: bool = False) -> Report:
-    """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
-
-    ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
-    ``probes.compare.names``), before the ``names`` filter. ``fuzzy``: names still found in one run only
-    are paired by module class, shape and execution order (``probes.compare.align``). Both are listed
-    in ``report.renamed``.
-
-    ``strict_zero_grads``: a gradient exactly zero in one run and absent in the other diverges
-    (by default it is only noted in ``report.zero_grads``). Raises DumpFormatError (naming file and
-    line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used.
-    """
-    config = CompareConfig(rtol=rtol, atol=atol, noise_factor=noise_factor,
-                           steps=frozenset(steps) if steps is not None else None, names=tuple(names),
-                           strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy))
-    mapping = as_name_map(name_map)
-    loaded_base = read_dump(base, config, progress=progress)
-    loaded_other = read_dump(other, config, progress=progress, name_map=mapping)
-    loaded_noise = read_dump(noise, config, progress=progress) if noise is not None else None
-    return compare_loaded(loaded_base, loaded_other, config, loaded_noise, progress=progress)
-

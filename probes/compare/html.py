@@ -22,7 +22,7 @@ from .report import Report
 from .results import ZERO_GRAD_NOTE
 from .values import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
-from .terminal import verdict
+from .terminal import damaged_lines, verdict
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "HtmlConfig", "render_html", "write_html"]
 
@@ -93,6 +93,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
           if report.renamed else ()),
         *((f"first non-finite value, {side}", str(anomaly) if anomaly else "none")
           for side, anomaly in report.first_nonfinite.items() if any(report.first_nonfinite.values())),
+        *(("note", line) for line in damaged_lines(report)),
     ])
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

@@ -45,8 +45,9 @@ class HtmlConfig:
 
     max_rows: int = 300  # heatmap rows per phase; the worst rows and the first divergence are kept
     max_columns: int = 200  # heatmap columns; more steps are binned (a cell shows the worst of its bin)
-    max_cells: int = 15000  # per heatmap: fewer columns for many rows, to keep the page light
+    max_cells: int = 10000  # per heatmap: fewer columns for many rows, to keep the page light
     trajectories: int = 6  # layers with trajectory plots
+    max_points: int = 200  # steps of a trajectory drawn point by point (hover each); beyond: reduced, see _reduced
 
 
 
@@ -72,8 +73,7 @@ class Grid:
     def build(cls, report: Report) -> "Grid":
         records = report.records
         phases, names = records.labels
-        packed = (records.rank << 40) | (records.phase << 32) | records.name
-        unique, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
+        first, inverse = _rows_of(records)
         # A row's place is its seq at its earliest step, so rows follow the execution order of one step.
         order: dict[Row, tuple[int, int, int, int]] = {}
         for index in first.tolist():
@@ -92,11 +92,11 @@ class Grid:
                     order[row] = position
         rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3]))
         place = {row: i for i, row in enumerate(rows)}
-        row_of = np.array([place[row] for row in matched_rows], np.int64)[inverse] if len(unique) \
-            else np.zeros(0, np.int64)
+        row_of = np.array([place[row] for row in matched_rows], np.int32)[inverse] if len(first) \
+            else np.zeros(0, np.int32)
         worst = np.zeros(len(rows))
         np.maximum.at(worst, row_of, records.ratio)
-        steps = sorted(set(records.step.tolist()) | {step for _, step in missing})
+        steps = sorted(set(np.unique(records.step).tolist()) | {step for _, step in missing})
         return cls(rows, steps, dict(zip(rows, worst.tolist())), records, row_of, missing)
 
     def row_ratio(self, row: Row) -> float:
@@ -135,6 +135,27 @@ class Grid:
     def row_indices(self, row: Row) -> np.ndarray:
         """The matched records of ``row``, in step order."""
         return np.flatnonzero(self.row_of == self.rows.index(row))
+
+
+def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
+    """(the first record of each (rank, phase, name), in that key's order; per record its key's index): what
+    ``np.unique(keys, return_index=True, return_inverse=True)`` gives, with a table of every possible key where
+    there are few (ranks x phases x names), so ten million records take no sort and no copies of the keys."""
+    count = len(records.rank)
+    ranks = records.rank.astype(np.int64)
+    low = int(ranks.min()) if count else 0
+    phases, names = max(1, len(records.labels[0])), max(1, len(records.labels[1]))
+    size = (int(ranks.max()) - low + 1) * phases * names if count else 0
+    key = ((ranks - low) * phases + records.phase) * names + records.name
+    if size > 4 * count + (1 << 16):  # sparse keys: sort them
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    first_at = np.full(size, count, np.int64)
+    first_at[key[::-1]] = np.arange(count - 1, -1, -1)  # repeated keys: the last assignment, the earliest record
+    present = np.flatnonzero(first_at < count)
+    index_of = np.zeros(size, np.int32)
+    index_of[present] = np.arange(len(present))
+    return first_at[present], index_of[key]
 
 
 def _heat_color(record: CellView) -> str:
@@ -272,9 +293,23 @@ def _heat_legend(x: float, y: float) -> str:
     return "".join(parts)
 
 
+def _reduced(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A line of more points than pixels: per pixel column its lowest and highest point, in step order, so the
+    line looks the same and its size stays that of the chart, whatever the steps."""
+    columns: dict[int, list[tuple[float, float]]] = {}
+    for point in points:
+        columns.setdefault(math.floor(point[0]), []).append(point)
+    kept: list[tuple[float, float]] = []
+    for column in columns.values():
+        ends = {min(column, key=lambda p: p[1]), max(column, key=lambda p: p[1])}
+        kept += [point for point in column if point in ends]  # step order; one point where low is high
+    return kept
+
+
 def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, str, list[Any], str]],
-                mark_step: int | None, diverged_steps: set[int]) -> str:
-    """A small SVG line chart of values over steps; ``series``: (label, color, values, dash)."""
+                mark_step: int | None, diverged_steps: set[int], max_points: int = 10 ** 9) -> str:
+    """A small SVG line chart of values over steps; ``series``: (label, color, values, dash). Over ``max_points``
+    steps the lines are ``_reduced`` and only the diverged steps are points to hover."""
     width, height = 230.0, 130.0
     left, right, top, bottom = 52.0, 8.0, 18.0, 20.0
     values = [v for _, _, vals, _ in series for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
@@ -310,17 +345,22 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     for label, color, vals, dash in series:
         points = [(sx(step), sy(v)) for step, v in zip(steps, vals)
                   if isinstance(v, (int, float)) and math.isfinite(v)]
+        reduced = len(steps) > max_points
+        if reduced:
+            points = _reduced(points)
         if len(points) > 1:
             path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash_attr}>'
                          f'<title>{escape(label)}</title></polyline>')
-        for step, v in zip(steps, vals):
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                bad = label == "other" and step in diverged_steps
-                parts.append(f'<circle cx="{sx(step):.1f}" cy="{sy(v):.1f}" r="{3.2 if bad else 2.4}" '
-                             f'fill="{"#d00" if bad else color}"><title>{escape(label)} step {step}: {v:.6g}</title>'
-                             f'</circle>')
+        shown = [(step, v) for step, v in zip(steps, vals) if isinstance(v, (int, float)) and math.isfinite(v)]
+        if reduced:  # the first diverged steps of the other run, as many as a chart of max_points shows
+            shown = [(step, v) for step, v in shown if label == "other" and step in diverged_steps][:max_points]
+        for step, v in shown:
+            bad = label == "other" and step in diverged_steps
+            parts.append(f'<circle cx="{sx(step):.1f}" cy="{sy(v):.1f}" r="{3.2 if bad else 2.4}" '
+                         f'fill="{"#d00" if bad else color}"><title>{escape(label)} step {step}: {v:.6g}</title>'
+                         f'</circle>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -352,7 +392,7 @@ def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
         for stat in MOMENTS:
             series = [("base", BASE_COLOR, grid.records.value(indices, "base", stat), ""),
                       ("other", OTHER_COLOR, grid.records.value(indices, "other", stat), "5,3")]
-            charts.append(_line_chart(stat, steps, series, mark, diverged))
+            charts.append(_line_chart(stat, steps, series, mark, diverged, config.max_points))
         heading = f"{row[1]} {_row_label(row, multi_rank)}"
         flag = ' <span class="bad">first divergence</span>' if mark is not None else ""
         blocks.append(f'<div class="traj"><h4>{escape(heading)}{flag}</h4>{"".join(charts)}</div>')
@@ -363,4 +403,8 @@ def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
               f'<text x="98" y="11" class="axis">other (dashed)</text>'
               f'<circle cx="196" cy="7" r="4" fill="#d00"/><text x="204" y="11" class="axis">diverged</text></svg>'
               f'<span> Blue dashed line: the step of the first divergence.</span></p>')
+    if len(grid.steps) > config.max_points:
+        legend += (f'<p class="note">Over {config.max_points} steps, each line keeps per pixel its lowest and highest '
+                   f"value, and only diverged steps of the other run (the first {config.max_points}) are points "
+                   "with their values on hover.</p>")
     return legend + "".join(blocks)

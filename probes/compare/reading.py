@@ -30,6 +30,7 @@ from ..dump.columns import SCHEMA, table_to_records
 from ..utils.phases import phase_rank
 from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
+from .results import Damaged
 
 __all__ = ["COLUMNS", "LoadedDump", "read_dump"]
 
@@ -52,6 +53,7 @@ class LoadedDump:
     files: list[Path] = field(default_factory=list)  # row i comes from files[file_of[i]], line line_of[i]
     file_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     line_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    damaged: list[Damaged] = field(default_factory=list)  # step files left out (skip_damaged)
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -136,13 +138,15 @@ def _ints(table: pa.Table, name: str) -> np.ndarray:
 
 
 def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
-              progress: bool | TextIO = True, name_map: NameMap | None = None) -> LoadedDump:
+              progress: bool | TextIO = True, name_map: NameMap | None = None,
+              skip_damaged: bool = False) -> LoadedDump:
     """Loads and validates a dump for comparison, keeping only the steps and names ``config`` selects.
 
     Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, and
     OSError for unreadable paths, NameMapError when ``name_map`` makes two records of a step one.
     ``progress``: False, True (stderr) or a stream. A live writer of this process into ``path`` is
-    waited for first, so every step it finished is read.
+    waited for first, so every step it finished is read. ``skip_damaged``: damaged step files are left out
+    and listed in ``damaged`` (else DamagedSteps names them all).
     """
     reader = DumpReader(path)
     unfinished: dict[int, list[int]] = {}
@@ -158,7 +162,10 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
         files = [step_file for step_file in reader.step_files()
                  if step_file.rank is not None and config.wants_step(step_file.step)]
     # One chunk per column: taking rows (matching, building the records a report shows) is slow across chunks.
-    table = reader.concat_tables(files, columns=COLUMNS, progress=progress).combine_chunks()
+    table = reader.concat_tables(files, columns=COLUMNS, progress=progress, skip_damaged=skip_damaged).combine_chunks()
+    if reader.damaged:
+        left_out = {id(step_file) for step_file, _ in reader.damaged}
+        files = [step_file for step_file in files if id(step_file) not in left_out]
     sizes = _rows_per_file(table, files)
     loaded = LoadedDump(reader.path, table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())),
                         {}, unfinished, files=[step_file.path for step_file in files],
@@ -174,7 +181,21 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     if not keep.all():
         _keep(loaded, keep)
     _check_unique(loaded, name_map)
+    loaded.damaged = [Damaged(str(f.path), f.rank, f.step, error.line, error.problem) for f, error in reader.damaged]
     return loaded
+
+
+def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
+    """Leaves the records and steps of these (rank, step) out of ``loaded`` (damaged in another run)."""
+    if not steps:
+        return
+    keep = np.array([(rank, step) not in steps for rank, step in zip(loaded.rank.tolist(), loaded.step.tolist())],
+                    dtype=bool)
+    if not keep.all():
+        _keep(loaded, keep)
+    for rank, step in steps:
+        if rank in loaded.steps_by_rank and step in loaded.steps_by_rank[rank]:
+            loaded.steps_by_rank[rank].remove(step)
 
 
 def _rows_per_file(table: pa.Table, files: list[StepFile]) -> np.ndarray:

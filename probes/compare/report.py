@@ -17,7 +17,7 @@ from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
 from .config import CompareConfig
 from .matched import RecordDiffs
-from .results import ZERO_GRAD_NOTE, Divergence, Rename, StepSummary
+from .results import ZERO_GRAD_NOTE, Damaged, Divergence, Rename, StepSummary
 from .values import key_json
 
 __all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]
@@ -49,6 +49,9 @@ class Report:
     first_nonfinite: dict[str, Anomaly | None] = field(default_factory=dict)
     # OTHER's names compared under BASE's names (name map, fuzzy alignment), in BASE's execution order.
     renamed: list[Rename] = field(default_factory=list)
+    # "base"/"other"/"noise" -> step files left out because they cannot be read (skip_damaged); a step damaged
+    # in one run is left out of both.
+    damaged: dict[str, list[Damaged]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.records, RecordDiffs):
@@ -91,7 +94,7 @@ class Report:
 
     def _per_step(self) -> list[StepSummary]:
         records = self.records
-        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(records.step.tolist()))
+        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(np.unique(records.step).tolist()))
         # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
         by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
         found, first = np.unique(records.step[by_step], return_index=True)
@@ -134,6 +137,8 @@ class Report:
             "first_nonfinite": {side: anomaly.to_json() if anomaly else None
                                 for side, anomaly in self.first_nonfinite.items()},
             "renamed": [rename.to_json() for rename in self.renamed],
+            "damaged": {side: [item.to_json() for item in self.damaged.get(side, [])]
+                        for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
             "per_step": [summary.to_json() for summary in self.per_step()],
             "divergences": [record.to_json() for record in self.records.select(self.records.diverged)],
         }

@@ -18,7 +18,7 @@ from ..dump.record import RecordKey
 from .config import MOMENTS
 from .values import format_value, is_finite_number, json_value
 
-__all__ = ["ZERO_GRAD_NOTE", "CellView", "Divergence", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
+__all__ = ["ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
 
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 
@@ -231,3 +231,20 @@ class Rename:
         return {"phase": self.phase, "other": self.other, "base": self.base, "how": self.how,
                 "confidence": self.confidence, "reason": self.reason}
 
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A step file left out of a comparison because it cannot be read (``skip_damaged``)."""
+
+    path: str
+    rank: int | None
+    step: int
+    line: int | None  # 1-based, where the problem is in a JSON Lines file
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.path}{'' if self.line is None else f', line {self.line}'}: {self.problem}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "rank": self.rank, "step": self.step, "line": self.line, "problem": self.problem}

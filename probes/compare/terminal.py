@@ -158,7 +158,16 @@ def _header(report: Report) -> list[str]:
     if report.zero_grads:
         lines.append(f"  note: {len(report.zero_grads)} {plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
                      "(not counted as divergences; --strict-zero-grads counts them)")
+    lines += [f"  note: {line}" for line in damaged_lines(report)]
     return lines
+
+
+def damaged_lines(report: Report) -> list[str]:
+    """One sentence per run with damaged step files left out (``--skip-damaged``)."""
+    return [f"{side} has {len(items)} damaged step {plural(len(items), 'file')}, "
+            f"{'left out' if side == 'noise' else 'its steps left out of both runs'} (--skip-damaged): "
+            + "; ".join(map(str, items))
+            for side, items in report.damaged.items() if items]
 
 
 def _first_divergence(report: Report, with_rank: bool) -> list[str]:

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.dataset as pa_dataset
 import pyarrow.parquet as pq
 
 from .record import Record
 from .statistics import STATISTICS
 
-__all__ = ["NUMBER_COLUMNS", "SCHEMA", "NotAStepFile", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
+__all__ = ["NUMBER_COLUMNS", "PARQUET_FORMAT", "SCHEMA", "NotAStepFile", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
 
 _INT, _FLOAT, _STR = pa.int64(), pa.float64(), pa.string()
 _INTS, _FLOATS = pa.list_(_INT), pa.list_(_FLOAT)
@@ -169,7 +170,7 @@ def write_parquet(path: str | os.PathLike, table: pa.Table) -> None:
         pq.write_table(kept, file, compression=_compression(kept), use_dictionary=_DICTIONARY,
                        column_encoding={name: encoding for name, encoding in _ENCODINGS.items()
                                         if name in kept.column_names},
-                       write_statistics=["step", "rank"], store_schema=False)
+                       write_statistics=["step", "rank"], store_schema=False, write_page_checksum=True)
         file.flush()
         os.fsync(file.fileno())
 
@@ -179,6 +180,11 @@ def _compression(table: pa.Table) -> dict[str, str]:
     paths = {name: f"{name}.list.element" if pa.types.is_list(table.schema.field(name).type) else name
              for name in table.column_names}
     return {path: "zstd" if name in _ZSTD else "lz4" for name, path in paths.items()}
+
+
+# How probes reads step files with pyarrow.dataset: pages checked against their checksums (flipped bytes).
+PARQUET_FORMAT = pa_dataset.ParquetFileFormat(
+    default_fragment_scan_options=pa_dataset.ParquetFragmentScanOptions(page_checksum_verification=True))
 
 
 class NotAStepFile(ValueError):
@@ -192,7 +198,7 @@ def read_parquet(path: str | Path, columns: Sequence[str] | None = None) -> pa.T
     more than they save; ParquetFile, not read_table: no dataset discovery.
     """
     wanted = list(SCHEMA.names if columns is None else columns)
-    with pq.ParquetFile(path) as file:
+    with pq.ParquetFile(path, page_checksum_verification=True) as file:
         present = set(file.schema_arrow.names)
         missing = [name for name in _ALWAYS if name not in present]
         if missing:

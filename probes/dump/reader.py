@@ -20,6 +20,11 @@ line without its newline is a cut, and a step file with fewer records than its `
 some (a copy cut at a line boundary). In a ``.partial``
 file the unterminated last line is the write a crash interrupted: skipped. Every problem is a
 DumpFormatError naming the file and line.
+
+Damage stays with its step: a step file that is damaged (cut, flipped bytes caught by the Parquet page
+checksums, zero bytes, a directory or anything else in its place) fails only the reads that need it.
+Reading several files reads them all and then raises one ``DamagedSteps`` naming every damaged file, or,
+with ``skip_damaged=True``, leaves them out and lists them in ``reader.damaged``.
 """
 
 from __future__ import annotations
@@ -41,13 +46,13 @@ from ..utils.progress import progress_meter
 
 from .layout import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
                      DumpLayout, read_manifest)
-from .columns import SCHEMA, NotAStepFile, read_parquet, records_to_table, table_to_records
+from .columns import PARQUET_FORMAT, SCHEMA, NotAStepFile, read_parquet, records_to_table, table_to_records
 from .live import flush_writers
 from .record import Record
 
 _Read = TypeVar("_Read")
 
-__all__ = ["DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
+__all__ = ["DamagedSteps", "DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,18 @@ class StepFile:
         return self.path.suffix == ".parquet"
 
 
+class DamagedSteps(DumpFormatError):
+    """Step files that cannot be read, each with its DumpFormatError; the message names them all, in one line."""
+
+    def __init__(self, damaged: Sequence[tuple[StepFile, DumpFormatError]]) -> None:
+        self.damaged = list(damaged)
+        count = len(self.damaged)
+        listed = "; ".join(str(error) for _, error in self.damaged)
+        ValueError.__init__(self, f"{count} damaged step file{'s' if count > 1 else ''}: {listed}")
+        first = self.damaged[0][1]  # path, line and problem: the first damaged file's, as its own error says
+        self.path, self.line, self.problem = first.path, first.line, first.problem
+
+
 class DumpReader:
     """A dump opened for reading: this process's live writers into it are waited for once, when opened
     (``wait=False``: not waited for).
@@ -78,6 +95,7 @@ class DumpReader:
         if wait:  # False only on a writer's own thread (``on_step_written``), which would wait for itself
             flush_writers(path)
         self._list(Path(path))
+        self.damaged: list[tuple[StepFile, DumpFormatError]] = []  # what reads with skip_damaged left out
 
     def _list(self, path: Path) -> None:
         self.path = path
@@ -100,7 +118,7 @@ class DumpReader:
         """The records of one step file, checked (see the module docstring)."""
         if step_file.columnar:
             return table_to_records(self.read_table(step_file))  # read_table placed the rank and step
-        lines = step_file.path.read_bytes().split(b"\n")
+        lines = _read_bytes(step_file).split(b"\n")
         tail = lines.pop()  # what follows the last newline: b"" unless the last line was cut short
         records = [_parse_line(step_file, number, raw) for number, raw in enumerate(lines, 1)]
         if step_file.finished:
@@ -117,9 +135,10 @@ class DumpReader:
         if not step_file.columnar:
             return _select(records_to_table(self.read(step_file)), columns)
         wanted = None if columns is None else list(dict.fromkeys([*columns, "step", "rank"]))
+        _check_regular(step_file)
         try:
             table = read_parquet(step_file.path, wanted)
-        except pa.ArrowException as error:
+        except (pa.ArrowException, OSError) as error:
             raise DumpFormatError(step_file.path, None, f"not a readable Parquet step file (truncated or damaged?): {error}") from None
         except NotAStepFile as error:
             raise DumpFormatError(step_file.path, None, f"not a probes step file: {error}") from None
@@ -129,58 +148,119 @@ class DumpReader:
 
     def tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
                progress: bool | TextIO = False, label: str | None = None) -> Iterator[tuple[StepFile, pa.Table]]:
-        """(step file, its table) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        """(step file, its table) for each of ``files`` in turn; ``progress``: a bar after a second. Damaged files
+        are read past, then raised together (``DamagedSteps``) once the others are done."""
         return self._each(files, lambda step_file: self.read_table(step_file, columns), progress, label)
 
     def concat_tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
-                      progress: bool | TextIO = False) -> pa.Table:
+                      progress: bool | TextIO = False, skip_damaged: bool = False) -> pa.Table:
         """The tables of ``files`` as one (see ``read_table``), rows in file order.
 
         Finished Parquet files in rank directories are read in one go by Arrow's own threads, then checked
         (ranks and steps, the order files' counts) on whole columns; anything else, or any problem, is read
-        file by file, which names the file and what is wrong.
+        file by file, which names the file and what is wrong. Damaged files: see the module docstring.
         """
         _check_columns(columns)
         if files and all(f.columnar and f.finished and f.rank is not None for f in files):
             try:
                 return _read_at_once(files, columns)
-            except (pa.ArrowException, OSError, _NotPlaced):
+            except (pa.ArrowException, OSError, DumpFormatError, _NotPlaced):
                 pass  # read file by file below, which says which file is wrong and how
-        parts = [table for _, table in self.tables(files, columns=columns, progress=progress)]
+        parts = self._undamaged(files, lambda step_file: self.read_table(step_file, columns), progress,
+                                skip_damaged)
         return pa.concat_tables(parts) if parts else _select(SCHEMA.empty_table(), columns)
 
-    def table(self, *, include_partial: bool = False, columns: Sequence[str] | None = None) -> pa.Table:
+    def _undamaged(self, files: Sequence[StepFile], read: Callable[[StepFile], _Read], progress: bool | TextIO,
+                   skip_damaged: bool) -> list[_Read]:
+        """What ``read`` gives for each of ``files``; every damaged one is read past, then raised together
+        (``DamagedSteps``) or, with ``skip_damaged``, left out and added to ``self.damaged``."""
+        found: list[_Read] = []
+        damaged: list[tuple[StepFile, DumpFormatError]] = []
+        for step_file, result in self._each(files, _catching(read), progress, None):
+            if isinstance(result, DumpFormatError):
+                damaged.append((step_file, result))
+            else:
+                found.append(result)
+        if damaged and not skip_damaged:
+            raise DamagedSteps(damaged)
+        self.damaged += damaged
+        return found
+
+    def table(self, *, include_partial: bool = False, columns: Sequence[str] | None = None,
+              skip_damaged: bool = False) -> pa.Table:
         """Every record as one table (see ``read_table``), rows sorted like ``records()``."""
         if self._lone and not self._files[0].finished and not include_partial:
             raise ValueError(f"{self.path} is an unfinished step; load it with include_partial=True")
-        return self.concat_tables(self.step_files(include_partial=include_partial), columns=columns)
+        return self.concat_tables(self.step_files(include_partial=include_partial), columns=columns,
+                                  skip_damaged=skip_damaged)
 
     def read_each(self, files: Sequence[StepFile], *, progress: bool | TextIO = False,
                   label: str | None = None) -> Iterator[tuple[StepFile, list[Record]]]:
-        """(step file, its records) for each of ``files`` in turn; ``progress``: a bar after a second."""
+        """(step file, its records) for each of ``files`` in turn; ``progress``: a bar after a second. Damaged
+        files are read past, then raised together (``DamagedSteps``) once the others are done."""
         return self._each(files, self.read, progress, label)
 
     def _each(self, files: Sequence[StepFile], read: Callable[[StepFile], _Read], progress: bool | TextIO,
               label: str | None) -> Iterator[tuple[StepFile, _Read]]:
         meter = progress_meter(label or f"reading {self.path}", len(files), progress)
+        damaged: list[tuple[StepFile, DumpFormatError]] = []
         try:
             for done, step_file in enumerate(files, 1):
-                yield step_file, read(step_file)
+                try:
+                    found = read(step_file)
+                except DumpFormatError as error:  # read past it: the error names every damaged file
+                    damaged.append((step_file, error))
+                else:
+                    yield step_file, found
                 if meter:
                     meter.update(done)
         finally:
             if meter:
                 meter.close()
+        if damaged:
+            raise DamagedSteps(damaged)
 
-    def records(self, *, include_partial: bool = False) -> list[Record]:
-        """Every record, sorted by (rank, step, line in the file); unfinished steps only with ``include_partial``.
+    def records(self, *, include_partial: bool = False, files: Sequence[StepFile] | None = None,
+                skip_damaged: bool = False) -> list[Record]:
+        """Every record (of ``files``), sorted by (rank, step, line in the file); unfinished steps only with
+        ``include_partial``. Damaged files: see the module docstring.
 
         For a lone unfinished step file without ``include_partial``: ValueError.
         """
         if self._lone and not self._files[0].finished and not include_partial:
             raise ValueError(f"{self.path} is an unfinished step; load it with include_partial=True "
                              "(show: --include-partial)")
-        return [record for item in self.step_files(include_partial=include_partial) for record in self.read(item)]
+        if files is None:
+            files = self.step_files(include_partial=include_partial)
+        return [record for part in self._undamaged(files, self.read, False, skip_damaged) for record in part]
+
+
+def _catching(read: Callable[[StepFile], _Read]) -> Callable[[StepFile], _Read | DumpFormatError]:
+    def caught(step_file: StepFile) -> _Read | DumpFormatError:
+        try:
+            return read(step_file)
+        except DumpFormatError as error:
+            return error
+    return caught
+
+
+def _check_regular(step_file: StepFile) -> None:
+    """A step file is a regular file with bytes in it (a lone step file may be an empty unfinished one)."""
+    path = step_file.path
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "a broken link" if path.is_symlink() and not path.exists() \
+            else "not a regular file"
+        raise DumpFormatError(path, None, f"damaged step file: {kind} in place of the step file")
+    if step_file.finished and path.stat().st_size == 0:
+        raise DumpFormatError(path, None, "damaged step file: empty (zero bytes)")
+
+
+def _read_bytes(step_file: StepFile) -> bytes:
+    _check_regular(step_file)
+    try:
+        return step_file.path.read_bytes()
+    except OSError as error:
+        raise DumpFormatError(step_file.path, None, f"cannot read the step file: {error.strerror or error}") from None
 
 
 def load_dump(path: str | Path, *, include_partial: bool = False) -> list[Record]:
@@ -246,7 +326,7 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
         found: dict[tuple[int, bool], Path] = {}
         for child in directory.iterdir():
             match = STEP_FILE_RE.fullmatch(child.name)
-            if match and f"{int(match[1]):06d}" == match[1] and child.is_file():
+            if match and f"{int(match[1]):06d}" == match[1]:  # a directory in its place too: damaged, never skipped
                 key = (int(match[1]), match[2] != "jsonl.partial")
                 if key in found and key[1]:
                     raise DumpFormatError(child, None, f"step {key[0]} of rank {rank} is finished twice "
@@ -340,7 +420,7 @@ class _NotPlaced(Exception):
 
 def _read_at_once(files: Sequence[StepFile], columns: Sequence[str] | None) -> pa.Table:
     wanted = list(dict.fromkeys([*(columns if columns is not None else SCHEMA.names), "step", "rank"]))
-    dataset = pa_dataset.dataset([str(f.path) for f in files], format="parquet",
+    dataset = pa_dataset.dataset([str(f.path) for f in files], format=PARQUET_FORMAT,
                                  schema=pa.schema([SCHEMA.field(name) for name in wanted]))
     counts = np.array([fragment.metadata.num_rows for fragment in dataset.get_fragments()], np.int64)
     for step_file, count in zip(files, counts.tolist()):
@@ -359,16 +439,24 @@ def _read_at_once(files: Sequence[StepFile], columns: Sequence[str] | None) -> p
     return _select(table, columns)
 
 
+def listed_records(step_file: StepFile) -> int | None:
+    """How many records the step's order file lists (None: no order file, e.g. a lone step file)."""
+    if step_file.rank is None:
+        return None  # a lone step file has no rank directory, so no order file
+    order_file = DumpLayout(step_file.path.parent.parent).order_file(step_file.rank, step_file.step)
+    try:
+        return order_file.read_bytes().count(b"\n")
+    except OSError:
+        return None
+
+
 def _check_complete(step_file: StepFile, count: int) -> None:
     # The writer lists every record of a finished step in its order file, so a step file that lost whole
     # lines (a copy cut at a line boundary) is caught too, not only one cut inside a line.
-    if step_file.rank is None:
-        return  # a lone step file has no rank directory, so no order file
-    order_file = DumpLayout(step_file.path.parent.parent).order_file(step_file.rank, step_file.step)
-    try:
-        expected = order_file.read_bytes().count(b"\n")
-    except FileNotFoundError:
+    expected = listed_records(step_file)
+    if expected is None:
         return
+    order_file = DumpLayout(step_file.path.parent.parent).order_file(step_file.rank, step_file.step)  # type: ignore[arg-type]
     if count < expected:
         raise DumpFormatError(step_file.path, count + 1,
                               f"truncated: {order_file.name} lists {expected} records, the step file has {count}")

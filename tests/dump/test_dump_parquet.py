@@ -323,3 +323,28 @@ def test_unknown_format_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="unknown dump format 'json'"):
         StatisticsSubscriber(tmp_path / "s", dump_format="json")
     assert not (tmp_path / "d").exists() and not os.path.exists(tmp_path / "s")
+
+
+def test_the_dump_is_a_dataset_pyarrow_reads_with_one_glob(tmp_path):
+    """Every step file holds its rank and step as columns, so one glob over the rank directories is the dump."""
+    import glob
+
+    import pyarrow.dataset as ds
+
+    for rank in (0, 1, 10):  # rank_10 sorts before rank_2 as text: the rows say their rank, not the path
+        write(tmp_path / "d", {0: AWKWARD, 1: AWKWARD[:3], 2: AWKWARD[1:]}, rank=rank)
+    train(tmp_path / "trained", steps=2)
+    for root in (tmp_path / "d", tmp_path / "trained"):
+        files = glob.glob(str(root / "rank_*" / "step_*.parquet"))
+        for path in files:  # a step file alone says which rank and step it holds
+            alone = pq.read_table(path, columns=["rank", "step"])
+            assert alone.column("rank").null_count == 0 and alone.column("step").null_count == 0
+        dataset = ds.dataset(files, format="parquet", schema=SCHEMA)
+        keys = [("rank", "ascending"), ("step", "ascending"), ("seq", "ascending"), ("name", "ascending")]
+        read = dataset.to_table().sort_by(keys)
+        expected = load_table(root).sort_by(keys)
+        assert read.num_rows == expected.num_rows > 0
+        assert read.schema == expected.schema and same(read.to_pylist(), expected.to_pylist())  # nan equal to nan
+        only_step_1 = dataset.to_table(filter=(ds.field("step") == 1) & (ds.field("rank") == 10))
+        assert set(only_step_1.column("step").to_pylist()) <= {1}
+    assert set(only_step_1.column("rank").to_pylist()) == set()  # the trained dump has rank 0 only

@@ -1,0 +1,375 @@
+"""A comparison of dumps of any size: read and compared a window of steps at a time, windows on every core.
+
+    report = compare_dumps("pt_out", "ort_out")                       # windows of DEFAULT_WINDOW records
+    report = compare_dumps("pt_out", "ort_out", window=50_000, jobs=4)  # smaller windows, four processes
+    report = compare_dumps("pt_out", "ort_out", skip_damaged=True)    # damaged steps left out, listed
+
+Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look
+at one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about
+``window`` records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and
+reduced to its verdict arrays and the RecordDiffs a report shows (every diverged record, each step's worst,
+the worst records, those around the window's first divergence), then the windows are joined in step
+order, which is execution order. The moments the trajectory plots read are kept in a temporary file; a
+record nobody built is rebuilt by comparing its window again. Fuzzy pairs are found once, on the step
+fuzzy alignment always uses, and applied in every window. With one window this is ``engine`` alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import pyarrow as pa
+
+from ..dump import DumpFormatError, DumpReader
+from ..dump.anomaly import Anomaly
+from ..dump.reader import DamagedSteps, StepFile, listed_records
+from ..dump.record import RecordKey
+from ..utils.progress import progress_meter
+from .align import fuzzy_renames
+from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW, CompareConfig
+from .engine import compare_loaded
+from .matched import RecordDiffs
+from .names import NameMap, NameMapLike, as_name_map
+from .reading import LoadedDump, drop_steps, read_dump
+from .report import Report
+from .results import Damaged, Divergence, RecordDiff, Rename
+
+__all__ = ["compare_dumps", "compare_windows", "windows_of"]
+
+_PREBUILT_WORST = 32  # per window, the records of the largest ratio built for ``records.worst``
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What one window compares; plain data, so it goes to another process."""
+
+    paths: tuple[str, str, str | None]  # base, other, noise
+    config: Mapping[str, Any]  # CompareConfig.fields(), the user's
+    steps: frozenset[int] | None  # this window's steps (None: every step the config wants)
+    name_map: NameMap | None
+    fuzzy: tuple[Rename, ...] | None  # the pairs found on the whole dumps (None: find them here)
+
+
+@dataclass
+class _Part:
+    """One window's comparison, reduced to what the joined report needs."""
+
+    records: RecordDiffs
+    moments: dict[tuple[str, str], np.ndarray] | None
+    only_in_base: list[RecordKey]
+    only_in_other: list[RecordKey]
+    base_steps: dict[int, list[int]]
+    other_steps: dict[int, list[int]]
+    unfinished: dict[str, dict[int, list[int]]]
+    noise_unmatched: int
+    zero_grads: list[tuple[RecordKey, str]]
+    first_divergence: Divergence | None
+    first_nonfinite: dict[str, Anomaly | None]
+    renamed: list[Rename]
+    damaged: dict[str, list[Damaged]] = field(default_factory=dict)
+
+
+def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
+    """The window's report: its steps of each dump read (damaged files left out, of both runs), compared."""
+    config = CompareConfig(**window.config)  # type: ignore[arg-type]
+    reading = config if window.steps is None else CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
+    base_path, other_path, noise_path = window.paths
+    base = read_dump(base_path, reading, progress=progress, skip_damaged=True)
+    other = read_dump(other_path, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
+    noise = read_dump(noise_path, reading, progress=progress, skip_damaged=True) if noise_path is not None else None
+    _drop_damaged(base, other)
+    report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy)
+    report.damaged = {side: loaded.damaged for side, loaded in (("base", base), ("other", other), ("noise", noise))
+                      if loaded is not None and loaded.damaged}
+    return report
+
+
+def _drop_damaged(base: LoadedDump, other: LoadedDump) -> None:
+    """A step damaged in one run is compared in neither: it is not a step only the other run has."""
+    damaged = [{(item.rank, item.step) for item in loaded.damaged} for loaded in (base, other)]
+    drop_steps(base, damaged[1])
+    drop_steps(other, damaged[0])
+
+
+def _reduced(window: _Window) -> _Part:
+    """The window compared and reduced (run in a worker process when there are jobs)."""
+    report = _compare(window)
+    records = report.records
+    rows = [np.flatnonzero(records.diverged)]
+    if len(records):
+        by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
+        rows.append(by_step[np.unique(records.step[by_step], return_index=True)[1]])  # each step's worst
+        positive = np.flatnonzero(records.ratio > 0)
+        rows.append(positive[np.argsort(-records.ratio[positive], kind="stable")][:_PREBUILT_WORST])
+        if records._worst is not None:
+            rows.append(np.flatnonzero(records._worst[1] == 1))  # what only a RecordDiff shows (plots build them)
+    first = report.first_divergence
+    if first is not None:
+        rows.append(np.flatnonzero(records.where(rank=first.rank, step=first.step, phase=first.phase)))
+    detached = records.detached(np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64))
+    return _Part(detached, None if records.moments is None else dict(records.moments), report.only_in_base,
+                 report.only_in_other, report.base_steps, report.other_steps, report.unfinished,
+                 report.noise_unmatched, report.zero_grads, first, report.first_nonfinite,
+                 [rename for rename in report.renamed if rename.how == "map"], report.damaged)
+
+
+class _SpilledMoments(Mapping[tuple[str, str], "_SpilledColumn"]):
+    """The windows' moments (and the worst metrics' values) in a temporary file each, read back for the rows
+    asked: the trajectories' and the heatmap cells'."""
+
+    def __init__(self) -> None:
+        self._directory = tempfile.TemporaryDirectory(prefix="probes-compare-")
+        self._keys: list[tuple[str, str]] | None = None
+        self._files: list[np.ndarray] = []
+        self._offsets = [0]
+        self._hidden: frozenset[tuple[str, str]] = frozenset()
+
+    def add(self, moments: Mapping[tuple[str, str], np.ndarray], count: int) -> None:
+        if self._keys is None:
+            self._keys = list(moments)
+        path = Path(self._directory.name) / f"{len(self._files)}.npy"
+        np.save(path, np.stack([moments[key] for key in self._keys], axis=1) if count else
+                np.zeros((0, len(self._keys))))
+        self._files.append(np.load(path, mmap_mode="r"))
+        self._offsets.append(self._offsets[-1] + count)
+
+    def gather(self, key: tuple[str, str], rows: np.ndarray) -> np.ndarray:
+        assert self._keys is not None
+        column = self._keys.index(key)
+        rows = np.asarray(rows, np.int64)
+        part = np.searchsorted(self._offsets, rows, side="right") - 1
+        out = np.empty(len(rows))
+        for index in np.unique(part).tolist():
+            at = part == index
+            out[at] = self._files[index][rows[at] - self._offsets[index], column]
+        return out
+
+    def __getitem__(self, key: tuple[str, str]) -> "_SpilledColumn":
+        if self._keys is None or key not in self._keys or key in self._hidden:
+            raise KeyError(key)
+        return _SpilledColumn(self, key)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(key for key in self._keys or () if key not in self._hidden)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def hide(self, keys: Iterable[tuple[str, str]]) -> None:
+        """These columns are no longer listed (the caller took them on its own); the files stay."""
+        self._hidden = frozenset(keys)
+
+
+@dataclass(frozen=True)
+class _SpilledColumn:
+    spilled: _SpilledMoments
+    key: tuple[str, str]
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        return self.spilled.gather(self.key, rows)
+
+
+def windows_of(base: str | Path, other: str | Path, noise: str | Path | None, config: CompareConfig,
+               window: int | None) -> list[frozenset[int] | None]:
+    """The steps of each window, in order: about ``window`` records of a dump each, whole steps (None: one window
+    of every step, also for a lone step file)."""
+    readers = [DumpReader(path) for path in (base, other, noise) if path is not None]
+    if window is None or any(reader.path.is_file() for reader in readers):
+        return [None]
+    if window < 1:
+        raise ValueError(f"window must be at least 1 record, got {window}")
+    files = [f for reader in readers for f in reader.step_files() if f.rank is not None and config.wants_step(f.step)]
+    steps = sorted({f.step for f in files})
+    if not steps:
+        return [None]
+    per_step = max(1, _records_at(files, steps[0]))
+    size = max(1, window // per_step)
+    return [frozenset(steps[start:start + size]) for start in range(0, len(steps), size)]
+
+
+def _records_at(files: Sequence[StepFile], step: int) -> int:
+    """Records of one step over the ranks of the first dump that has it, from its order files (rows of one run)."""
+    by_root: dict[Path, int] = {}
+    for f in files:
+        if f.step == step:
+            root = f.path.parent.parent
+            by_root[root] = by_root.get(root, 0) + (listed_records(f) or 1)
+    return max(by_root.values(), default=1)
+
+
+def compare_windows(windows: Sequence[_Window], *, jobs: int = 1, progress: bool | TextIO = False) -> Report:
+    """The windows compared (``jobs`` processes) and joined into one report, as if compared at once."""
+    if len(windows) == 1:
+        return _compare(windows[0], progress)
+    jobs = max(1, min(jobs, len(windows)))
+    meter = progress_meter(f"comparing {len(windows)} windows", len(windows), progress)
+    spilled = _SpilledMoments()
+    parts: list[_Part] = []
+    try:
+        for done, part in enumerate(_each(windows, jobs), 1):
+            kept = dict(part.moments or {})
+            worst = part.records._worst
+            if worst is not None:  # read only for the heatmap cells shown: kept with the moments
+                kept[_WORST_BASE], kept[_WORST_OTHER] = worst[2], worst[3]
+                part.records._worst = (worst[0], worst[1], None, None, worst[4])
+            if kept:
+                spilled.add(kept, len(part.records))
+            part.moments = None
+            parts.append(part)
+            if done % 16 == 0:
+                _give_back_memory()
+            if meter:
+                meter.update(done)
+    finally:
+        if meter:
+            meter.close()
+    return _joined(windows, parts, spilled if len(spilled) else None)
+
+
+_WORST_BASE, _WORST_OTHER = ("worst", "base"), ("worst", "other")  # spilled beside the moments
+
+
+def _each(windows: Sequence[_Window], jobs: int) -> Iterable[_Part]:
+    if jobs == 1:
+        return map(_reduced, windows)
+    # fork: a worker starts in milliseconds with everything imported; the windows come back in order.
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    return _pooled(windows, jobs, context)
+
+
+def _pooled(windows: Sequence[_Window], jobs: int, context: Any) -> Iterator[_Part]:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_one_thread) as pool:
+        yield from pool.map(_reduced, windows)
+
+
+def _one_thread() -> None:
+    """A worker's Arrow reads with one thread: the processes are the parallelism (as many as the cores)."""
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+
+
+def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _SpilledMoments | None) -> Report:
+    offsets = np.cumsum([0] + [len(part.records) for part in parts])
+
+    def build(rows: np.ndarray) -> list[RecordDiff]:
+        """Records no window built: their windows compared again."""
+        found: dict[int, RecordDiff] = {}
+        part_of = np.searchsorted(offsets, rows, side="right") - 1
+        for index in np.unique(part_of).tolist():
+            wanted = rows[part_of == index]
+            again = _compare(windows[index]).records
+            found.update(zip(wanted.tolist(), again.take(wanted - offsets[index])))
+        return [found[row] for row in rows.tolist()]
+
+    worst_values = None
+    if moments is not None and _WORST_BASE in moments:
+        worst_values = (moments[_WORST_BASE], moments[_WORST_OTHER])
+        moments.hide((_WORST_BASE, _WORST_OTHER))
+        moments = moments if len(moments) else None
+    records = RecordDiffs.joined([part.records for part in parts], build, moments, worst_values)  # consumed
+    _give_back_memory()
+    first = parts[0]
+    renamed: dict[str, Rename] = {}
+    for part in parts:
+        for rename in part.renamed:
+            renamed.setdefault(rename.other, rename)
+    fuzzy = list(windows[0].fuzzy or ())
+    damaged: dict[str, list[Damaged]] = {}
+    for part in parts:
+        for side, items in part.damaged.items():
+            damaged.setdefault(side, []).extend(items)
+    base, other, noise = windows[0].paths
+    report = Report(base, other, noise, CompareConfig(**windows[0].config),  # type: ignore[arg-type]
+                    records, [key for part in parts for key in part.only_in_base],
+                    [key for part in parts for key in part.only_in_other],
+                    _union(part.base_steps for part in parts), _union(part.other_steps for part in parts),
+                    first.unfinished, noise_unmatched=sum(part.noise_unmatched for part in parts),
+                    zero_grads=[item for part in parts for item in part.zero_grads],
+                    renamed=[*renamed.values(), *fuzzy], damaged=damaged)
+    report.first_divergence = next((part.first_divergence for part in parts if part.first_divergence), None)
+    report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
+                                          if part.first_nonfinite.get(side)), None) for side in ("base", "other")}
+    return report
+
+
+def _give_back_memory() -> None:
+    """Returns the windows' freed memory to the system: glibc keeps freed small arrays in its heap otherwise, and
+    the reports' work would come on top of them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
+def _union(found: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:
+    steps: dict[int, set[int]] = {}
+    for by_rank in found:
+        for rank, listed in by_rank.items():
+            steps.setdefault(rank, set()).update(listed)
+    return {rank: sorted(listed) for rank, listed in sorted(steps.items())}
+
+
+def _fuzzy_pairs(base: str | Path, other: str | Path, config: CompareConfig, name_map: NameMap | None
+                 ) -> tuple[Rename, ...]:
+    """Fuzzy alignment's pairs, found as on the whole dumps: on the lowest common rank's first common step."""
+    steps: list[dict[int, set[int]]] = []
+    for path in (base, other):
+        by_rank: dict[int, set[int]] = {}
+        for f in DumpReader(path).step_files():
+            if f.rank is not None and config.wants_step(f.step):
+                by_rank.setdefault(f.rank, set()).add(f.step)
+        steps.append(by_rank)
+    for rank in sorted(set(steps[0]) & set(steps[1])):
+        common = sorted(steps[0][rank] & steps[1][rank])
+        if common:
+            reading = CompareConfig(**{**config.fields(), "steps": frozenset({common[0]})})  # type: ignore[arg-type]
+            loaded_base = read_dump(base, reading, progress=False, skip_damaged=True)
+            loaded_other = read_dump(other, reading, progress=False, name_map=name_map, skip_damaged=True)
+            _drop_damaged(loaded_base, loaded_other)
+            return tuple(fuzzy_renames(loaded_base, loaded_other))
+    return ()
+
+
+def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+                  noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
+                  steps: Iterable[int] | None = None, names: Sequence[str] = (),
+                  progress: bool | TextIO = False, strict_zero_grads: bool = False,
+                  name_map: NameMapLike | None = None, fuzzy: bool = False, window: int | None = DEFAULT_WINDOW,
+                  jobs: int = 1, skip_damaged: bool = False) -> Report:
+    """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
+
+    ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
+    ``probes.compare.names``), before the ``names`` filter. ``fuzzy``: names still found in one run only
+    are paired by module class, shape and execution order (``probes.compare.align``). Both are listed
+    in ``report.renamed``.
+
+    ``strict_zero_grads``: a gradient exactly zero in one run and absent in the other diverges
+    (by default it is only noted in ``report.zero_grads``). ``window``: about how many records of a dump
+    are read at a time (whole steps; None: all at once); ``jobs``: processes comparing windows at once.
+    ``skip_damaged``: step files that cannot be read are left out (of both runs) and listed in
+    ``report.damaged``; without it they raise one DamagedSteps naming every one. Raises DumpFormatError (naming
+    file and line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used.
+    """
+    config = CompareConfig(rtol=rtol, atol=atol, noise_factor=noise_factor,
+                           steps=frozenset(steps) if steps is not None else None, names=tuple(names),
+                           strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy))
+    mapping = as_name_map(name_map)
+    paths = (str(base), str(other), None if noise is None else str(noise))
+    chosen = windows_of(base, other, noise, config, window)
+    pairs = _fuzzy_pairs(base, other, config, mapping) if fuzzy and len(chosen) > 1 else None
+    report = compare_windows([_Window(paths, config.fields(), steps_of, mapping, pairs) for steps_of in chosen],
+                             jobs=jobs, progress=progress)
+    if not skip_damaged and any(report.damaged.values()):
+        raise DamagedSteps([(StepFile(Path(item.path), item.rank, item.step, True),
+                             DumpFormatError(item.path, item.line, item.problem))
+                            for side in ("base", "other", "noise") for item in report.damaged.get(side, [])])
+    return report
