@@ -6,14 +6,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
 from ..compare import Report, compare_dumps, format_report, load_name_map, write_html
 from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW
 from ..compare.terminal import parse_steps
+from ..dump.layout import DumpFormatError
+from ..dump.trainer_steps import TrainerStep, read_trainer_steps
 from .common import EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXAMPLES = [
@@ -95,9 +99,13 @@ def _compare(args: argparse.Namespace) -> int:
                            window=args.window, jobs=args.jobs, skip_damaged=args.skip_damaged)
     _check_common_records(report, args)
     print(format_report(report, top=args.top))
+    trainer_steps = _trainer_steps_of_first_divergence(report, args)
+    for run, entry in trainer_steps.items():
+        print(f"first divergence in the {run} run's trainer numbering: {TrainerStep(**entry).describe()}")
     try:
         if args.json is not None:
-            args.json.write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+            document = {**report.to_json(), **({"first_divergence_trainer_steps": trainer_steps} if trainer_steps else {})}
+            args.json.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n", encoding="utf-8")
             print(f"JSON report: {args.json}")
         if args.html is not None:
             write_html(report, args.html)
@@ -105,6 +113,23 @@ def _compare(args: argparse.Namespace) -> int:
     except OSError as error:
         raise CommandError(f"cannot write the report: {error}") from None
     return EXIT_OK if report.agrees else EXIT_NEGATIVE
+
+
+def _trainer_steps_of_first_divergence(report: Report, args: argparse.Namespace) -> dict[str, dict]:
+    """Where a trainer callback wrote the step map: the trainer's step of the first divergence, per run."""
+    first = report.first_divergence
+    found: dict[str, dict] = {}
+    if first is None:
+        return found
+    for run, path in (("base", args.base), ("other", args.other)):
+        try:
+            entry = read_trainer_steps(path).get(first.rank, {}).get(first.step)
+        except (DumpFormatError, OSError) as error:
+            print(f"probes compare: note: the {run} run's trainer step map is not readable ({error})", file=sys.stderr)
+            continue
+        if entry is not None:
+            found[run] = dataclasses.asdict(entry)
+    return found
 
 
 def _check_common_records(report: Report, args: argparse.Namespace) -> None:

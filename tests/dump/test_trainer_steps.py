@@ -67,3 +67,24 @@ def test_show_without_a_map_has_no_trainer_columns_and_a_damaged_map_is_a_note(t
     captured = capsys.readouterr()
     assert "trainer_step" not in captured.out and "fc.output.0" in captured.out
     assert "note: the trainer step map is not readable" in captured.err and "Traceback" not in captured.err
+
+
+def test_compare_names_the_trainer_step_of_the_first_divergence(tmp_path, capsys):
+    import json
+
+    write_dump(tmp_path / "a")
+    writer = DumpWriter(tmp_path / "b", rank=0)
+    for step in range(3):
+        writer.write(step, {"rank": 0, "step": step, "phase": "forward", "seq": 0, "name": "fc.output.0",
+                            "mean": 0.5 if step < 2 else 0.9})
+        writer.finish_step(step)
+    writer.close()
+    TrainerStepLog(tmp_path / "b", rank=0).append(
+        [TrainerStep(step=step, trainer_step=step // 2 + 1, micro_step=step % 2) for step in range(3)])
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(tmp_path / "r.json")]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence in the other run's trainer numbering: trainer step 2, micro-batch 0" in out
+    assert "base run's trainer numbering" not in out  # the base run has no map
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert document["first_divergence_trainer_steps"] == {
+        "other": {"step": 2, "trainer_step": 2, "micro_step": 0, "epoch": None}}
