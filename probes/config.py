@@ -87,10 +87,6 @@ class ProbesConfig:
                 raise ConfigError(self.source, section, str(error)) from None
         return built
 
-    def output_dirs(self) -> list[Path]:
-        """The statistics subscribers' dump directories."""
-        return [Path(options["output_dir"]) for section, options in self.sections if section == "statistics"]
-
 
 def option_types(cls: type[SubscriberBase]) -> dict[str, Any]:
     """The keyword options a file may give ``cls``: its signature's parameters and their type hints."""

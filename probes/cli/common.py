@@ -18,6 +18,7 @@ from typing import Callable, NoReturn, Sequence
 
 from ..dump import DumpFormatError, DumpReader
 from ..dump.reader import StepFile
+from ..dump.trainer_steps import TrainerStep, read_trainer_steps
 
 EXIT_OK, EXIT_NEGATIVE, EXIT_BAD_INPUT = 0, 1, 2
 PROG = "probes"  # also ``python -m probes``
@@ -95,3 +96,13 @@ def open_dump(path: str | Path, *, include_partial: bool = False) -> DumpReader:
         raise CommandError(f"{path} has only unfinished steps ({unfinished}): it is still being written, or the "
                            "run crashed; wait for a step to finish, or read what is there with --include-partial")
     return reader
+
+
+def trainer_steps_or_note(path: str | Path, command: str, run: str = "") -> dict[int, dict[int, TrainerStep]]:
+    """``read_trainer_steps(path)``; a damaged map is a note on stderr and {} (reports go on without it)."""
+    try:
+        return read_trainer_steps(path)
+    except (DumpFormatError, OSError) as error:
+        print(f"probes {command}: note: the {run}trainer step map is not readable, shown without it ({error})",
+              file=sys.stderr)
+        return {}

@@ -9,16 +9,15 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Sequence
 
 from ..compare import Report, compare_dumps, format_report, load_name_map, write_html
 from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW
 from ..compare.terminal import parse_steps
-from ..dump.layout import DumpFormatError
-from ..dump.trainer_steps import TrainerStep, read_trainer_steps
-from .common import EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command
+from ..dump.trainer_steps import TrainerStep
+from .common import (EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command,
+                     trainer_steps_or_note)
 
 EXAMPLES = [
     "probes compare eager_out ort_out",
@@ -122,11 +121,7 @@ def _trainer_steps_of_first_divergence(report: Report, args: argparse.Namespace)
     if first is None:
         return found
     for run, path in (("base", args.base), ("other", args.other)):
-        try:
-            entry = read_trainer_steps(path).get(first.rank, {}).get(first.step)
-        except (DumpFormatError, OSError) as error:
-            print(f"probes compare: note: the {run} run's trainer step map is not readable ({error})", file=sys.stderr)
-            continue
+        entry = trainer_steps_or_note(path, "compare", f"{run} run's ").get(first.rank, {}).get(first.step)
         if entry is not None:
             found[run] = dataclasses.asdict(entry)
     return found

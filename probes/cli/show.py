@@ -12,10 +12,9 @@ from typing import Sequence
 
 from ..dump import first_anomaly
 from ..dump.anomaly import record_anomaly
-from ..dump.layout import DumpFormatError
 from ..dump.table import format_records
-from ..dump.trainer_steps import TrainerStep, read_trainer_steps
-from .common import EXIT_OK, CommandError, command_parser, damaged_note, open_dump, run_command
+from .common import (EXIT_OK, CommandError, command_parser, damaged_note, open_dump, run_command,
+                     trainer_steps_or_note)
 
 EXAMPLES = [
     "probes show run                      # every record of every finished step",
@@ -77,16 +76,8 @@ def _show(args: argparse.Namespace) -> int:
         if not selected:
             print("no anomalies: every value is finite" + (f" and |x| <= {args.max_abs:g}" if args.max_abs else ""))
             return EXIT_OK
-    print(format_records(selected, _trainer_steps(args.path)))
+    print(format_records(selected, trainer_steps_or_note(args.path, "show")))
     if first is not None:
         print(f"first non-finite value: {first}" if first.nan or first.inf else f"first anomaly: {first}")
     return EXIT_OK
 
-
-def _trainer_steps(path: str) -> dict[int, dict[int, TrainerStep]]:
-    """The trainer's step of each probes step, where a trainer callback wrote it; a damaged map is a note."""
-    try:
-        return read_trainer_steps(path)
-    except (DumpFormatError, OSError) as error:
-        print(f"probes show: note: the trainer step map is not readable, shown without it ({error})", file=sys.stderr)
-        return {}

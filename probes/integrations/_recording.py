@@ -57,10 +57,6 @@ class TrainerRecording:
             return cls(load_config(config), owner=owner)
         return cls(env_config(), owner=owner)
 
-    @property
-    def active(self) -> bool:
-        return self._running
-
     def start(self, model: torch.nn.Module | None) -> None:
         """Build the subscribers and subscribe ``model`` (wrapped or not), paused."""
         self.stop()
