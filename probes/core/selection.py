@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ..utils.checks import check_int
 from ..utils.patterns import check_patterns, compile_pattern
-from ..utils.phases import OBSERVED, RECOMPUTE
+from ..utils.phases import RECOMPUTE, SELECTABLE
 
 if TYPE_CHECKING:
     from .sites import ProbeSite
@@ -50,7 +50,7 @@ class Selection:
     steps: frozenset[int] | None = None
     modules: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] = ()
-    phases: frozenset[str] = frozenset(OBSERVED)
+    phases: frozenset[str] = frozenset(SELECTABLE)
     _include: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
     _exclude: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
     _site_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
@@ -123,8 +123,9 @@ class Selection:
 
 def _phases(value: str | Sequence[str] | None) -> frozenset[str]:
     if value is None:
-        return frozenset(OBSERVED)
+        return frozenset(SELECTABLE)
     chosen = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else None
-    if not chosen or any(phase not in OBSERVED for phase in chosen):
-        raise ValueError(f"phases must be 'forward', 'backward', a list of them, or None (both), got {value!r}")
+    if not chosen or any(phase not in SELECTABLE for phase in chosen):
+        raise ValueError(f"phases must be one of {', '.join(map(repr, SELECTABLE))}, a list of them, or None (all), "
+                         f"got {value!r}")
     return frozenset(chosen)

@@ -6,17 +6,25 @@
 - ``forward``: a module's outputs (or inputs) as the forward computes them;
 - ``backward``: the gradients flowing back through them;
 - ``recompute``: a forward that activation checkpointing recomputes during the backward (recorded only
-  for subscribers that ask; selection treats it as ``forward``).
+  for subscribers that ask; selection treats it as ``forward``);
+- ``grad``: a parameter's gradient as the optimizer uses it (after accumulation and clipping);
+- ``param``: a parameter after the optimizer's update;
+- ``optim``: an optimizer state tensor of a parameter (``<parameter>.exp_avg``), after the update.
+
+Within a step the order is that of execution: forward, backward, recompute, grad, param, optim; so the
+first divergence of a step is the earliest of them (an update that differs shows at ``param``).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-Phase = Literal["forward", "backward", "recompute"]
+Phase = Literal["forward", "backward", "recompute", "grad", "param", "optim"]
 
-PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute")  # in execution order within a step
-OBSERVED: tuple[Phase, ...] = ("forward", "backward")  # what a probe sees every step; what selection chooses
+PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute", "grad", "param", "optim")  # execution order in a step
+OBSERVED: tuple[Phase, ...] = ("forward", "backward")  # what a probe sees every step
+PARAMETER_PHASES: tuple[Phase, ...] = ("grad", "param", "optim")  # what the optimizer's step gives (parameters=True)
+SELECTABLE: tuple[Phase, ...] = OBSERVED + PARAMETER_PHASES  # what ``phases=`` chooses from
 GRADIENT_PHASES = frozenset({"backward"})  # phases whose tensors are gradients
 RECOMPUTE: Phase = "recompute"
 

@@ -287,8 +287,8 @@ def test_the_sentinel_checks_only_selected_records(tmp_path, make):
     ({"modules": []}, r"modules is empty; pass None to select every module"),
     ({"modules": ["a", 3]}, r"modules patterns must be non-empty strings .* got 3"),
     ({"modules": 3}, r"modules must be a pattern string, a list of them or None"),
-    ({"phases": "recompute"}, r"phases must be 'forward', 'backward', a list of them, or None \(both\), got 'recompute'"),
-    ({"phases": []}, r"phases must be 'forward', 'backward'"),
+    ({"phases": "recompute"}, r"phases must be one of 'forward', 'backward', 'grad', 'param', 'optim', a list of them, or None \(all\), got 'recompute'"),
+    ({"phases": []}, r"phases must be one of 'forward', 'backward'"),
     ({"start_step": 4, "end_step": 2}, r"start_step \(4\) must not be greater than end_step \(2\)"),
 ])
 def test_bad_arguments_say_what_is_wrong(tmp_path, kwargs, message):
