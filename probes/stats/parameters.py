@@ -31,7 +31,8 @@ backward just ran (with gradient accumulation, the micro-step at which the optim
 keeps that step's file open, and it is finished when every parameter of the model that requires grad was
 updated (one optimizer, or several), when the next step opens, or at ``settle()``. Until then the step file is
 ``.partial``: a crash leaves it unfinished, like any step cut short. Records of a step are ordered grad, param,
-optim after its forward and backward ones (``seq`` continues the step's; parameters in model order). Special
+optim after its forward and backward ones (``seq`` continues the step's; parameters in model order; with
+several optimizers the file holds each one's records in turn, and ``seq`` still gives that order). Special
 cases, chosen so that a record always means the same thing:
 
 - No optimizer has stepped the model's parameters yet in this subscription: the gradients are recorded at the

@@ -19,6 +19,7 @@ from torch import nn
 from helpers import Recorder, gpt2_batch, tiny_gpt2
 from probes import ProbeFailureWarning, StatisticsSubscriber, SubscriberManager, load_dump
 from probes.compare import compare_dumps
+from probes.dump import DumpReader
 from probes.stats import UnsupportedTensorWarning
 from probes.utils.phases import phase_rank
 
@@ -373,3 +374,87 @@ def test_ddp_ranks_record_the_all_reduced_gradients_and_equal_parameters(tmp_pat
             assert list(zero) == list(one) and zero
             for name in zero:
                 assert [zero[name][key] for key in statistics] == [one[name][key] for key in statistics], (phase, name)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_parameter_records_add_no_host_read_to_the_step(tmp_path, monkeypatch, backend):
+    from benchmarks.host_reads import count_host_reads
+
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", backend)
+
+    def reads_of_a_step(out: Path | None) -> int:
+        torch.manual_seed(0)
+        model = Model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        manager = SubscriberManager()
+        if out is not None:
+            manager.subscribe(model, [StatisticsSubscriber(out, parameters=True, optimizer_state=True)])
+        for step in range(3):
+            with count_host_reads() as reads:  # the last step counts: warm, records of every phase
+                model(batch(step)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        manager.unsubscribe()
+        return reads.total
+
+    assert reads_of_a_step(tmp_path / "out") == reads_of_a_step(None)  # Adam's own reads of its step count, if any
+    assert len(by_phase(load_dump(tmp_path / "out"), 2, "optim")) == 3 * len(NAMES)
+
+
+def test_a_step_gradscaler_skips_has_no_parameter_records(tmp_path):
+    scaler_class = getattr(torch.amp, "GradScaler", None)
+    if scaler_class is None:
+        pytest.skip("torch.amp.GradScaler is missing")
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = scaler_class("cpu", init_scale=4.0)
+    manager = SubscriberManager()
+    manager.subscribe(model, [StatisticsSubscriber(tmp_path / "out", parameters=True)])
+    for step in range(3):
+        x = batch(step)
+        if step == 1:
+            x[0, 0] = float("inf")  # inf gradients: the scaler skips this update
+        scaler.scale(model(x)).backward()
+        scaler.unscale_(optimizer)
+        unscaled = model.head.weight.grad.clone()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    manager.unsubscribe()
+    records = load_dump(tmp_path / "out")
+    assert not [r for r in records if r["step"] == 1 and r["kind"] == "parameter"]
+    assert list(by_phase(records, 2, "param")) == NAMES
+    assert_matches(by_phase(records, 2, "grad")["head.weight"], unscaled)  # unscaled by unscale_ before step()
+
+
+def finished(out: Path) -> list[int]:
+    return DumpReader(out).steps().get(0, {}).get("finished", [])  # a reader waits for this process's writer
+
+
+def test_two_optimizers_fill_one_step_which_finishes_after_the_second(tmp_path):
+    torch.manual_seed(0)
+    model = Model()
+    head = torch.optim.SGD(model.head.parameters(), lr=0.05)
+    rest = torch.optim.Adam([p for name, p in model.named_parameters() if not name.startswith("head.")], lr=0.01)
+    subscriber = StatisticsSubscriber(tmp_path / "out", parameters=True, optimizer_state=True)
+    manager = SubscriberManager()
+    manager.subscribe(model, [subscriber])
+    for step in range(2):
+        model(batch(step)).backward()
+        head.step()
+        assert step not in finished(tmp_path / "out")  # waits for the other parameters' update
+        rest.step()
+        assert step in finished(tmp_path / "out")  # every parameter updated: finished before the next forward
+        head.zero_grad()
+        rest.zero_grad()
+    manager.unsubscribe()
+    records = load_dump(tmp_path / "out")
+    for step in range(2):
+        in_step = sorted((r for r in records if r["step"] == step), key=lambda r: r["seq"])  # execution order
+        assert len({r["seq"] for r in in_step}) == len(in_step)
+        ranks = [phase_rank(r["phase"]) for r in in_step]
+        assert ranks == sorted(ranks)  # seq orders the phases, whichever optimizer stepped first
+        assert [r["name"] for r in in_step if r["phase"] == "param"] == NAMES  # and the parameters in model order
+    assert "head.weight.momentum_buffer" not in by_phase(records, 1, "optim")  # SGD without momentum has none
+    assert "blocks.0.fc.weight.exp_avg" in by_phase(records, 1, "optim")
