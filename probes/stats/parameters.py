@@ -161,12 +161,15 @@ class ParameterRecords:
     """The grad, param and optim records of one subscriber, and when its step files are finished (module doc).
 
     ``finish(step)`` sends the rows so far and finishes the step's file; ``warn(name, phase, error)`` warns once
-    about a tensor without statistics.
+    about a tensor without statistics; ``source(model, wants)`` lists the tensors (``ModelParameters``, or one
+    with the same calls reading elsewhere, e.g. ZeRO-3's shards).
     """
 
     def __init__(self, rows: StepRows, *, selection: Selection, optimizer_state: bool,
-                 finish: Callable[[int], None], warn: Callable[[str, str, BaseException], None]) -> None:
+                 finish: Callable[[int], None], warn: Callable[[str, str, BaseException], None],
+                 source: Callable[[torch.nn.Module, Callable[[str, str], bool]], ModelParameters] = ModelParameters) -> None:
         self._rows = rows
+        self._make_source = source
         self._selection = selection
         wanted = ("grad", "param", "optim") if optimizer_state else ("grad", "param")
         self.phases = tuple(phase for phase in wanted if selection.wants_phase(phase))
@@ -190,7 +193,7 @@ class ParameterRecords:
     def attach(self, model: torch.nn.Module) -> None:
         """The model's parameters and names; the global optimizer hooks (weakly bound: a lost subscriber costs nothing)."""
         self.detach()
-        self._source = ModelParameters(model, self._selection.wants_names)
+        self._source = self._make_source(model, self._selection.wants_names)
         this = weakref.ref(self)
 
         def before(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

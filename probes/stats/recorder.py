@@ -12,6 +12,9 @@ dtype, numel, min/max/mean/std/norm over finite elements, nan/inf/neg/pos/zero c
 deterministic positions spread over the tensor (the statistics: ``probes.dump.statistics``);
 ``numerics.py`` computes them in float64 bucket by bucket, without cloning the tensor.
 
+With ``parameters=True`` (and ``optimizer_state=True``) a step also has records of each parameter's gradient as
+the optimizer used it, the parameter after the update and the optimizer's state (``parameters.py``).
+
 The stages (``rows.py``): a probe writes its tensors' statistics into rows of a buffer on each
 tensor's own device, with no host read; at the step's end the rows go to the host in one copy and the
 writer thread builds the records (``probes.dump.rowblock.RowBlock``). With ``on_anomaly`` the nan/inf counts
@@ -126,6 +129,8 @@ class StatisticsSubscriber(SubscriberBase):
     ) -> None:
         super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
                          exclude_modules=exclude_modules, phases=phases)
+        if optimizer_state and not parameters:
+            raise ValueError("optimizer_state=True needs parameters=True (the state is recorded with the update)")
         if max_abs is not None and on_anomaly is None:
             raise ValueError("max_abs needs on_anomaly='warn' or 'raise' (it is the sentinel's threshold)")
         self.watch = AnomalyWatch(action=on_anomaly, max_abs=max_abs) if on_anomaly is not None else None
@@ -142,8 +147,6 @@ class StatisticsSubscriber(SubscriberBase):
         self._closed = False
         self._warned_closed = False
         self._warned_unsupported: set[tuple] = set()
-        if optimizer_state and not parameters:
-            raise ValueError("optimizer_state=True needs parameters=True (the state is recorded with the update)")
         self._next_seq = 0  # the open step's next free seq (where parameter records begin)
         self._parameters = ParameterRecords(self._rows, selection=self.selection, optimizer_state=optimizer_state,
                                             finish=self._finish, warn=self._warn_parameter) if parameters else None

@@ -458,3 +458,9 @@ def test_two_optimizers_fill_one_step_which_finishes_after_the_second(tmp_path):
         assert [r["name"] for r in in_step if r["phase"] == "param"] == NAMES  # and the parameters in model order
     assert "head.weight.momentum_buffer" not in by_phase(records, 1, "optim")  # SGD without momentum has none
     assert "blocks.0.fc.weight.exp_avg" in by_phase(records, 1, "optim")
+
+
+def test_optimizer_state_without_parameters_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="optimizer_state=True needs parameters=True"):
+        StatisticsSubscriber(tmp_path / "out", optimizer_state=True)
+    assert not (tmp_path / "out").exists()  # checked before the dump directory is touched
