@@ -29,6 +29,15 @@ and never during an export:
 - ``on_site_failed(event, reason)``: an ``on_forward``/``on_backward`` call raised; that site is switched
   off for this subscriber (one ``ProbeFailureWarning``), and training goes on.
 
+Two calls ignore the selection:
+
+- ``on_subscribe(model)``: once, from ``SubscriberManager.subscribe``, before any other call: the user's
+  module with its wrappers removed (``probes.core.wrappers``), for a subscriber that reads more than the
+  probed tensors (``StatisticsSubscriber(parameters=True)`` lists the parameters and their names).
+- ``on_step_start(step)``: a step opened (its first probe fired), for every step, selected or not: a
+  subscriber that finishes a step after its end (the optimizer's update comes after the backward) learns
+  here that the previous step is over. It must be cheap; an error there is one ``ProbeFailureWarning``.
+
 ``on_forward_end`` and ``on_step_end`` may raise an error whose class sets ``stops_training = True`` (the
 anomaly sentinel does, to stop training): every other subscriber still gets its call first, then the first
 such error is raised where the phase ended (out of the model's forward, out of ``backward()``). Any other
@@ -149,6 +158,12 @@ class SubscriberBase:
 
     def on_step_end(self, step: int) -> None:
         pass
+
+    def on_subscribe(self, model: torch.nn.Module) -> None:
+        """Called once by ``subscribe()`` with the user's module (wrappers removed), before any other call."""
+
+    def on_step_start(self, step: int) -> None:
+        """Step ``step`` opened (every step, whatever the selection); the previous one is over."""
 
     def close(self) -> None:
         """Release resources (files, threads); called when the subscription is removed."""

@@ -155,6 +155,8 @@ class SubscriberManager:
         if previous is not None:
             previous.unsubscribe()
 
+        for subscriber in subscribers:
+            subscriber.on_subscribe(root)
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
         self._register_hooks(root)

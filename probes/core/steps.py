@@ -15,7 +15,7 @@ ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on
 
 The rules (docs/training.md says what each training set-up gives):
 
-- A step opens at the first probe of a forward. It closes when the backward pass that reaches it
+- A step opens at the first probe of a forward (``on_step_start`` to every subscriber). It closes when the backward pass that reaches it
   ends (the autograd engine's graph task finishes), so its dump is complete when ``backward()``
   returns. A forward that no backward follows (evaluation, ``torch.no_grad``) closes when the next
   forward starts, or on ``close_open_step()`` (the manager's ``flush()``/``unsubscribe()``).
@@ -286,9 +286,14 @@ class StepTracker:
         state = self.state
         if state.open_step is not None:
             return state.open_step
-        state.open_step = state.step
+        step = state.open_step = state.step
         state.step += 1
-        return state.open_step
+        for subscriber in self._subscribers:  # every subscriber, selected or not: the previous step is over
+            try:
+                subscriber.on_step_start(step)
+            except Exception as error:
+                self.failures.phase_failed(subscriber, step, error)
+        return step
 
     def _begin_forward_work(self) -> int:
         # A probe after the root forward returned belongs to the next forward: the open step got no

@@ -12,6 +12,9 @@ dtype, numel, min/max/mean/std/norm over finite elements, nan/inf/neg/pos/zero c
 deterministic positions spread over the tensor (the statistics: ``probes.dump.statistics``);
 ``numerics.py`` computes them in float64 bucket by bucket, without cloning the tensor.
 
+With ``parameters=True`` (and ``optimizer_state=True``) a step also has records of each parameter's gradient as
+the optimizer used it, the parameter after the update and the optimizer's state (``parameters.py``).
+
 The stages (``rows.py``): a probe writes its tensors' statistics into rows of a buffer on each
 tensor's own device, with no host read; at the step's end the rows go to the host in one copy and the
 writer thread builds the records (``probes.dump.rowblock.RowBlock``). With ``on_anomaly`` the nan/inf counts
@@ -36,6 +39,7 @@ import torch
 from ..core import ProbeEvent, SubscriberBase
 from ..dump.writer import DumpWriter
 from ..utils.checks import check_int
+from .parameters import ParameterRecords
 from .record import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason
 from .rows import StepRows
 from .sentinel import Action, AnomalyWatch
@@ -81,12 +85,22 @@ class StatisticsSubscriber(SubscriberBase):
             include pattern matches (or none is given) and no exclude pattern does. Patterns match each
             module on its own (``"blocks.*"`` selects the descendants of ``blocks``); modules nobody
             records get no probe.
-        phases: "forward", "backward" or both (None).
+        phases: any of "forward", "backward", "grad", "param", "optim" (None: all).
             The selection decides what is recorded, and so what ``on_anomaly`` checks: only recorded records.
         on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
             is finished, e.g. ``probes.sinks.LiveTensorBoard("tb")`` (TensorBoard while training).
         dump_format: "parquet" (default: a Parquet file per rank and step, ``probes.dump.columns``) or
             "jsonl" (JSON Lines, the format of earlier versions). Both load the same way.
+        parameters: also record, per step and parameter, ``phase="grad"`` (the gradient the optimizer used:
+            accumulated, clipped, unscaled) and ``phase="param"`` (the parameter after the update), named by
+            the parameter's qualified name (``blocks.0.fc.weight``), ``kind="parameter"``; the selection
+            applies by the owning module. Without an optimizer: grad records at the step's end, no param
+            records. The update belongs to the step whose backward ran last, so that step's file is finished
+            after ``optimizer.step()`` (or when the next step opens, or at ``flush()``/``close()``). See
+            ``probes.stats.parameters`` for accumulation, skipped ``GradScaler`` steps and the costs.
+        optimizer_state: with ``parameters``, also ``phase="optim"``: each tensor of the optimizer's state of
+            a parameter after the update (``blocks.0.fc.weight.exp_avg``), for any optimizer whose state is a
+            dict of tensors (Adam-like, SGD's ``momentum_buffer``).
     """
 
     def __init__(
@@ -105,6 +119,8 @@ class StatisticsSubscriber(SubscriberBase):
         max_abs: float | None = None,
         on_step_written: Callable[[int, Path], None] | None = None,
         dump_format: str = "parquet",
+        parameters: bool = False,
+        optimizer_state: bool = False,
         every_n_steps: int | None = None,
         steps: Iterable[int] | None = None,
         modules: str | Sequence[str] | None = None,
@@ -113,6 +129,8 @@ class StatisticsSubscriber(SubscriberBase):
     ) -> None:
         super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
                          exclude_modules=exclude_modules, phases=phases)
+        if optimizer_state and not parameters:
+            raise ValueError("optimizer_state=True needs parameters=True (the state is recorded with the update)")
         if max_abs is not None and on_anomaly is None:
             raise ValueError("max_abs needs on_anomaly='warn' or 'raise' (it is the sentinel's threshold)")
         self.watch = AnomalyWatch(action=on_anomaly, max_abs=max_abs) if on_anomaly is not None else None
@@ -128,7 +146,18 @@ class StatisticsSubscriber(SubscriberBase):
                                  on_step_written=on_step_written, format=dump_format)
         self._closed = False
         self._warned_closed = False
-        self._warned_unsupported: set[tuple[str, str, int, str]] = set()
+        self._warned_unsupported: set[tuple] = set()
+        self._next_seq = 0  # the open step's next free seq (where parameter records begin)
+        self._parameters = ParameterRecords(self._rows, selection=self.selection, optimizer_state=optimizer_state,
+                                            finish=self._finish, warn=self._warn_parameter) if parameters else None
+
+    def on_subscribe(self, model: torch.nn.Module) -> None:
+        if self._parameters is not None and not self._closed:
+            self._parameters.attach(model)
+
+    def on_step_start(self, step: int) -> None:
+        if self._parameters is not None and not self._closed:
+            self._parameters.step_started(step)
 
     def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
         if self._closed:
@@ -162,16 +191,20 @@ class StatisticsSubscriber(SubscriberBase):
         # After close() there is nothing to finish: close() finished every step that had records,
         # and records that arrived later were dropped with a warning.
         if not self._closed:
-            if self.watch is not None:
-                self._check_rows()
+            anomalous = self.watch is not None and self._check_rows()
             self._send()
-            self._writer.finish_step(step)
+            seq, self._next_seq = self._next_seq, 0
+            # The file waits for the optimizer's update, unless the sentinel is about to stop training.
+            if anomalous or self._parameters is None or not self._parameters.step_ended(step, seq=seq):
+                self._finish(step)
             if self.watch is not None:
                 self.watch.phase_end("backward", kept=str(self.output_dir))
 
     def flush(self) -> None:
-        """Block until every record so far is on disk."""
+        """Block until every record so far is on disk (a step waiting for its update is finished now)."""
         if not self._closed:
+            if self._parameters is not None:
+                self._parameters.settle()
             self._send()
         self._writer.flush()
 
@@ -182,11 +215,16 @@ class StatisticsSubscriber(SubscriberBase):
         """
         if self._closed:
             return
-        self._closed = True
         try:
-            self._send()
+            if self._parameters is not None:
+                self._parameters.settle()
+                self._parameters.detach()
         finally:
-            self._writer.close()
+            self._closed = True
+            try:
+                self._send()
+            finally:
+                self._writer.close()
 
     def _warn_closed(self, step: int) -> None:
         if self._warned_closed:
@@ -202,18 +240,31 @@ class StatisticsSubscriber(SubscriberBase):
 
     def _add(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
         """The tensor's row; on failure an unsupported record (warned once per site, index, phase)."""
+        self._next_seq = event.seq + 1
         error = self._rows.add(event, index, tensor)
-        if error is None:
+        if error is not None:
+            self._warn_unsupported((event.site.name, event.site.kind, index, event.phase), event.record_name(index),
+                                   event.phase, error)
+
+    def _warn_parameter(self, name: str, phase: str, error: BaseException) -> None:
+        self._warn_unsupported((name, phase), name, phase, error)
+
+    def _warn_unsupported(self, key: tuple, name: str, phase: str, error: BaseException) -> None:
+        if key in self._warned_unsupported:
             return
-        key = (event.site.name, event.site.kind, index, event.phase)
-        if key not in self._warned_unsupported:
-            self._warned_unsupported.add(key)
-            warnings.warn(
-                f"probes: no statistics for {event.record_name(index)} ({event.phase}): {unsupported_reason(error)}. "
-                "Its records have \"unsupported\" set and no statistics; this warning is not repeated.",
-                UnsupportedTensorWarning,
-                stacklevel=3,
-            )
+        self._warned_unsupported.add(key)
+        warnings.warn(
+            f"probes: no statistics for {name} ({phase}): {unsupported_reason(error)}. "
+            "Its records have \"unsupported\" set and no statistics; this warning is not repeated.",
+            UnsupportedTensorWarning,
+            stacklevel=4,
+        )
+
+    def _finish(self, step: int) -> None:
+        """Sends the rows so far and finishes ``step``'s file."""
+        if not self._closed:
+            self._send()
+            self._writer.finish_step(step)
 
     def _check_rows(self) -> bool:
         """The sentinel's check of the rows since the last one (one read); True when it found an anomaly."""

@@ -122,8 +122,12 @@ class StepRows:
 
     def add_unsupported(self, event: ProbeEvent, index: int, tensor: torch.Tensor | None, reason: str) -> None:
         """An entry without statistics: what is known of ``tensor`` (None: nothing), and why."""
-        self._entries.append((self._names_of(event, index), event.phase, event.seq, unsupported_description(tensor, reason),
-                              None, None, event.step))
+        self.add_unsupported_named(self._names_of(event, index), event.step, event.phase, event.seq, tensor, reason)
+
+    def add_unsupported_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor | None,
+                              reason: str) -> None:
+        """``add_unsupported`` for a record named by ``names``."""
+        self._entries.append((names, phase, seq, unsupported_description(tensor, reason), None, None, step))
 
     def _names_of(self, event: ProbeEvent, index: int) -> tuple:
         site = event.site
