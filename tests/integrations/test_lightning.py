@@ -51,6 +51,26 @@ def test_lightning_records_what_a_plain_loop_records(tmp_path, accumulate):
                                                for step in range(3 * accumulate)]
 
 
+def test_parameter_records_inside_lightnings_optimizer_closure_are_the_plain_loops(tmp_path):
+    # Lightning runs forward and backward inside optimizer.step(closure): the update still belongs to that step.
+    options = dict(parameters=True, optimizer_state=True)
+    module = Regressor()
+    callback = ProbesCallback(tmp_path / "lightning", **options)
+    trainer(callback, max_steps=2, accumulate_grad_batches=2).fit(module, loader(48))
+    reference = Regressor()
+    plain_loop(reference, tmp_path / "plain", list(loader(48))[:4], loss_of=training_loss, accumulate=2, lr=1e-2,
+               **options)
+    report = compare_dumps(tmp_path / "lightning", tmp_path / "plain")
+    assert report.agrees, report.first_divergence
+    assert not report.only_in_base and not report.only_in_other
+    records = load_dump(tmp_path / "lightning")
+    assert {r["step"] for r in records if r["phase"] == "param"} == {1, 3}
+    final = {r["name"]: r for r in records if r["phase"] == "param" and r["step"] == 3}
+    assert set(final) == {name for name, _ in module.named_parameters()}
+    for name, parameter in module.named_parameters():
+        assert final[name]["max"] == pytest.approx(parameter.detach().double().max().item(), rel=1e-12, abs=1e-15)
+
+
 def test_sanity_checks_and_validation_are_neither_recorded_nor_counted(tmp_path):
     module = Regressor()
     callback = ProbesCallback(tmp_path / "lightning")

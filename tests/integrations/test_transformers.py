@@ -98,6 +98,25 @@ def test_gradient_accumulation_gives_a_step_per_micro_batch_and_maps_them_to_upd
     assert {r["step"] for r in load_dump(tmp_path / "trainer")} == {0, 1, 2, 3}
 
 
+def test_parameter_records_under_the_trainer_are_the_plain_loops_at_the_micro_steps_that_update(tmp_path):
+    options = dict(parameters=True, optimizer_state=True)
+    callback = ProbesCallback(tmp_path / "trainer", **options)
+    trainer = train(tmp_path, callback, steps=2, gradient_accumulation_steps=2)
+    reference = tiny_gpt2()
+    plain_loop(reference, tmp_path / "plain", batches(4), loss_of=gpt2_loss, accumulate=2, lr=LR, **options)
+    report = compare_dumps(tmp_path / "trainer", tmp_path / "plain")
+    assert report.agrees, report.first_divergence
+    assert not report.only_in_base and not report.only_in_other
+    records = load_dump(tmp_path / "trainer")
+    assert {r["step"] for r in records if r["phase"] == "param"} == {1, 3}  # the micro-steps whose update ran
+    assert {r["step"] for r in records if r["phase"] == "optim"} == {1, 3}
+    final = {r["name"]: r for r in records if r["phase"] == "param" and r["step"] == 3}
+    for name, parameter in trainer.model.named_parameters():
+        if name in final:  # the tied lm_head.weight is transformer.wte.weight's record
+            assert final[name]["mean"] == pytest.approx(parameter.detach().double().mean().item(), rel=1e-12, abs=1e-15)
+    assert "lm_head.weight" not in final and "transformer.wte.weight" in final
+
+
 def test_evaluation_forwards_are_neither_recorded_nor_counted(tmp_path):
     evaluated = []
 

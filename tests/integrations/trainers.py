@@ -23,11 +23,11 @@ def examples(count: int, **kwargs) -> list[dict[str, torch.Tensor]]:
 
 def plain_loop(model: torch.nn.Module, out: Path, micro_batches: Iterable[dict[str, torch.Tensor]], *,
                loss_of: Callable[[torch.nn.Module, dict], torch.Tensor], accumulate: int = 1,
-               lr: float = 1e-3) -> None:
+               lr: float = 1e-3, **options) -> None:
     """What a trainer does, by hand: AdamW (no weight decay), constant lr, no clipping, the loss divided
-    by the accumulation; a ``SubscriberManager`` subscription."""
+    by the accumulation; a ``SubscriberManager`` subscription (``options``: the StatisticsSubscriber's)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    with SubscriberManager().subscribe(model, [StatisticsSubscriber(out)]):
+    with SubscriberManager().subscribe(model, [StatisticsSubscriber(out, **options)]):
         for index, batch in enumerate(micro_batches):
             (loss_of(model, batch) / accumulate).backward()
             if (index + 1) % accumulate == 0:
