@@ -52,33 +52,32 @@ class Run:
 
 def train_dump(path: Path, *, steps: int = 3, rank: int = 0, decay: dict[str, float] | None = None,
                clip: float | None = None, beta2: float = 0.999, nan_grad: tuple[int, str] | None = None,
-               phases: tuple[str, ...] = ("forward", "backward", "grad", "param", "optim")) -> Run:
+               on_step_written=None) -> Run:
     """Trains ``MLP`` with AdamW for ``steps`` steps into a dump at ``path`` (see the module docstring).
 
     ``decay``: a weight decay for these parameters (their own parameter group; 0 for the rest); ``clip``: the
     gradients clipped to this total norm before ``step()``; ``nan_grad``: (step, parameter) whose gradient gets one
-    nan element before it is recorded (that step then records no update).
+    nan element before it is recorded (that step then records no update); ``on_step_written``: the writer's listener
+    (``LiveTensorBoard``).
     """
     torch.manual_seed(0)
     model = MLP()
     named = dict(model.named_parameters())
-    decayed = [p for name, p in named.items() if name in (decay or {})]
     groups = [{"params": [p for name, p in named.items() if name not in (decay or {})], "weight_decay": 0.0}]
     groups += [{"params": [named[name]], "weight_decay": value} for name, value in (decay or {}).items()]
-    assert len(decayed) == len(decay or {})
+    assert set(decay or {}) <= set(named), f"no such parameter: {sorted(set(decay or {}) - set(named))}"
     optimizer = torch.optim.AdamW(groups, lr=0.05, betas=(0.9, beta2))
     owner = {f"{layer}.{kind}": layer for layer in LAYERS for kind in ("weight", "bias")}
     run = Run(path)
-    with DumpWriter(path, rank=rank) as writer:
+    with DumpWriter(path, rank=rank, on_step_written=on_step_written) as writer:
         for step in range(steps):
             seq = iter(range(10_000))
 
             def write(phase: str, name: str, module: str, kind: str, tensor: torch.Tensor) -> None:
-                if phase in phases:
-                    record = {"name": name, "phase": phase, "seq": next(seq), "step": step, "rank": rank,
-                              "module": module, "kind": kind}
-                    record.update(tensor_record(tensor.detach(), sample_count=8))
-                    writer.write(step, record)
+                record = {"name": name, "phase": phase, "seq": next(seq), "step": step, "rank": rank,
+                          "module": module, "kind": kind}
+                record.update(tensor_record(tensor.detach(), sample_count=8))
+                writer.write(step, record)
 
             outputs: list[tuple[str, torch.Tensor]] = []
             hooks = [dict(model.named_modules())[layer].register_forward_hook(
