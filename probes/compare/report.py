@@ -109,17 +109,18 @@ class Report:
         diverged = np.bincount(index, weights=records.diverged, minlength=len(steps))
         only_base = Counter(key[1] for key in self.only_in_base)
         only_other = Counter(key[1] for key in self.only_in_other)
+        norms = self._grad_norms()
         return [StepSummary(step, int(matched[i]), int(diverged[i]), only_base[step], only_other[step], worst.get(step),
-                            self._grad_norm(step))
+                            norms.get(step))
                 for i, step in enumerate(steps)]
 
-    def _grad_norm(self, step: int) -> GradNorm | None:
-        """The step's global gradient norms in both runs, on the lowest rank either run has one for."""
+    def _grad_norms(self) -> dict[int, GradNorm]:
+        """Per step the global gradient norms of both runs, on the lowest rank either run has one for."""
         base, other = self.grad_norms.get("base", {}), self.grad_norms.get("other", {})
-        ranks = sorted({rank for rank, at in (*base, *other) if at == step})
-        if not ranks:
-            return None
-        return GradNorm(ranks[0], base.get((ranks[0], step)), other.get((ranks[0], step)))
+        lowest: dict[int, int] = {}
+        for rank, step in (*base, *other):
+            lowest[step] = min(rank, lowest.get(step, rank))
+        return {step: GradNorm(rank, base.get((rank, step)), other.get((rank, step))) for step, rank in lowest.items()}
 
     def first_divergence_kind(self) -> DivergenceKind | None:
         """What kind of divergence the first one is (``probes.compare.kinds``), from the phases of its step."""
