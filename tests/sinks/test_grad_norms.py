@@ -87,3 +87,15 @@ def test_live_tensorboard_writes_the_same_grad_norms(run, tmp_path):
     read, written = scalars(tmp_path / "live" / "rank_0"), scalars(tmp_path / "tb" / "rank_0")
     tags = {tag for tag in written if tag.startswith("grad_norm/")}
     assert len(tags) == 7 and {tag: read[tag] for tag in tags} == {tag: written[tag] for tag in tags}
+
+
+def test_show_names_the_rank_when_the_records_span_ranks(tmp_path, capsys):
+    runs = [train_dump(tmp_path / "run", steps=2, rank=rank, clip=None if rank == 0 else 0.05) for rank in (0, 1)]
+    assert main(["show", str(tmp_path / "run")]) == 0
+    found = {(int(rank), int(step)): float(value) for rank, step, value in
+             re.findall(r"^global grad norm rank (\d) step (\d+): (\S+)$", capsys.readouterr().out, re.MULTILINE)}
+    assert sorted(found) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank, run in enumerate(runs):
+        for step, grads in run.grads.items():
+            assert found[(rank, step)] == pytest.approx(global_grad_norm(grads), rel=1e-5)
+    assert found[(1, 0)] == pytest.approx(0.05, rel=1e-5)
