@@ -1,4 +1,5 @@
-"""``probes show DUMP``: a dump's records as a table, and the first non-finite value across ranks.
+"""``probes show DUMP``: a dump's records as a table, each step's global gradient norm, and the first non-finite
+value across ranks.
 
     probes show run --step 3 --rank 0
     probes show run --anomalies --max-abs 65504     # only the records holding nan/inf (or |x| > 65504)
@@ -12,6 +13,7 @@ from typing import Sequence
 
 from ..dump import first_anomaly
 from ..dump.anomaly import record_anomaly
+from ..dump.statistics import global_grad_norms
 from ..dump.table import format_records
 from .common import (EXIT_OK, CommandError, command_parser, damaged_note, open_dump, run_command,
                      trainer_steps_or_note)
@@ -77,7 +79,18 @@ def _show(args: argparse.Namespace) -> int:
             print("no anomalies: every value is finite" + (f" and |x| <= {args.max_abs:g}" if args.max_abs else ""))
             return EXIT_OK
     print(format_records(selected, trainer_steps_or_note(args.path, "show")))
+    if not args.anomalies:
+        for line in _grad_norm_lines(selected):
+            print(line)
     if first is not None:
         print(f"first non-finite value: {first}" if first.nan or first.inf else f"first anomaly: {first}")
     return EXIT_OK
 
+
+
+def _grad_norm_lines(records: Sequence) -> list[str]:
+    """Each step's global gradient norm (``global_grad_norms``: its grad records' norms), one line per rank and step."""
+    norms = global_grad_norms(records)
+    with_rank = len({rank for rank, _ in norms}) > 1
+    return [f"global grad norm{f' rank {rank}' if with_rank else ''} step {step}: {norm:.6g}"
+            for (rank, step), norm in sorted(norms.items(), key=lambda item: (item[0][1], item[0][0]))]

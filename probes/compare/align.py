@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from ..dump import Record
 from ..dump.record import RecordKey
+from ..utils.phases import phase_rank
 from .results import Rename
 from .reading import LoadedDump
 
@@ -127,7 +128,7 @@ def fuzzy_renames(base: LoadedDump, other: LoadedDump, *,
             _pair(in_base, in_other, _loose, CLASS_CHANGED_FACTOR, anchor, phase, found)
     order = {(r["phase"], r["name"]): r.get("seq", 0) for r in at_base.values()}
     kept = [rename for rename in found if rename.confidence >= min_confidence]
-    return sorted(kept, key=lambda rename: (rename.phase != "forward", order.get((rename.phase, rename.base), 0)))
+    return sorted(kept, key=lambda rename: (phase_rank(rename.phase), order.get((rename.phase, rename.base), 0)))
 
 
 def apply_renames(loaded: LoadedDump, renames: Iterable[Rename]) -> None:

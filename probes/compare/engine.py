@@ -11,8 +11,9 @@ never dropped. A gradient that is exactly zero everywhere in one run and absent 
 backend materialises the zeros another leaves out) is a note, not a divergence, unless
 ``strict_zero_grads``. Every matched record is checked statistic by statistic against a tolerance that is
 fixed (``atol + rtol * |base|``) or, given a second baseline run, derived from how much the two
-baselines differ. The first divergence is searched in execution order: earliest step, then the
-forward records in the base run's order (``seq``), then the backward ones, across ranks.
+baselines differ. The first divergence is searched in execution order: earliest step, then its phases in
+the order they run (forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase
+the base run's order (``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
 The rules are ``rules``, applied to every pair at once by ``vector`` (verdicts) and ``details`` (the
 RecordDiff objects a report shows; ``compare_records`` is the same for records at hand). The result model is
@@ -32,7 +33,8 @@ from ..dump import Record, first_anomaly
 from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
 from ..dump.record import execution_order
-from ..utils.phases import GRADIENT_PHASES
+from ..dump.statistics import global_norms
+from ..utils.phases import GRAD, GRADIENT_PHASES
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
@@ -107,7 +109,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
                     base.keys(only_in_base), other.keys(only_in_other), base.steps_by_rank, other.steps_by_rank,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
-                    zero_grads=zero_grads, renamed=renamed)
+                    zero_grads=zero_grads, renamed=renamed,
+                    grad_norms={"base": _grad_norms(base), "other": _grad_norms(other)})
     report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
     report.first_nonfinite = {"base": _first_nonfinite(base), "other": _first_nonfinite(other)}
     if meter:
@@ -125,6 +128,19 @@ def _noise(base: LoadedDump, noise: LoadedDump, rows: np.ndarray) -> tuple[np.nd
     has = np.flatnonzero(counterpart[rows] >= 0)
     levels[has] = noise_levels(base, noise, (rows[has], counterpart[rows[has]]))
     return levels, int(np.isnan(levels).sum())
+
+
+def _grad_norms(loaded: LoadedDump) -> dict[tuple[int, int], float]:
+    """(rank, step) -> the global gradient norm of its grad records (``global_norms``, in file order)."""
+    rows = np.flatnonzero(pc.equal(loaded.table.column("phase"), GRAD).to_numpy(zero_copy_only=False))
+    if not len(rows):
+        return {}
+    norms = loaded.table.column("norm").take(rows).to_numpy(zero_copy_only=False).astype(np.float64)  # null: nan
+    pairs = list(zip(loaded.rank[rows].tolist(), loaded.step[rows].tolist()))
+    keys = list(dict.fromkeys(pairs))
+    index = {key: i for i, key in enumerate(keys)}
+    values = global_norms(norms, np.array([index[pair] for pair in pairs], np.int64), len(keys))
+    return {key: float(value) for key, value in zip(keys, values.tolist()) if not math.isnan(value)}
 
 
 def _unmatched(loaded: LoadedDump, matched: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from .report import Report
 from .results import ZERO_GRAD_NOTE
 from .values import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
-from .terminal import damaged_lines, verdict
+from .terminal import GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, verdict
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "HtmlConfig", "render_html", "write_html"]
 
@@ -111,6 +111,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                              "tolerance"],
                             [(first.rank, first.step, first.phase, first.name, first.seq, first.metric, first.base,
                               first.other, first.abs_diff, first.rel_diff, first.tolerance)], {0, 1, 4, 6, 7, 8, 9, 10}))
+        parts.append(f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>')
     parts.append("<h2>Relative error, step &times; layer</h2>")
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')
@@ -122,11 +123,14 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                      "|diff| / tolerance.</p>")
         parts.append(trajectories(grid, report, config))
     parts.append("<h2>Per step</h2>")
-    parts.append(_table(["step", "matched", "diverged", "only in base", "only in other", "worst ratio", "worst record"],
+    summaries = report.per_step()
+    norms = grad_norm_cells(summaries)
+    parts.append(_table(["step", "matched", "diverged", "only in base", "only in other", "worst ratio",
+                         *(GRAD_NORM_HEADER if norms else []), "worst record"],
                         [(s.step, s.matched, s.diverged, s.only_in_base, s.only_in_other,
-                          s.worst.ratio if s.worst else None,
+                          s.worst.ratio if s.worst else None, *(norms[i] if norms else []),
                           f"{s.worst.phase} {s.worst.name}" if s.worst and s.worst.ratio > 0 else "-")
-                         for s in report.per_step()], {0, 1, 2, 3, 4, 5}))
+                         for i, s in enumerate(summaries)], set(range(8 if norms else 6))))
     for label, keys in (("Only in base", report.only_in_base), ("Only in other", report.only_in_other)):
         if keys:
             shown = keys[:500]

@@ -88,7 +88,7 @@ class LoadedDump:
 
     @cached_property
     def order(self) -> np.ndarray:
-        """Row indices in execution order: step, forward before backward, seq, rank (``execution_order``)."""
+        """Row indices in execution order: step, phase (``phase_rank``), seq, rank (``execution_order``)."""
         codes, phases = self.codes("phase")
         ranks = np.array([phase_rank(phase) for phase in phases.to_pylist()], np.int64)
         by_phase = ranks[codes] if len(self) else np.zeros(0, np.int64)

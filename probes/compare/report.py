@@ -1,6 +1,7 @@
 """The report of a comparison (what ``compare_dumps`` returns) and its JSON document.
 
     report.agrees; report.first_divergence; report.per_step()
+    report.first_divergence_kind().sentence               # "gradients agree, the update differs"
     json.dump(report.to_json(), file)                     # the schema of docs/compare.md
 """
 
@@ -16,8 +17,9 @@ import numpy as np
 from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
 from .config import CompareConfig
+from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
-from .results import ZERO_GRAD_NOTE, Damaged, Divergence, Rename, StepSummary
+from .results import ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, Rename, StepSummary
 from .values import key_json
 
 __all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]
@@ -52,6 +54,9 @@ class Report:
     # "base"/"other"/"noise" -> step files left out because they cannot be read (skip_damaged); a step damaged
     # in one run is left out of both.
     damaged: dict[str, list[Damaged]] = field(default_factory=dict)
+    # "base"/"other" -> (rank, step) -> the step's global gradient norm (probes.dump.statistics.global_grad_norms
+    # of the grad records compared, in file order); only the (rank, step)s with grad records.
+    grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.records, RecordDiffs):
@@ -104,8 +109,36 @@ class Report:
         diverged = np.bincount(index, weights=records.diverged, minlength=len(steps))
         only_base = Counter(key[1] for key in self.only_in_base)
         only_other = Counter(key[1] for key in self.only_in_other)
-        return [StepSummary(step, int(matched[i]), int(diverged[i]), only_base[step], only_other[step], worst.get(step))
+        norms = self._grad_norms()
+        return [StepSummary(step, int(matched[i]), int(diverged[i]), only_base[step], only_other[step], worst.get(step),
+                            norms.get(step))
                 for i, step in enumerate(steps)]
+
+    def _grad_norms(self) -> dict[int, GradNorm]:
+        """Per step the global gradient norms of both runs, on the lowest rank either run has one for."""
+        base, other = self.grad_norms.get("base", {}), self.grad_norms.get("other", {})
+        lowest: dict[int, int] = {}
+        for rank, step in (*base, *other):
+            lowest[step] = min(rank, lowest.get(step, rank))
+        return {step: GradNorm(rank, base.get((rank, step)), other.get((rank, step))) for step, rank in lowest.items()}
+
+    def first_divergence_kind(self) -> DivergenceKind | None:
+        """What kind of divergence the first one is (``probes.compare.kinds``), from the phases of its step."""
+        first = self.first_divergence
+        if first is None:
+            return None
+        records = self.records
+        phases = list(records.labels[0])
+        at_step = records.step == first.step
+        recorded = {phases[code] for code in np.unique(records.phase[at_step]).tolist()}
+        differing = {phases[code] for code in np.unique(records.phase[at_step & records.diverged]).tolist()}
+        base_steps, other_steps = self.base_steps, self.other_steps
+        for rank, step, phase, _ in (*self.only_in_base, *self.only_in_other):
+            if step == first.step:
+                recorded.add(phase)
+                if step in base_steps.get(rank, ()) and step in other_steps.get(rank, ()):
+                    differing.add(phase)  # a record missing in a step both runs finished
+        return divergence_kind(first, recorded=recorded, differing=differing)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document of docs/compare.md (strict JSON: non-finite numbers become strings)."""
@@ -122,6 +155,7 @@ class Report:
             "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy},
             "verdict": "agree" if self.agrees else "diverged",
             "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
+            "first_divergence_kind": kind.to_json() if (kind := self.first_divergence_kind()) else None,
             "counts": {"matched": self.matched, "diverged": self.diverged_count,
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
                        "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},

@@ -18,7 +18,7 @@ from ..dump.record import RecordKey
 from .config import MOMENTS
 from .values import format_value, is_finite_number, json_value
 
-__all__ = ["ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
+__all__ = ["ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "GradNorm", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
 
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 
@@ -191,6 +191,18 @@ class CellView:
 
 
 @dataclass(frozen=True)
+class GradNorm:
+    """A step's global gradient norm in both runs (None: that run has no grad record with a norm there)."""
+
+    rank: int
+    base: float | None
+    other: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "base": json_value(self.base), "other": json_value(self.other)}
+
+
+@dataclass(frozen=True)
 class StepSummary:
     step: int
     matched: int
@@ -198,6 +210,7 @@ class StepSummary:
     only_in_base: int
     only_in_other: int
     worst: RecordDiff | None  # the matched record with the largest ratio in this step
+    grad_norm: GradNorm | None = None  # None: neither run has grad records in this step
 
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
@@ -208,6 +221,7 @@ class StepSummary:
                 "rank": worst.rank, "phase": worst.phase, "name": worst.name,
                 "metric": worst.worst.metric if worst.worst else None, "ratio": json_value(worst.ratio),
                 "rel_error": json_value(worst.rel_error)},
+            "global_grad_norm": None if self.grad_norm is None else self.grad_norm.to_json(),
         }
 
 

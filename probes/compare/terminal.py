@@ -13,10 +13,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
 from .report import Report
-from .results import ZERO_GRAD_NOTE, RecordDiff
+from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value
 
-__all__ = ["clip", "counts_line", "format_report", "nonfinite_lines", "parse_steps", "plural", "ranges", "verdict"]
+__all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "nonfinite_lines", "parse_steps",
+           "plural", "ranges", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -34,6 +35,24 @@ def verdict(report: Report) -> str:
                 f"({first.metric})")
     return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
             f"{len(report.only_in_other)} only in other; matched records agree)")
+
+
+def kind_line(report: Report) -> str | None:
+    """What kind of divergence the first one is, in plain words ("gradients agree, the update differs")."""
+    kind = report.first_divergence_kind()
+    return None if kind is None else f"{kind.sentence} [{kind.code}]"
+
+
+GRAD_NORM_HEADER = ["grad norm base", "grad norm other"]
+
+
+def grad_norm_cells(summaries: Sequence[StepSummary]) -> list[list[str]] | None:
+    """Per step the global gradient norm of base and other (the lowest rank's); None when no step has one."""
+    if not any(s.grad_norm for s in summaries):
+        return None
+    return [["-", "-"] if s.grad_norm is None else
+            ["-" if value is None else f"{value:.6g}" for value in (s.grad_norm.base, s.grad_norm.other)]
+            for s in summaries]
 
 
 def counts_line(report: Report) -> str:
@@ -179,7 +198,8 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
                  f"{format_value(first.name)}  (seq {first.seq})",
              f"  {first.metric}: base {format_value(first.base)}  other {format_value(first.other)}"
              + (f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
-                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")]
+                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else ""),
+             f"  kind: {kind_line(report)}"]
     neighbours = report.records.select(report.records.where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)
     if at is None:  # a missing record: show the matched records that precede it
@@ -202,9 +222,13 @@ def _per_step(report: Report) -> list[str]:
              _short(s.worst.ratio) if s.worst else "-",
              f"{s.worst.phase} {_name(s.worst.name, 40)}" if s.worst and s.worst.ratio > 0 else "-"]
             for s in shown]
+    header = ["step", "matched", "diverged", "only base", "only other", "worst ratio", "worst record"]
+    norms = grad_norm_cells(shown)
+    if norms is not None:
+        header[6:6] = GRAD_NORM_HEADER
+        rows = [row[:6] + cells + row[6:] for row, cells in zip(rows, norms)]
     return ["", "Per step" + (" (steps with differences only)" if len(shown) < len(summaries) else "") + ":",
-            *text_table(["step", "matched", "diverged", "only base", "only other", "worst ratio", "worst record"],
-                        rows, right={0, 1, 2, 3, 4, 5}, indent="  ")]
+            *text_table(header, rows, right=set(range(len(header) - 1)), indent="  ")]
 
 
 def _key_text(key: RecordKey, with_rank: bool, width: int) -> str:

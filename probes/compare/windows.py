@@ -76,6 +76,7 @@ class _Part:
     first_nonfinite: dict[str, Anomaly | None]
     renamed: list[Rename]
     damaged: dict[str, list[Damaged]] = field(default_factory=dict)
+    grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
@@ -119,7 +120,7 @@ def _reduced(window: _Window) -> _Part:
     return _Part(detached, None if records.moments is None else dict(records.moments), report.only_in_base,
                  report.only_in_other, report.base_steps, report.other_steps, report.unfinished,
                  report.noise_unmatched, report.zero_grads, first, report.first_nonfinite,
-                 [rename for rename in report.renamed if rename.how == "map"], report.damaged)
+                 [rename for rename in report.renamed if rename.how == "map"], report.damaged, report.grad_norms)
 
 
 class _SpilledMoments(Mapping[tuple[str, str], "_SpilledColumn"]):
@@ -294,7 +295,9 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _Spille
                     _union(part.base_steps for part in parts), _union(part.other_steps for part in parts),
                     first.unfinished, noise_unmatched=sum(part.noise_unmatched for part in parts),
                     zero_grads=[item for part in parts for item in part.zero_grads],
-                    renamed=[*renamed.values(), *fuzzy], damaged=damaged)
+                    renamed=[*renamed.values(), *fuzzy], damaged=damaged,
+                    grad_norms={side: {key: value for part in parts for key, value in part.grad_norms.get(side, {}).items()}
+                                for side in ("base", "other")})
     report.first_divergence = next((part.first_divergence for part in parts if part.first_divergence), None)
     report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
                                           if part.first_nonfinite.get(side)), None) for side in ("base", "other")}

@@ -73,5 +73,5 @@ def record_key(record: Record) -> RecordKey:
 
 
 def execution_order(step: int, phase: str, seq: Any, rank: int) -> tuple[int, int, int, int]:
-    """Sort key of the execution order across ranks: step, forward before backward, seq, rank."""
+    """Sort key of the execution order across ranks: step, phase (forward ... optim: ``phase_rank``), seq, rank."""
     return step, phase_rank(phase), seq if isinstance(seq, int) else 0, rank

@@ -4,6 +4,7 @@
     ACCUMULATED      # what a bucket computes and shards merge: the row of a tensor, in this order
     DERIVED          # computed from a merged row (std, norm)
     names(compared="moment")   # ("min", "max", "mean", "std", "norm"): what compare checks with a tolerance
+    global_grad_norms(records)  # {(rank, step): sqrt(sum of the grad records' squared norms)}
 
 In the spirit of Transformer Engine's ``stats_computation``: everything else is derived from this
 registry: the C++ kernel's row (checked by name when it loads), ``TensorSummary``, the torch path
@@ -19,12 +20,15 @@ rule also needs its two interpreters (``probes.stats.numerics``: python values a
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import numpy as np
 
-__all__ = ["ACCUMULATED", "DERIVED", "STATISTICS", "Statistic", "names"]
+from ..utils.phases import GRAD
+
+__all__ = ["ACCUMULATED", "DERIVED", "STATISTICS", "Statistic", "global_grad_norms", "global_norms", "names"]
 
 Merge = Literal["sum", "min", "max", "mean", "m2"]
 Column = Literal["int", "float", "number"]  # number: an int for integer tensors (exact), else a float
@@ -110,3 +114,35 @@ def names(*, compared: str | None = None, shown: bool | None = None, plotted: bo
                  and (shown is None or stat.shown == shown)
                  and (plotted is None or stat.plotted == plotted)
                  and (accumulated is None or (stat.merge is not None) == accumulated))
+
+
+def global_norms(norms: np.ndarray, groups: np.ndarray, count: int) -> np.ndarray:
+    """Per group (``groups``: each norm's group, 0 to ``count`` - 1), the global norm of its tensors from their
+    ``norm`` statistics: sqrt of the sum of their squares, in float64, summed in the order given.
+
+    Norms are over finite elements (the ``norm`` statistic leaves nan and inf out); a tensor without a norm
+    (nan here: no finite element, or no statistics) is left out. nan for a group with no norm at all.
+    """
+    norms = np.asarray(norms, np.float64)
+    groups = np.asarray(groups, np.int64)
+    known = ~np.isnan(norms)
+    squares = np.bincount(groups[known], weights=norms[known] ** 2, minlength=count)
+    found = np.bincount(groups[known], minlength=count)
+    return np.where(found > 0, np.sqrt(squares), np.nan)
+
+
+def global_grad_norms(records: Iterable[Mapping[str, Any]]) -> dict[tuple[int, int], float]:
+    """(rank, step) -> the global gradient norm of that step: ``global_norms`` of its ``grad`` records' norms,
+    in the records' order. Only the (rank, step)s with a grad record that has a norm are listed."""
+    keys: dict[tuple[int, int], int] = {}
+    norms: list[float] = []
+    groups: list[int] = []
+    for record in records:
+        if record.get("phase") != GRAD:
+            continue
+        group = keys.setdefault((record["rank"], record["step"]), len(keys))
+        norm = record.get("norm")
+        norms.append(float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else np.nan)
+        groups.append(group)
+    values = global_norms(np.array(norms, np.float64), np.array(groups, np.int64), len(keys))
+    return {key: float(values[group]) for key, group in keys.items() if not np.isnan(values[group])}

@@ -8,7 +8,10 @@ Stages: read (the dump, step by step) -> select (module globs, phases) -> write 
 ``torch.utils.tensorboard.SummaryWriter`` per rank, into ``<logdir>/rank_<r>``). A record gives one
 scalar per statistic, tagged ``<phase>/<record name>/<statistic>`` (``forward/blocks.0.attn.output.0/std``)
 at its training step, so TensorBoard groups the charts by phase and module. A module glob matches the
-module's qualified name or the record name. Statistics a record lacks (no finite element, a tensor
+module's qualified name or the record name. Gradient norms also go where people look for them: each
+grad record's norm as ``grad_norm/<parameter name>`` and the step's global gradient norm (every grad record of
+the step, whatever the module filter: ``probes.dump.statistics.global_grad_norms``) as ``grad_norm/global``,
+unless ``phases`` leaves ``grad`` out. Statistics a record lacks (no finite element, a tensor
 without statistics) are left out, not written as zero. A rank directory that already holds event
 files is refused unless ``overwrite`` (TensorBoard would show the two runs mixed in one chart).
 """
@@ -21,9 +24,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..dump import DumpReader, Record
-from ..dump.statistics import names
+from ..dump.statistics import global_grad_norms, names
 from ..utils.patterns import check_patterns, name_matcher
-from ..utils.phases import PHASES
+from ..utils.phases import GRAD, PHASES
 from .output import ExportSummary, check_output, select_files
 
 __all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "write_tensorboard"]
@@ -79,19 +82,28 @@ class _Scalars:
         return any(self._matches(str(record.get(key, ""))) for key in ("module", "name"))
 
     def add(self, records: Iterable[Record]) -> int:
-        """Writes the selected records' scalars; returns how many records were selected."""
+        """Writes the selected records' scalars and the gradient norms; returns how many records were selected."""
+        records = list(records)
         selected = 0
         for record in records:
             if not self.wants(record):
                 continue
             selected += 1
-            writer = self._writer(record["rank"])
-            for statistic in self.statistics:
-                value = record.get(statistic)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    writer.add_scalar(f"{record['phase']}/{record['name']}/{statistic}", value, record["step"])
-                    self.scalars += 1
+            tags = [(f"{record['phase']}/{record['name']}/{statistic}", record.get(statistic))
+                    for statistic in self.statistics]
+            if record.get("phase") == GRAD:
+                tags.append((f"grad_norm/{record['name']}", record.get("norm")))
+            for tag, value in tags:
+                self._scalar(record["rank"], tag, value, record["step"])
+        if GRAD in self.phases:
+            for (rank, step), norm in global_grad_norms(records).items():
+                self._scalar(rank, "grad_norm/global", norm, step)
         return selected
+
+    def _scalar(self, rank: int, tag: str, value: Any, step: int) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._writer(rank).add_scalar(tag, value, step)
+            self.scalars += 1
 
     def _writer(self, rank: int) -> Any:
         if rank not in self._writers:

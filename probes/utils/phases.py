@@ -27,6 +27,7 @@ PARAMETER_PHASES: tuple[Phase, ...] = ("grad", "param", "optim")  # what the opt
 SELECTABLE: tuple[Phase, ...] = OBSERVED + PARAMETER_PHASES  # what ``phases=`` chooses from
 GRADIENT_PHASES = frozenset({"backward"})  # phases whose tensors are gradients
 RECOMPUTE: Phase = "recompute"
+GRAD: Phase = "grad"  # a parameter's gradient: what the global gradient norm sums
 
 _RANK = {phase: rank for rank, phase in enumerate(PHASES)}
 
