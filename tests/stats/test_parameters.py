@@ -217,6 +217,8 @@ def test_an_optimizer_change_is_found_at_its_step_phase_param_and_first_affected
     report = compare_dumps(tmp_path / "base", tmp_path / "other", rtol=0, atol=0)
     first = report.first_divergence
     assert (first.step, first.phase, first.name) == (0, "param", "head.weight"), first
+    kind = report.first_divergence_kind()
+    assert kind.code == "update" and "gradients agree, the update differs" in kind.sentence, kind
 
 
 def test_hook_failures_warn_give_unsupported_records_and_training_goes_on(tmp_path):
