@@ -98,7 +98,7 @@ def run(quick: bool = False) -> str:
     shutil.rmtree(work, ignore_errors=True)
     plain, base = median(times["no probes"]), median(times[BASELINE])
     rows = [[name, f"{median(samples) * 1e3:.1f}", f"{median(samples) / plain:.3f}x", f"{median(samples) / base:.3f}x",
-             f"{rss[name] / 2**20:.0f}", f"{(rss[name] - rss['no probes']) / 2**20:+.0f}"]
+             f"{rss[name] / 2**20:.1f}", f"{(rss[name] - rss['no probes']) / 2**20:+.1f}"]
             for name, samples in times.items()]
     parameters = sum(p.numel() for p in TinyTransformer(config).parameters())
     return (f"### Parameter, gradient and optimizer-state records ({'quick' if quick else 'full'}: "
