@@ -87,6 +87,9 @@ class StatisticsSubscriber(SubscriberBase):
             is finished, e.g. ``probes.sinks.LiveTensorBoard("tb")`` (TensorBoard while training).
         dump_format: "parquet" (default: a Parquet file per rank and step, ``probes.dump.columns``) or
             "jsonl" (JSON Lines, the format of earlier versions). Both load the same way.
+        hash: each record also carries ``"hash"``, a 64-bit hash of the tensor's bytes (int64 bits;
+            ``probes.stats.hashing``), computed with the statistics, no extra host read; for bit-exact
+            checks (``probes compare --exact``, ``--ranks``). Records without it have none (None).
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class StatisticsSubscriber(SubscriberBase):
         modules: str | Sequence[str] | None = None,
         exclude_modules: str | Sequence[str] | None = None,
         phases: str | Sequence[str] | None = None,
+        hash: bool = False,
     ) -> None:
         super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
                          exclude_modules=exclude_modules, phases=phases)
@@ -123,7 +127,7 @@ class StatisticsSubscriber(SubscriberBase):
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
         self._rows = StepRows(rank=self.rank, sample_count=self.sample_count, bucket_size=self.bucket_size,
-                              run_on_cpu=run_on_cpu, describe_failure=unsupported_reason)
+                              run_on_cpu=run_on_cpu, describe_failure=unsupported_reason, hash=hash)
         self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last,
                                  on_step_written=on_step_written, format=dump_format)
         self._closed = False
