@@ -2,7 +2,7 @@
 
     h = tensor_hash(torch.randn(4, 4))        # a 0-d int64 tensor on the tensor's device (no host read)
     int(h) & (2**64 - 1)                      # the hash as an unsigned 64-bit number
-    hex_hash(int(h))                          # "0x3f2a...": how ``probes show`` prints it
+    probes.dump.hashes.hex_hash(int(h))       # "0x3f2a...": how ``probes show`` prints it
 
 The bytes are the tensor's values in logical (row-major) order, each in its dtype's own bytes
 (little-endian, as every device torch runs on stores them): what ``x.contiguous().view(torch.uint8)``
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GOLDEN", "HASH_CHUNK_WORDS", "hex_hash", "tensor_hash", "to_signed"]
+__all__ = ["GOLDEN", "HASH_CHUNK_WORDS", "tensor_hash", "to_signed"]
 
 GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -40,11 +40,6 @@ def to_signed(value: int) -> int:
     """``value`` modulo 2^64 as a signed int64 (what an int64 tensor or column holds)."""
     value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def hex_hash(value: int) -> str:
-    """A hash (its int64 bits) as 16 hex digits: ``hex_hash(-1) == "0xffffffffffffffff"``."""
-    return f"0x{value & _MASK64:016x}"
 
 
 _G, _M1, _M2 = to_signed(GOLDEN), to_signed(_MIX1), to_signed(_MIX2)
