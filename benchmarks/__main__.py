@@ -20,6 +20,7 @@ BENCHMARKS = (
     "benchmarks.zero3_bench",
     "benchmarks.host_reads",
     "benchmarks.callback_overhead",
+    "benchmarks.hash_overhead",
 )
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks
