@@ -21,6 +21,7 @@ BENCHMARKS = (
     "benchmarks.host_reads",
     "benchmarks.callback_overhead",
     "benchmarks.parameter_overhead",
+    "benchmarks.hash_overhead",
 )
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 HEADER = """# Benchmarks

@@ -31,3 +31,19 @@ def test_zoo_on_cuda_trains_identically_with_probes(arch_name, tmp_path):
     _assert_same_training(compiled_plain, compiled, exact=False)
     assert compiled.graphs <= compiled_plain.graphs + (1 if compiled_plain.breaks else 0)
     assert_parity(tmp_path / "eager", tmp_path / "compiled")
+
+
+def test_a_records_hash_is_the_same_on_cuda_as_on_the_cpu():
+    from probes.stats.hashing import tensor_hash
+    from probes.stats.record import tensor_record
+
+    torch.manual_seed(0)
+    base = torch.randn(33, 17)
+    for tensor in (base, base.t(), base.half(), base.bfloat16(), base.double(), (base * 100).int(), base > 0,
+                   base[1:, ::2], torch.zeros(0), torch.randn(5, dtype=torch.complex64)):
+        on_cpu = tensor_record(tensor, hash=True)["hash"]
+        on_cuda = tensor_record(tensor.cuda(), hash=True)
+        assert on_cuda["hash"] == on_cpu, tensor.dtype
+        assert tensor_record(tensor.cuda(), hash=True, run_on_cpu=True)["hash"] == on_cpu
+        if not tensor.is_complex():
+            assert int(tensor_hash(tensor.cuda())) == on_cpu

@@ -1,6 +1,8 @@
 """``probes compare BASE OTHER``: the first divergence between two runs (terminal, JSON, HTML).
 
     probes compare eager_out ort_out --html report.html        # exit 0 agree, 1 diverged, 2 bad input
+    probes compare run rerun --exact                           # bit-identical or not (records of hash=True)
+    probes compare ddp_out --ranks --exact                     # every rank against rank 0 (grad, param, optim)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..compare import Report, compare_dumps, format_report, load_name_map, write
 from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW
 from ..compare.terminal import parse_steps
 from ..dump.trainer_steps import TrainerStep
+from ..utils.phases import PHASES
 from .common import (EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command,
                      trainer_steps_or_note)
 
@@ -27,6 +30,9 @@ EXAMPLES = [
     "probes compare eager_out refactored_out --map names.yaml   # names.yaml: {'\\.ffn\\.': '.mlp.'}",
     "probes compare eager_out refactored_out --fuzzy            # pair renamed modules by class, shape, order",
     "probes compare big_a big_b --window 100000 --jobs 8         # bounded memory, eight processes",
+    "probes compare run rerun --exact                          # bit-identical? (recorded with hash=True)",
+    "probes compare ddp_out --ranks --exact                    # each rank against rank 0: grad, param, optim",
+    "probes compare ddp_out --ranks --phase backward           # other phases instead",
 ]
 
 
@@ -35,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
         "compare", "Compare two statistics dumps record by record and report the first divergence "
                    "(and where each run saw its first non-finite value).", examples=EXAMPLES)
     parser.add_argument("base", metavar="BASE", help="the reference dump (directory, rank_<r> directory or step file)")
-    parser.add_argument("other", metavar="OTHER", help="the dump to check against BASE")
+    parser.add_argument("other", metavar="OTHER", nargs="?", help="the dump to check against BASE (not with --ranks)")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
                         help=f"relative tolerance (default {DEFAULT_RTOL:g})")
     parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
@@ -65,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-damaged", action="store_true",
                         help="leave damaged step files out (of both runs) and list them as a note "
                              "(default: they are an error naming every one)")
+    parser.add_argument("--exact", action="store_true",
+                        help="a record agrees only when bit-identical (its hash; both runs recorded with hash=True); "
+                             "tolerances are not used")
+    parser.add_argument("--ranks", action="store_true",
+                        help="compare every rank of the one dump BASE with its rank 0 (data-parallel runs); by "
+                             "default the phases that must agree across ranks: grad, param, optim")
+    parser.add_argument("--phase", action="append", choices=PHASES, metavar="PHASE",
+                        help=f"only records of this phase ({', '.join(PHASES)}; repeatable); with --ranks it "
+                             "replaces grad, param, optim")
     parser.add_argument("--strict-zero-grads", action="store_true",
                         help="a gradient exactly zero in one run and absent in the other is a divergence "
                              "(default: a note)")
@@ -87,6 +102,12 @@ def compare(argv: Sequence[str] | None = None) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    if args.ranks and args.other is not None:
+        raise CommandError(f"--ranks compares the ranks of one dump: give BASE only, not {args.other!r}")
+    if args.ranks and (args.noise or args.map or args.fuzzy):
+        raise CommandError("--ranks compares the ranks of one dump: --noise, --map and --fuzzy do not apply")
+    if not args.ranks and args.other is None:
+        raise CommandError("give the dump OTHER to compare with BASE, or --ranks to compare the ranks of BASE")
     for path in (args.base, args.other, args.noise):
         if path is not None:
             open_dump(path)  # a path that is not a dump, empty, or still being written: one clear line
@@ -95,8 +116,13 @@ def _compare(args: argparse.Namespace) -> int:
     report = compare_dumps(args.base, args.other, rtol=args.rtol, atol=args.atol, noise=args.noise,
                            noise_factor=args.noise_factor, steps=steps, names=args.name, progress=True,
                            strict_zero_grads=args.strict_zero_grads, name_map=name_map, fuzzy=args.fuzzy,
-                           window=args.window, jobs=args.jobs, skip_damaged=args.skip_damaged)
+                           window=args.window, jobs=args.jobs, skip_damaged=args.skip_damaged, exact=args.exact,
+                           ranks=args.ranks, phases=args.phase)
     _check_common_records(report, args)
+    if args.ranks and not report.matched and not report.only_in_base and not report.only_in_other:
+        phases = ", ".join(report.config.phases or ())
+        raise CommandError(f"{args.base} has no records of the phases compared ({phases}) on its ranks; record them "
+                           "(parameters=True) or choose others with --phase")
     print(format_report(report, top=args.top))
     trainer_steps = _trainer_steps_of_first_divergence(report, args)
     for run, entry in trainer_steps.items():
@@ -120,7 +146,7 @@ def _trainer_steps_of_first_divergence(report: Report, args: argparse.Namespace)
     found: dict[str, dict] = {}
     if first is None:
         return found
-    for run, path in (("base", args.base), ("other", args.other)):
+    for run, path in (("base", args.base), ("other", args.other or args.base)):
         entry = trainer_steps_or_note(path, "compare", f"{run} run's ").get(first.rank, {}).get(first.step)
         if entry is not None:
             found[run] = dataclasses.asdict(entry)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..dump.statistics import STATISTICS, names
 from ..utils.patterns import check_patterns, name_matcher
+from ..utils.phases import PHASES
 
 __all__ = ["COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "DEFAULT_WINDOW", "MOMENTS", "OPTIONAL_MOMENTS", "STRUCTURE",
            "CompareConfig"]
@@ -40,6 +41,9 @@ class CompareConfig:
     ``strict_zero_grads``: a gradient that is exactly zero in one run and absent in the other counts
     as a record on one side only (a divergence) instead of a note. ``fuzzy``: names found in one run
     only are paired by module class, shape and execution order (``probes.compare.align``).
+    ``exact``: a record agrees when its tensor's bytes are bit-identical (the records' ``hash``, recorded
+    with ``hash=True``); the tolerances are not used. ``phases``: only records of these phases (None: all).
+    ``ranks``: every rank of one dump is compared with its rank 0 (``compare_dumps(dump, ranks=True)``).
     """
 
     rtol: float = DEFAULT_RTOL
@@ -49,6 +53,9 @@ class CompareConfig:
     names: tuple[str, ...] = ()
     strict_zero_grads: bool = False
     fuzzy: bool = False
+    exact: bool = False
+    phases: tuple[str, ...] | None = None
+    ranks: bool = False
     _wants_name: Callable[[str], bool] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -57,15 +64,21 @@ class CompareConfig:
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
+        unknown = [phase for phase in self.phases or () if phase not in PHASES]
+        if unknown:
+            raise ValueError(f"unknown phase {unknown[0]!r}; the phases are {', '.join(PHASES)}")
 
     def fields(self) -> dict[str, object]:
         """The arguments that make this config again (it pickles through them: a window run in another process)."""
         return {name: getattr(self, name) for name in ("rtol", "atol", "noise_factor", "steps", "names",
-                                                        "strict_zero_grads", "fuzzy")}
+                                                        "strict_zero_grads", "fuzzy", "exact", "phases", "ranks")}
 
     def wants_step(self, step: int) -> bool:
         return self.steps is None or step in self.steps
 
     def wants_name(self, name: str) -> bool:
         return self._wants_name(name)
+
+    def wants_phase(self, phase: str) -> bool:
+        return self.phases is None or phase in self.phases
 

@@ -15,19 +15,22 @@ from typing import Any
 
 import numpy as np
 
+from ..dump.hashes import HASH, hex_hash
 from .config import COUNTS, MOMENTS, STRUCTURE, CompareConfig
 from .metrics import evaluate
 from .pairs import from_records
 from .results import MetricDiff, RecordDiff
 from .rules import difference, finite, relative
 
-__all__ = ["record_diffs"]
+__all__ = ["BIT_IDENTICAL", "BYTES_DIFFER", "record_diffs"]
 
 
 def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]], config: CompareConfig,
                  noise: Sequence[float | None] | None = None) -> list[RecordDiff]:
     """One RecordDiff per pair ``base[i]``, ``other[i]`` (same rank, step, phase and name); ``noise``: each
-    pair's noise level (None: none)."""
+    pair's noise level (None: none). With ``config.exact`` the one metric is the hash."""
+    if config.exact:
+        return [_hash_diff(b, o, None if noise is None else noise[row]) for row, (b, o) in enumerate(zip(base, other))]
     pairs = from_records(base, other)
     levels = None if noise is None else np.array([math.nan if level is None else level for level in noise])
     evaluated = evaluate(pairs, config, levels)
@@ -63,3 +66,18 @@ def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
             record.notes.append(f"sample_indices differ: compared the {int(samples.compared[row])} common positions")
         found.append(record)
     return found
+
+
+BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"
+
+
+def _hash_diff(base: Mapping[str, Any], other: Mapping[str, Any], noise: float | None) -> RecordDiff:
+    """The exact comparison of one pair: its hashes (hex), equal or not; no tolerance."""
+    hashes = [record.get(HASH) for record in (base, other)]
+    same = hashes[0] == hashes[1]
+    size = 0.0 if same else math.inf
+    shown = [None if value is None else hex_hash(value) for value in hashes]
+    record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0),
+                        [MetricDiff(HASH, shown[0], shown[1], size, size, 0.0)], noise=noise)
+    record.notes.append(BIT_IDENTICAL if same else BYTES_DIFFER)
+    return record

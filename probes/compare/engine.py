@@ -40,7 +40,7 @@ from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
 from .details import record_diffs
 from .matched import RecordDiffs
-from .reading import LoadedDump
+from .reading import LoadedDump, check_hashes
 from .report import Report
 from .results import Divergence, RecordDiff, Rename
 from .vector import WORST, match, measure, noise_levels
@@ -61,7 +61,12 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
 
     The checks run on whole columns (``vector``); only the records a report shows become RecordDiff objects.
+    With ``config.exact`` the verdict of a pair is whether its hashes are equal; MissingHashes when a record
+    of either dump has none.
     """
+    if config.exact:
+        check_hashes(base)
+        check_hashes(other)
     renamed = [Rename(None, original, new, "map", 1.0, "the name map")
                for original, new in other.renamed.items()]
     if config.fuzzy:

@@ -103,8 +103,15 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         f'<p class="verdict {verdict_class}">{escape(verdict(report))}</p>',
         summary,
         f'<p class="note">Tolerance per statistic: {rule}. Structure (shape, dtype, numel) and nan/inf counts '
-        "must be equal. See docs/compare.md.</p>",
+        "must be equal. See docs/compare.md.</p>" if not cfg.exact else
+        '<p class="note">Exact: a record agrees when it is bit-identical (its hash); one that differs in its '
+        "bytes diverges, whatever the tolerances. See docs/compare.md.</p>",
     ]
+    if cfg.ranks:
+        parts.append("<h2>Per rank (against rank 0)</h2>")
+        parts.append(_table(["rank", "verdict"], [
+            (rank, ("bit-identical" if cfg.exact else "agrees") if found is None else f"first divergence at {found}")
+            for rank, found in report.per_rank().items()], {0}))
     if first is not None:
         parts.append("<h2>First divergence</h2>")
         parts.append(_table(["rank", "step", "phase", "name", "seq", "metric", "base", "other", "|diff|", "rel",

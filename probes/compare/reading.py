@@ -4,6 +4,8 @@
     loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
     loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.take([0, 1])        # rows, and records of rows
     loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]                  # every record as a dict (small dumps)
+    base, other = rank_pairs(read_dump("ddp_out"))     # rank 0's records once per other rank, and those ranks'
+    check_hashes(loaded)                               # MissingHashes unless every record has its ``hash``
 
 Parsing, completeness (the order files) and waiting for live writers are the dump reader's
 (``probes.dump.DumpReader``); here only what comparing needs on top, done on whole columns: filters,
@@ -32,13 +34,17 @@ from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 from .results import Damaged
 
-__all__ = ["COLUMNS", "LoadedDump", "read_dump"]
+__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump"]
+
+
+class MissingHashes(ValueError):
+    """A bit-exact comparison of a dump whose records have no ``hash``."""
 
 # What comparing reads of a record: the key, what is compared, what reports and fuzzy alignment show, and
 # what keeps the rest exact (the *_int twins, nulls, extra). Not legacy_name, depth, finite, m2, neg, pos.
 COLUMNS = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "shape", "dtype",
            "layout", "stats_of", "unsupported", "numel", *dict.fromkeys((*MOMENTS, *COUNTS, "zero")),
-           "samples", "sample_indices", "min_int", "max_int", "samples_int", "nulls", "extra")
+           "samples", "sample_indices", "min_int", "max_int", "samples_int", "nulls", "extra", "hash")
 
 
 @dataclass
@@ -178,11 +184,56 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     if name_map is not None:
         _rename(loaded, name_map)
     keep &= _wanted_names(loaded, config)
+    if config.phases is not None:
+        codes, phases = loaded.codes("phase")
+        wanted = np.array([config.wants_phase(phase) for phase in phases.to_pylist()], dtype=bool)
+        keep &= wanted[codes] if len(wanted) else np.zeros(len(loaded), dtype=bool)
     if not keep.all():
         _keep(loaded, keep)
     _check_unique(loaded, name_map)
     loaded.damaged = [Damaged(str(f.path), f.rank, f.step, error.line, error.problem) for f, error in reader.damaged]
     return loaded
+
+
+def check_hashes(loaded: LoadedDump) -> None:
+    """Raises MissingHashes unless every record with statistics carries a hash (``hash=True``)."""
+    table = loaded.table
+    missing = pc.and_(pc.is_null(table.column("hash")), pc.is_null(table.column("unsupported"))).to_numpy(
+        zero_copy_only=False)
+    if missing.any():
+        row = int(np.argmax(missing))
+        rank, step, phase, name = loaded.key(row)
+        raise MissingHashes(
+            f"{loaded.path} has records without a hash ({int(missing.sum())}, e.g. rank {rank} step {step} {phase} "
+            f"{name!r}): a bit-exact comparison needs both runs recorded with StatisticsSubscriber(..., hash=True)")
+
+
+def rank_pairs(loaded: LoadedDump) -> tuple[LoadedDump, LoadedDump]:
+    """(rank 0's records once per other rank, labelled with that rank; the other ranks' records): two dumps
+    whose matching pairs every rank's record with rank 0's. Raises ValueError for a dump with one rank."""
+    ranks = sorted(set(loaded.steps_by_rank) | set(np.unique(loaded.rank).tolist()))
+    if len(ranks) < 2 or ranks[0] != 0:
+        found = ", ".join(map(str, ranks)) or "none"
+        raise ValueError(f"{loaded.path}: comparing ranks needs rank 0 and at least one more rank, found rank(s) "
+                         f"{found}; give the dump directory of a multi-process run")
+    zero = np.flatnonzero(loaded.rank == 0)
+    others = np.flatnonzero(loaded.rank != 0)
+    copies = []
+    for rank in ranks[1:]:
+        part = loaded.table.take(zero)
+        copies.append(part.set_column(part.schema.get_field_index("rank"), "rank",
+                                      pa.array(np.full(len(zero), rank, np.int64))))
+    base = LoadedDump(loaded.path, pa.concat_tables(copies).combine_chunks() if copies else loaded.table.slice(0, 0),
+                      {rank: list(loaded.steps_by_rank.get(0, [])) for rank in ranks[1:]},
+                      {rank: list(loaded.unfinished.get(0, [])) for rank in ranks[1:] if loaded.unfinished.get(0)},
+                      dict(loaded.renamed), list(loaded.files), np.tile(loaded.file_of[zero], len(ranks) - 1),
+                      np.tile(loaded.line_of[zero], len(ranks) - 1), list(loaded.damaged))
+    other = LoadedDump(loaded.path, loaded.table.take(others),
+                       {rank: steps for rank, steps in loaded.steps_by_rank.items() if rank != 0},
+                       {rank: steps for rank, steps in loaded.unfinished.items() if rank != 0},
+                       dict(loaded.renamed), list(loaded.files), loaded.file_of[others], loaded.line_of[others],
+                       list(loaded.damaged))
+    return base, other
 
 
 def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:

@@ -19,6 +19,7 @@ from ..dump.record import RecordKey
 from .config import CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
+from .details import BIT_IDENTICAL, BYTES_DIFFER
 from .results import ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, Rename, StepSummary
 from .values import key_json
 
@@ -89,6 +90,19 @@ class Report:
         """True when every record of both runs is matched and within tolerance."""
         return self.first_divergence is None and not self.only_in_base and not self.only_in_other
 
+    def per_rank(self) -> dict[int, Divergence | None]:
+        """Per rank compared (``ranks=True``: each rank against rank 0): its first divergence, None where it agrees."""
+        found: dict[int, Divergence | None] = {rank: None for rank in sorted({*self.base_steps, *self.other_steps})}
+        diverged = np.flatnonzero(self.records.diverged)
+        for rank in found:
+            rows = diverged[self.records.rank[diverged] == rank]
+            if len(rows):
+                found[rank] = self.records[int(rows[0])].divergence()
+        first = self.first_divergence
+        if first is not None and found.get(first.rank) is None:
+            found[first.rank] = first  # a record on one side only
+        return found
+
     def per_step(self) -> list[StepSummary]:
         """One summary per step of either run (matched, diverged, only in one run, the worst record)."""
         key = (len(self.records), len(self.only_in_base), len(self.only_in_other))
@@ -152,10 +166,14 @@ class Report:
             "tolerance": {"rtol": config.rtol, "atol": config.atol, "noise_factor": config.noise_factor},
             "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
                         "names": list(config.names)},
-            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy},
+            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy, "exact": config.exact,
+                        "ranks": config.ranks, "phases": None if config.phases is None else list(config.phases)},
             "verdict": "agree" if self.agrees else "diverged",
             "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
             "first_divergence_kind": kind.to_json() if (kind := self.first_divergence_kind()) else None,
+            **({"bytes": BIT_IDENTICAL if self.agrees else BYTES_DIFFER} if config.exact else {}),
+            **({"per_rank": {str(rank): None if first is None else first.to_json()
+                             for rank, first in self.per_rank().items()}} if config.ranks else {}),
             "counts": {"matched": self.matched, "diverged": self.diverged_count,
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
                        "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},

@@ -72,6 +72,9 @@ class Divergence:
     tolerance: float | None = None
 
     def __str__(self) -> str:
+        if self.metric == "hash":
+            return (f"rank {self.rank} step {self.step} {self.phase} {self.name}: differs in its bytes "
+                    f"(hash {self.base} (base) vs {self.other} (other))")
         text = (f"rank {self.rank} step {self.step} {self.phase} {self.name}: "
                 f"{self.metric} {format_value(self.base)} (base) vs {format_value(self.other)} (other)")
         if self.abs_diff is not None and self.tolerance is not None and math.isfinite(self.abs_diff):

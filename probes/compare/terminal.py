@@ -17,7 +17,7 @@ from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value
 
 __all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "nonfinite_lines", "parse_steps",
-           "plural", "ranges", "verdict"]
+           "plural", "rank_lines", "ranges", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -29,10 +29,12 @@ def verdict(report: Report) -> str:
     if report.agrees:
         noted = f"; {len(report.zero_grads)} {plural(len(report.zero_grads), 'materialised zero gradient')} noted" \
             if report.zero_grads else ""
-        return f"AGREE ({report.matched} records within tolerance{noted})"
+        within = "bit-identical" if report.config.exact else "within tolerance"
+        return f"AGREE ({report.matched} records {within}{noted})"
     if first is not None:
+        what = "differs in its bytes" if first.metric == "hash" else first.metric
         return (f"DIVERGED at rank {first.rank}, step {first.step}, {first.phase}, {format_value(first.name)} "
-                f"({first.metric})")
+                f"({what})")
     return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
             f"{len(report.only_in_other)} only in other; matched records agree)")
 
@@ -158,7 +160,14 @@ def _header(report: Report) -> list[str]:
         lines.append(f"  noise  {report.noise}   ({report.noise_unmatched} compared records had no noise counterpart)")
         rule = (f"|diff| <= max(atol + rtol*|base|, k*noise)  (rtol {config.rtol:g}, atol {config.atol:g}, "
                 f"k {config.noise_factor:g})")
-    lines.append(f"  tolerance  {rule}")
+    if config.exact:
+        rule = "bit-identical bytes (the records' hashes; tolerances not used)"
+    lines.append(f"  {'exact' if config.exact else 'tolerance'}  {rule}")
+    if config.ranks:
+        lines.append(f"  ranks  every rank of {report.base} against its rank 0; phases "
+                     f"{', '.join(config.phases) if config.phases is not None else 'all'}")
+    elif config.phases is not None:
+        lines.append(f"  phases  {', '.join(config.phases)}")
     if config.steps is not None or config.names:
         lines.append(f"  filters  steps {ranges(config.steps) if config.steps is not None else 'all'}; "
                      f"names {' '.join(config.names) or '*'}")
@@ -197,7 +206,8 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
     lines = ["", f"FIRST DIVERGENCE  rank {first.rank}  step {first.step}  {first.phase}  "
                  f"{format_value(first.name)}  (seq {first.seq})",
              f"  {first.metric}: base {format_value(first.base)}  other {format_value(first.other)}"
-             + (f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
+             + ("  (differs in its bytes)" if first.metric == "hash" else
+                f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
                 f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else ""),
              f"  kind: {kind_line(report)}"]
     neighbours = report.records.select(report.records.where(rank=first.rank, step=first.step, phase=first.phase))
@@ -262,9 +272,20 @@ def format_report(report: Report, top: int = 10) -> str:
         lines += _zero_grad_lines(report.zero_grads, with_rank)
     lines += renamed_lines(report)
     lines += _per_step(report)
+    lines += rank_lines(report)
     lines += nonfinite_lines(report)
     lines += ["", f"verdict: {verdict(report)}"]
     return "\n".join(lines)
+
+
+def rank_lines(report: Report) -> list[str]:
+    """With ``ranks``: per rank, whether it agrees with rank 0, or its first divergence."""
+    if not report.config.ranks:
+        return []
+    agree = "bit-identical to rank 0" if report.config.exact else "agrees with rank 0"
+    return ["", "Per rank (against rank 0):"] + [
+        f"  rank {rank}: {agree if first is None else f'first divergence at {first}'}"
+        for rank, first in report.per_rank().items()]
 
 
 def nonfinite_lines(report: Report) -> list[str]:

@@ -2,6 +2,7 @@
 
     rows = match(base, other)                           # (base rows, other rows) with the same key
     measured = measure(base, other, rows, config)       # per pair: ratio, diverged, rel_error, the worst metric
+    measured = measure(base, other, rows, CompareConfig(exact=True))   # the verdicts of the hashes instead
     levels = noise_levels(base, noise_run, rows)        # per pair: the noise level (nan: none)
 
 Pairs are read from their float64 columns (``pairs.from_columns``); those a column cannot hold exactly go
@@ -56,7 +57,7 @@ def match(base: LoadedDump, other: LoadedDump) -> tuple[np.ndarray, np.ndarray]:
     return base_rows[by_base], other_rows[by_base]
 
 
-WORST = ("", "structure", *MOMENTS, "samples")  # codes of Measured.worst: 0 none, 1 a structure field or count
+WORST = ("", "structure", *MOMENTS, "samples")  # codes of Measured.worst: 0 none, 1 a structure field, count or hash
 
 
 @dataclass
@@ -150,7 +151,27 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
                                  None if noise is None else noise[odd]))
         part.worst[:] = WORST.index("structure")  # plots build these records to show them
         found.put(odd, part)
+    if config.exact:
+        _hash_verdicts(found, base, other, rows)
     return found
+
+
+def _hash_verdicts(found: Measured, base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> None:
+    """Exact mode: a pair diverges when its hashes differ (both missing: the same), whatever the tolerances;
+    the moments and rel_error stay for the plots."""
+    hashes = []
+    for loaded, at in ((base, rows[0]), (other, rows[1])):
+        column = loaded.table.column("hash").take(pa.array(at, pa.int64()))
+        hashes.append((column.is_null().to_numpy(zero_copy_only=False),
+                       column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)))
+    (null_b, hash_b), (null_o, hash_o) = hashes
+    differs = (null_b != null_o) | (~null_b & (hash_b != hash_o))
+    found.diverged = differs
+    found.ratio = np.where(differs, np.inf, 0.0)
+    found.worst = np.where(differs, WORST.index("structure"), 0).astype(np.int8)  # the hash: a RecordDiff shows it
+    found.worst_base = np.full(len(differs), np.nan)
+    found.worst_other = np.full(len(differs), np.nan)
+    found.worst_null = np.zeros((len(differs), 2), dtype=bool)
 
 
 def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:

@@ -3,6 +3,8 @@
     report = compare_dumps("pt_out", "ort_out")                       # windows of DEFAULT_WINDOW records
     report = compare_dumps("pt_out", "ort_out", window=50_000, jobs=4)  # smaller windows, four processes
     report = compare_dumps("pt_out", "ort_out", skip_damaged=True)    # damaged steps left out, listed
+    report = compare_dumps("pt_out", "ort_out", exact=True)           # bit-identical or not, by the records' hashes
+    report = compare_dumps("ddp_out", ranks=True, exact=True)         # every rank against rank 0 (grad/param/optim)
 
 Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look
 at one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about
@@ -33,13 +35,14 @@ from ..dump import DumpFormatError, DumpReader
 from ..dump.anomaly import Anomaly
 from ..dump.reader import DamagedSteps, StepFile, listed_records
 from ..dump.record import RecordKey
+from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import fuzzy_renames
 from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded
 from .matched import RecordDiffs
 from .names import NameMap, NameMapLike, as_name_map
-from .reading import LoadedDump, drop_steps, read_dump
+from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
 from .results import Damaged, Divergence, RecordDiff, Rename
 
@@ -84,8 +87,11 @@ def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     config = CompareConfig(**window.config)  # type: ignore[arg-type]
     reading = config if window.steps is None else CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
     base_path, other_path, noise_path = window.paths
-    base = read_dump(base_path, reading, progress=progress, skip_damaged=True)
-    other = read_dump(other_path, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
+    if config.ranks:
+        base, other = rank_pairs(read_dump(base_path, reading, progress=progress, skip_damaged=True))
+    else:
+        base = read_dump(base_path, reading, progress=progress, skip_damaged=True)
+        other = read_dump(other_path, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
     noise = read_dump(noise_path, reading, progress=progress, skip_damaged=True) if noise_path is not None else None
     _drop_damaged(base, other)
     report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy)
@@ -342,12 +348,13 @@ def _fuzzy_pairs(base: str | Path, other: str | Path, config: CompareConfig, nam
     return ()
 
 
-def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
                   noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
                   progress: bool | TextIO = False, strict_zero_grads: bool = False,
                   name_map: NameMapLike | None = None, fuzzy: bool = False, window: int | None = DEFAULT_WINDOW,
-                  jobs: int = 1, skip_damaged: bool = False) -> Report:
+                  jobs: int = 1, skip_damaged: bool = False, exact: bool = False, ranks: bool = False,
+                  phases: Iterable[str] | None = None) -> Report:
     """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
 
     ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
@@ -361,10 +368,32 @@ def compare_dumps(base: str | Path, other: str | Path, *, rtol: float = DEFAULT_
     ``skip_damaged``: step files that cannot be read are left out (of both runs) and listed in
     ``report.damaged``; without it they raise one DamagedSteps naming every one. Raises DumpFormatError (naming
     file and line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used.
+
+    ``exact``: a record agrees when its bytes are bit-identical (the records' hashes, ``hash=True``), whatever
+    the tolerances; MissingHashes (a ValueError) when a record has none. ``phases``: only records of these
+    phases. ``ranks``: ``base`` is one dump whose every rank is compared with its rank 0 (``other`` not given);
+    the phases default to those that must agree across data-parallel ranks (``PARAMETER_PHASES``: grad,
+    param, optim); the report's records carry the rank compared, and ``report.first_divergence`` is the first
+    rank, step and record that differ (ValueError for a dump with one rank).
     """
+    if ranks:
+        if other is not None or noise is not None or name_map is not None or fuzzy:
+            raise ValueError("ranks=True compares the ranks of one dump: give no other dump, noise, name_map or fuzzy")
+        other = base
+        found = sorted(rank for rank in DumpReader(base).steps() if rank is not None)
+        if len(found) < 2 or found[0] != 0:
+            raise ValueError(f"{base}: --ranks compares every rank with rank 0 and needs rank 0 and at least one more "
+                             f"rank, found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of "
+                             "a multi-process run")
+        if phases is None:
+            phases = PARAMETER_PHASES
+    elif other is None:
+        raise ValueError("give the dump to compare with base (or ranks=True to compare the ranks of base)")
     config = CompareConfig(rtol=rtol, atol=atol, noise_factor=noise_factor,
                            steps=frozenset(steps) if steps is not None else None, names=tuple(names),
-                           strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy))
+                           strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy), exact=bool(exact),
+                           phases=None if phases is None else (phases,) if isinstance(phases, str) else tuple(phases),
+                           ranks=bool(ranks))
     mapping = as_name_map(name_map)
     paths = (str(base), str(other), None if noise is None else str(noise))
     chosen = windows_of(base, other, noise, config, window)

@@ -41,6 +41,7 @@ _FIELDS: tuple[tuple[str, pa.DataType], ...] = (
     ("shape", _INTS), ("dtype", _STR), ("layout", _STR), ("stats_of", _STR), ("unsupported", _STR),
     *((stat.name, _INT if stat.column == "int" else _FLOAT) for stat in STATISTICS),  # "number": a float + twin
     ("samples", _FLOATS), ("sample_indices", _INTS),
+    ("hash", _INT),  # the tensor's 64-bit hash as int64 bits (``hash=True``; null otherwise: optional)
 )
 # int or float in a record: each has an "<name>_int" twin
 NUMBER_COLUMNS = (*(stat.name for stat in STATISTICS if stat.column == "number"), "samples")

@@ -54,6 +54,7 @@ class TensorFields(TypedDict, total=False):
     zero: int
     samples: list[Number]  # values at sample_indices (flat, row-major positions)
     sample_indices: list[int]
+    hash: int  # with hash=True: the 64-bit hash of the tensor's bytes, int64 bits (probes.dump.hashes)
 
 
 class Record(_RecordBase, TensorFields, total=False):

@@ -5,8 +5,9 @@
     records = block.records()      # the same records as dicts (JSON Lines, the journal)
 
 A row is a float64 vector: the registry's accumulated statistics (``probes.dump.statistics``), in its
-order, then up to ``sample_count`` samples; for an integer tensor, min, max and the samples hold int64
-bit patterns. An entry says what names one record and where its row is:
+order, then up to ``sample_count`` samples, then (``hashed``) the tensor's 64-bit hash as int64 bits
+(``probes.stats.hashing``; the record's ``hash``); for an integer tensor, min, max and the samples hold
+int64 bit patterns. An entry says what names one record and where its row is:
 ``(names, phase, seq, described, part, row, step)``:
 
 - ``names``: ``(name, tensor_index, module, module_class, kind, depth, legacy_name)``, held once per site;
@@ -66,6 +67,7 @@ class RowBlock:
     entries: list[Entry]
     ready: Callable[[], None] | None = None
     indices: Callable[[int], list[int]] = field(default=lambda numel: [])  # sample indices for a numel
+    hashed: bool = False  # each row ends with the tensor's hash
 
     def order(self) -> list[tuple[int, str, str]]:
         """(seq, name, phase) of each record, in block order."""
@@ -170,6 +172,14 @@ class RowBlock:
             by_size[size] = np.asarray(self.indices(size), dtype=np.int64)
         flat = np.concatenate([by_size[size] for size in numel[with_rows].tolist()] or [np.empty(0, np.int64)])
         columns["sample_indices"] = _lists(taken, pa.array(flat), ~with_rows)
+        if self.hashed:
+            hashes = np.zeros(count, dtype=np.float64)
+            for part_index, part in enumerate(parts):
+                picked = [(position, entry[5]) for position, entry in enumerate(entries) if entry[4] == part_index]
+                if picked:
+                    at, row = zip(*picked)
+                    hashes[list(at)] = part[list(row), width]
+            columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows)
 
 
 def _lists(lengths: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.ListArray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..utils.tables import printable, text_table
+from .hashes import HASH, hex_hash
 from .record import Record
 from .statistics import names
 from .trainer_steps import TrainerStep
@@ -26,6 +27,8 @@ def _cell(record: Record, key: str) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.6g}"
+    if key == HASH:
+        return hex_hash(value)
     if key == "shape" and isinstance(value, (list, tuple)):
         return "[" + ", ".join(str(size) for size in value) + "]"
     return printable(value)  # names come from the model: no control characters to the terminal
@@ -34,7 +37,8 @@ def _cell(record: Record, key: str) -> str:
 def format_records(records: Iterable[Record],
                    trainer_steps: Mapping[int, Mapping[int, TrainerStep]] | None = None) -> str:
     """A text table, one line per record: step, phase, seq, name, shape, dtype, then the statistics
-    ``probes show`` shows (``probes.dump.statistics``: mean, min, max, nan, inf, std, norm).
+    ``probes show`` shows (``probes.dump.statistics``: mean, min, max, nan, inf, std, norm), and the hash
+    (hex) when a record has one.
 
     A rank column comes first when the records span several ranks; with ``trainer_steps``
     (``read_trainer_steps``: rank -> step -> ``TrainerStep``) the trainer's step and micro-batch follow
@@ -42,6 +46,8 @@ def format_records(records: Iterable[Record],
     """
     records = list(records)
     columns = list(_COLUMNS)
+    if any(record.get(HASH) is not None for record in records):
+        columns.append(HASH)
     rows = [[_cell(record, column) for column in columns] for record in records]
     if trainer_steps:
         columns[1:1] = ["trainer_step", "micro_step"]

@@ -502,6 +502,45 @@ void row_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, const tor
   }
 }
 
+// probes/stats/hashing.py's hash of a contiguous CPU tensor's bytes (the definition and its reasons are
+// there): S = sum of mix(w_i + (i + 1) * G) over the 64-bit little-endian words, the last padded with
+// zero bytes; hash = mix(S + (n + 1) * G), n the byte count; all modulo 2^64. Written as int64 bits into
+// out[row, col].
+inline uint64_t mix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ULL;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+void hash_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, int64_t col) {
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kDouble && out.dim() == 2 &&
+                  out.is_contiguous(), "probes stats kernel: out must be a contiguous 2-d float64 CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && !x.is_neg() && !x.is_conj(),
+              "probes stats kernel: hash_into needs a contiguous CPU tensor");
+  TORCH_CHECK(row >= 0 && row < out.size(0) && col >= 0 && col < out.size(1), "probes stats kernel: row out of range");
+  const uint64_t G = 0x9E3779B97F4A7C15ULL;
+  const uint64_t n = static_cast<uint64_t>(x.numel()) * x.element_size();
+  const unsigned char* p = n ? static_cast<const unsigned char*>(x.data_ptr()) : nullptr;
+  double* o = out.data_ptr<double>() + row * out.size(1) + col;
+  py::gil_scoped_release no_gil;
+  const uint64_t whole = n / 8;
+  uint64_t s = 0;
+  for (uint64_t i = 0; i < whole; ++i) {
+    uint64_t w;
+    std::memcpy(&w, p + 8 * i, 8);  // unaligned-safe; little-endian hosts only (x86, arm)
+    s += mix64(w + (i + 1) * G);
+  }
+  if (n % 8) {
+    uint64_t w = 0;
+    std::memcpy(&w, p + 8 * whole, n % 8);
+    s += mix64(w + (whole + 1) * G);
+  }
+  const uint64_t h = mix64(s + (n + 1) * G);
+  std::memcpy(o, &h, 8);
+}
+
 // The names of stats()'s fields, in its order: change both together.
 py::tuple row_fields() {
   return py::make_tuple("numel", "finite", "mean", "m2", "min", "max", "nan", "inf", "neg", "pos", "zero",
@@ -517,4 +556,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_fields", &row_fields, "the names of stats()'s fields, in its order");
   m.def("row_into", &row_into, py::arg("x"), py::arg("out"), py::arg("row"), py::arg("indices"),
         "stats() of x without shift/deviation, then x's values at indices, into the float64 row out[row]");
+  m.def("hash_into", &hash_into, py::arg("x"), py::arg("out"), py::arg("row"), py::arg("col"),
+        "the 64-bit hash of x's bytes (probes/stats/hashing.py) as int64 bits into out[row, col]");
 }

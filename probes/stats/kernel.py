@@ -38,7 +38,7 @@ __all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "defau
            "resolve_backend", "row_getter"]
 
 # Bump when the row changes: a build under the old name is then not reused from the shared cache.
-ROW_VERSION = 3
+ROW_VERSION = 4
 
 KERNEL_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -78,11 +78,14 @@ class Kernel:
     (checked on load), for a caller that reads it with ``row_getter`` and skips the NamedTuple.
     """
 
-    __slots__ = ("row_into", "stats_tuple")
+    __slots__ = ("hash_into", "row_into", "stats_tuple")
     stats_tuple: Callable[[torch.Tensor, float | None], tuple]
     # row_into(x, out, row, indices): the accumulated statistics, then the samples, into a float64 row
     # (probes.stats.rows); integer min/max and samples as int64 bit patterns.
     row_into: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
+    # hash_into(x, out, row, col): probes.stats.hashing's hash of a contiguous CPU tensor's bytes, as int64
+    # bits into out[row, col].
+    hash_into: Callable[[torch.Tensor, torch.Tensor, int, int], None]
 
     def __init__(self, module: ModuleType) -> None:
         fields = tuple(module.row_fields())
@@ -93,6 +96,7 @@ class Kernel:
             )
         self.stats_tuple = module.stats
         self.row_into = module.row_into
+        self.hash_into = module.hash_into
 
     def stats(self, x: torch.Tensor, shift: float | None = None) -> KernelRow:
         """Statistics of a contiguous CPU tensor of a KERNEL_DTYPES dtype."""

@@ -39,17 +39,18 @@ _IDENTITY = frozenset(("step", "rank", "phase", "seq", *NAME_FIELDS))
 
 
 def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
-                  sample_count: int = DEFAULT_SAMPLE_COUNT) -> TensorFields:
+                  sample_count: int = DEFAULT_SAMPLE_COUNT, hash: bool = False) -> TensorFields:
     """The statistics part of a record: shape, dtype, numel, summary statistics and samples.
 
         record = tensor_record(torch.randn(4, 4))
 
     For a tensor that is not dense and real, also ``"layout"`` (when not strided) and ``"stats_of"``;
     numel, the counts, the samples and their indices are then those of ``statistics_view(tensor)``.
+    ``hash``: also ``"hash"``, the 64-bit hash of those bytes (``probes.stats.hashing``).
     Raises for tensors that cannot be summarised (see ``unsupported_record``). The same path as the
     subscriber's records (``probes.stats.rows``), read back at once.
     """
-    rows = StepRows(rank=0, sample_count=sample_count, bucket_size=bucket_size, run_on_cpu=run_on_cpu)
+    rows = StepRows(rank=0, sample_count=sample_count, bucket_size=bucket_size, run_on_cpu=run_on_cpu, hash=hash)
     error = rows.add_named(("", 0, "", "", "output", 0, ""), 0, "forward", 0, tensor)
     if error is not None:
         raise error

@@ -101,6 +101,9 @@ class StatisticsSubscriber(SubscriberBase):
         optimizer_state: with ``parameters``, also ``phase="optim"``: each tensor of the optimizer's state of
             a parameter after the update (``blocks.0.fc.weight.exp_avg``), for any optimizer whose state is a
             dict of tensors (Adam-like, SGD's ``momentum_buffer``).
+        hash: each record also carries ``"hash"``, a 64-bit hash of the tensor's bytes (int64 bits;
+            ``probes.stats.hashing``), computed with the statistics, no extra host read; for bit-exact
+            checks (``probes compare --exact``, ``--ranks``). Records without it have none (None).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class StatisticsSubscriber(SubscriberBase):
         dump_format: str = "parquet",
         parameters: bool = False,
         optimizer_state: bool = False,
+        hash: bool = False,
         every_n_steps: int | None = None,
         steps: Iterable[int] | None = None,
         modules: str | Sequence[str] | None = None,
@@ -141,7 +145,7 @@ class StatisticsSubscriber(SubscriberBase):
         self.observe_inputs = observe_inputs
         self.rank = process_rank()
         self._rows = StepRows(rank=self.rank, sample_count=self.sample_count, bucket_size=self.bucket_size,
-                              run_on_cpu=run_on_cpu, describe_failure=unsupported_reason)
+                              run_on_cpu=run_on_cpu, describe_failure=unsupported_reason, hash=hash)
         self._writer = DumpWriter(self.output_dir, rank=self.rank, override=override_output_dir, keep_last=keep_last,
                                  on_step_written=on_step_written, format=dump_format)
         self._closed = False

@@ -2,6 +2,7 @@
 
     rows = StepRows(rank=0, sample_count=32)
     rows.add(event, 0, tensor)          # statistics and samples into a row of a buffer on tensor.device
+    StepRows(rank=0, sample_count=32, hash=True)   # each row also ends with the tensor's hash (hashing.py)
     rows.anomalies(check)               # the sentinel: one read of the nan/inf/min/max of the rows since the last call
     blocks = rows.take()                # the rows since the last take: one copy per device (a RowBlock per step)
 
@@ -27,6 +28,7 @@ from ..core import ProbeEvent, ProbeSite
 from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
+from .hashing import tensor_hash
 from .kernel import KERNEL_DTYPES, default_backend
 from .numerics import (_WIDENED, DEFAULT_BUCKET_SIZE, device_row, device_samples, kernel_reads_whole, sample_index_tensor, sample_indices,
                        summarize)
@@ -78,15 +80,18 @@ class StepRows:
 
     ``run_on_cpu``: a device tensor's statistics are computed on the CPU, one bucket at a time (saves
     device memory; each bucket is a host copy). ``bucket_size`` bounds the extra memory of a pass.
+    ``hash``: the row's last slot holds the 64-bit hash of what the statistics read (``hashing.py``), as
+    int64 bits, computed where the statistics are (the kernel for CPU tensors, torch ops otherwise).
     """
 
     def __init__(self, *, rank: int, sample_count: int, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
-                 describe_failure: Callable[[BaseException], str] = str) -> None:
+                 describe_failure: Callable[[BaseException], str] = str, hash: bool = False) -> None:
         self.rank = rank
         self.sample_count = sample_count
         self.bucket_size = bucket_size
         self.run_on_cpu = run_on_cpu
-        self.width = ACCUMULATED_WIDTH + sample_count
+        self.hash = hash
+        self.width = ACCUMULATED_WIDTH + sample_count + (1 if hash else 0)
         self._describe_failure = describe_failure
         self._buffers: dict[torch.device, _Buffer] = {}
         self._parts: list[_Buffer] = []  # buffers in the order of their first row since the last take
@@ -139,7 +144,19 @@ class StepRows:
         return names
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
-        """Writes the statistics and samples of ``tensor`` into a row: (what it is, part, row)."""
+        """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row)."""
+        described, part, row, values = self._fill_statistics(tensor)
+        if self.hash:
+            buffer = self._parts[part]
+            if buffer.device.type == "cpu" and self._kernel is not None and values.is_cpu and values.is_contiguous():
+                self._kernel.hash_into(values, buffer.rows, row, self.width - 1)
+            else:
+                hashed = tensor_hash(values, on_cpu=buffer.device.type == "cpu")
+                buffer.rows[row, self.width - 1:].view(torch.int64).copy_(hashed)
+        return described, part, row
+
+    def _fill_statistics(self, tensor: torch.Tensor) -> tuple[Described, int, int, torch.Tensor]:
+        """Writes the statistics and samples of ``tensor`` into a row: (what it is, part, row, what was read)."""
         fused = self._kernel
         # The common case first, in as few calls as it takes: a plain contiguous CPU tensor of a kernel dtype.
         if (fused is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu and tensor.dtype in KERNEL_DTYPES
@@ -150,7 +167,7 @@ class StepRows:
                 described = self._described.get((tensor.shape, tensor.dtype))
                 if described is None:
                     described = self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point)
-                return described, *self._kernel_row(fused, tensor, numel)
+                return described, *self._kernel_row(fused, tensor, numel), tensor
         if is_dense(tensor) and not tensor.is_complex():
             values, stats_of = tensor, None
         else:
@@ -162,9 +179,9 @@ class StepRows:
         integer = not (_WIDENED.get(values.dtype) or values.dtype).is_floating_point
         described = self._describe(tensor, values, stats_of, integer)
         if fused is not None and kernel_reads_whole(values, self.bucket_size):
-            return described, *self._kernel_row(fused, values, numel)
+            return described, *self._kernel_row(fused, values, numel), values
         if (self.run_on_cpu and not values.is_cpu) or (values.is_cpu and fused is not None):
-            return described, *self._host_row(values, integer)  # the kernel over buckets
+            return described, *self._host_row(values, integer), values  # the kernel over buckets
         buffer, part = self._buffer(values.device)
         row = buffer.next_row()
         target = buffer.rows[row]
@@ -172,12 +189,12 @@ class StepRows:
             target[:ACCUMULATED_WIDTH].zero_()
             for name, value in _EMPTY_FILL.items():
                 target[_SLOT[name]].fill_(value)
-            return described, part, row
+            return described, part, row, values
         target[:ACCUMULATED_WIDTH].copy_(device_row(values, self.bucket_size))
         taken = min(numel, self.sample_count)
         target[ACCUMULATED_WIDTH:ACCUMULATED_WIDTH + taken].copy_(
             device_samples(values, _sample_positions(numel, self.sample_count, values.device)))
-        return described, part, row
+        return described, part, row, values
 
     def _kernel_row(self, fused: kernel.Kernel, values: torch.Tensor, numel: int) -> tuple[int, int]:
         """(part, row) of a CPU tensor the kernel reads whole, written by one call."""
@@ -297,7 +314,7 @@ class StepRows:
         indices = functools.partial(_sample_list, count=self.sample_count)
         self._reset()
         return [RowBlock(step=step, rank=self.rank, sample_count=self.sample_count, parts=hosts, entries=entries,
-                         ready=ready, indices=indices) for step, entries in by_step.items()]
+                         ready=ready, indices=indices, hashed=self.hash) for step, entries in by_step.items()]
 
 
 def unsupported_description(tensor: torch.Tensor | None, reason: str) -> Described:

@@ -105,7 +105,7 @@ def test_two_dumps_with_no_common_records(tmp_path, capsys):
 
 def test_usage_errors_are_one_line(capsys, runs):
     assert main(["compare", str(runs[0])]) == 2
-    assert "the following arguments are required: OTHER" in one_line_error(capsys, "compare")
+    assert "give the dump OTHER to compare with BASE" in one_line_error(capsys, "compare")
     assert main(["show", str(runs[0]), "--step", "x"]) == 2
     assert "invalid int value" in one_line_error(capsys, "show")
     assert main(["show", str(runs[0]), "--step", "7"]) == 2
