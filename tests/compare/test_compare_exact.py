@@ -15,6 +15,7 @@ from probes import StatisticsSubscriber, SubscriberManager, load_dump
 from probes.cli import main
 from probes.compare import compare_dumps
 from probes.compare.reading import MissingHashes
+from probes.utils.phases import PARAMETER_PHASES
 
 STEPS = 3
 
@@ -159,10 +160,10 @@ def test_ranks_on_the_command_line(ranks, runs, capsys):
 
 # ----------------------------------------------------------------------------------------------- DDP, 2 ranks
 
-# The phases compared across ranks, and what the subscriber records. With parameter records (parameters=True),
-# the one-line change is: RECORD = {"hash": True, "parameters": True}; COMPARED = None (grad, param, optim).
-RECORD = {"hash": True}
-COMPARED: tuple[str, ...] | None = ("forward", "backward")
+# Two set-ups: every rank the same data, activations compared; every rank its own data (real data
+# parallelism), the parameter records compared: grad after the all-reduce, param after the update, optim.
+SETUPS = {"same data": ({"hash": True}, ("forward", "backward"), (1, 2, "forward", "0.output.0")),
+          "own data": ({"hash": True, "parameters": True, "optimizer_state": True}, None, (1, 2, "param", "0.weight"))}
 
 
 def _free_port() -> int:
@@ -171,32 +172,42 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ddp_worker(rank: int, port: int, out: str, perturb_rank: int) -> None:
+def _ddp_worker(rank: int, port: int, out: str, perturb_rank: int, setup: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo")
     model = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    with SubscriberManager().subscribe(ddp, [StatisticsSubscriber(out, **RECORD)]):
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    record, _, _ = SETUPS[setup]
+    with SubscriberManager().subscribe(ddp, [StatisticsSubscriber(out, **record)]):
         for step in range(STEPS):
             if step == 2 and rank == perturb_rank:  # an even step: its batch reads the weight's column
                 _one_ulp_up(model)  # after DDP's broadcast: only this rank's weight moves
             optimizer.zero_grad()
-            ddp(_batch(step)).square().mean().backward()  # every rank the same data
+            batch = _batch(step) if setup == "same data" else torch.randn(4, 8, generator=torch.Generator().manual_seed(
+                100 * rank + step))  # each rank its own data
+            ddp(batch).square().mean().backward()
             optimizer.step()
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ddp_ranks_are_bit_identical_and_a_one_ulp_difference_on_one_rank_is_found(tmp_path):
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_ddp_ranks_are_bit_identical_and_a_one_ulp_difference_on_one_rank_is_found(tmp_path, setup):
+    _, COMPARED, expected = SETUPS[setup]
     for name, perturb in (("clean", -1), ("perturbed", 1)):
-        torch.multiprocessing.start_processes(_ddp_worker, args=(_free_port(), str(tmp_path / name), perturb),
+        torch.multiprocessing.start_processes(_ddp_worker, args=(_free_port(), str(tmp_path / name), perturb, setup),
                                               nprocs=2, join=True, start_method="spawn")
     clean = compare_dumps(tmp_path / "clean", ranks=True, exact=True, phases=COMPARED)
-    assert clean.agrees and clean.matched == len([r for r in load_dump(tmp_path / "clean") if r["rank"] == 0]) > 0
+    compared = {r["phase"] for r in load_dump(tmp_path / "clean") if r["rank"] == 0} & set(COMPARED or PARAMETER_PHASES)
+    assert clean.agrees and clean.matched == len([r for r in load_dump(tmp_path / "clean")
+                                                  if r["rank"] == 0 and r["phase"] in compared]) > 0
+    if setup == "own data":
+        assert compared == set(PARAMETER_PHASES)
+        assert not compare_dumps(tmp_path / "clean", ranks=True, phases=["forward"]).agrees  # the data differ
     found = compare_dumps(tmp_path / "perturbed", ranks=True, exact=True, phases=COMPARED)
     first = found.first_divergence
-    assert (first.rank, first.step, first.phase, first.name) == (1, 2, "forward", "0.output.0")
+    assert (first.rank, first.step, first.phase, first.name) == expected
     assert main(["compare", str(tmp_path / "clean"), "--ranks", "--exact",
                  *(arg for phase in COMPARED or () for arg in ("--phase", phase))]) == 0
