@@ -79,16 +79,21 @@ def _names(name: str) -> tuple:
     return (name, 0, module or "<root>", "Linear" if module else "OddModel", "parameter", name.count("."), name)
 
 
-def _train(rank: int, clip: float) -> dict:
+def _train(rank: int, clip: float, *, sub_groups: bool = False) -> dict:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
     torch.manual_seed(0)
     model = OddModel()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    params: list = list(model.parameters())
     # DeepSpeed clips at 1.0 unless told otherwise: 0 turns clipping off (then safe_get_full_grad is the gradient used).
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if sub_groups:  # two param groups, split in sub-groups of ~10 elements a rank: several inner steps per step
+        params = [{"params": list(model.fc1.parameters())},
+                  {"params": [*model.fc2.parameters(), model.scale], "weight_decay": 0.1}]
+        config["zero_optimization"]["sub_group_size"] = 10
+    optimizer = torch.optim.Adam(params, lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     name_of = {id(param): name for name, param in model.named_parameters()}
     step_rows = StepRows(rank=rank, sample_count=COUNT)
@@ -99,8 +104,8 @@ def _train(rank: int, clip: float) -> dict:
     def partitioned() -> bool:
         return all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE and p.data.numel() == 0 for p in model.parameters())
 
-    def blocks(optimizer, phases: tuple[str, ...]) -> tuple[list, list[str], bool, bool]:
-        """What the parameter recorder would do in a hook; (shards, collectives, partitioned before, after)."""
+    def blocks(optimizer, phases: tuple[str, ...]) -> tuple:
+        """What the parameter recorder would do in a hook: (stepping, collectives, partitioned before, after)."""
         before = partitioned()
         with _Collectives() as seen:
             owner = _deepspeed.zero3_optimizer_of(optimizer, model.parameters())
@@ -116,28 +121,30 @@ def _train(rank: int, clip: float) -> dict:
                                           bounds=shard.bounds, rank=shard.rank) is None
             if "param" in phases and stepping.last:
                 shards.flush()
-        return stepping.shards, seen.calls, before, partitioned()
+        return stepping, seen.calls, before, partitioned()
 
     def pre(optimizer, args, kwargs) -> None:
         if _deepspeed.zero3_optimizer_of(optimizer, model.parameters()) is None:
             return
         stepping, calls, before, after = blocks(optimizer, ("grad",))
         result["pre"].append((calls, before, after))
-        result["state_keys_before"].append(sorted(stepping[0].state))
-        # The test's own reference: each gradient gathered whole (DeepSpeed's full-tensor API, collectives).
-        result["reference"].append({"grad": {name: safe_get_full_grad(p).detach().double().numpy().copy()
-                                             for name, p in model.named_parameters()}})
+        result["state_keys_before"].append(sorted(stepping.shards[0].state))
+        if len(result["reference"]) == step:
+            # The test's own reference: each gradient gathered whole (DeepSpeed's full-tensor API, collectives).
+            result["reference"].append({"grad": {name: safe_get_full_grad(p).detach().double().numpy().copy()
+                                                 for name, p in model.named_parameters()}})
 
     def post(optimizer, args, kwargs) -> None:
         if _deepspeed.zero3_optimizer_of(optimizer, model.parameters()) is None:
             return
-        _, calls, before, after = blocks(optimizer, ("param", "optim"))
+        stepping, calls, before, after = blocks(optimizer, ("param", "optim"))
         result["post"].append((calls, before, after))
-        reference = result["reference"][-1]
-        reference["param"] = {name: safe_get_full_fp32_param(p).detach().double().numpy().copy()
-                              for name, p in model.named_parameters()}
-        reference["optim"] = {f"{name}.{key}": safe_get_full_optimizer_state(p, key).detach().double().numpy().copy()
-                              for name, p in model.named_parameters() for key in STATE_KEYS}
+        if stepping.last:  # every sub-group updated: the whole parameters and states
+            reference = result["reference"][step]
+            reference["param"] = {name: safe_get_full_fp32_param(p).detach().double().numpy().copy()
+                                  for name, p in model.named_parameters()}
+            reference["optim"] = {f"{name}.{key}": safe_get_full_optimizer_state(p, key).detach().double().numpy().copy()
+                                  for name, p in model.named_parameters() for key in STATE_KEYS}
 
     handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
     try:
@@ -163,7 +170,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
-    results = {"plain": _train(rank, 0.0), "clipped": _train(rank, CLIP)}
+    results = {"plain": _train(rank, 0.0), "clipped": _train(rank, CLIP), "sub-groups": _train(rank, 0.0, sub_groups=True)}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -209,12 +216,13 @@ def _check_record(record: dict, values: np.ndarray, shape: tuple, label: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["plain", "clipped"])
+@pytest.mark.parametrize("run", ["plain", "clipped", "sub-groups"])
 def test_shard_statistics_equal_numpy_on_the_gathered_tensors(runs, run):
     zero, one = (ranks[run] for ranks in runs)
     names = list(zero["shapes"])
     assert zero["shard_sizes"] == {"fc1.weight": 18, "fc1.bias": 4, "fc2.weight": 11, "fc2.bias": 2, "scale": 1}
-    assert zero["state_keys_before"] == [[], list(STATE_KEYS)]  # Adam's state appears with its first step
+    inner_steps = len(zero["state_keys_before"]) // STEPS
+    assert zero["state_keys_before"] == [[]] * inner_steps + [list(STATE_KEYS)] * inner_steps  # Adam's, from its first step
     for step in range(STEPS):
         records, reference = zero["records"][step], zero["reference"][step]
         # Every rank makes the same merged records (both ranks' dumps hold the whole tensors' statistics).
@@ -254,10 +262,11 @@ def test_the_grad_records_are_the_gradients_after_clipping(runs):
 @pytest.mark.slow
 def test_the_blocks_gather_no_parameter_and_make_one_collective_per_step(runs):
     for rank, ranks in enumerate(runs):
-        for run in ("plain", "clipped"):
+        for run, inner_steps in (("plain", 1), ("clipped", 1), ("sub-groups", 4)):
             result = ranks[run]
-            assert len(result["pre"]) == len(result["post"]) == STEPS  # one sub-group: one inner step per step
+            assert len(result["pre"]) == len(result["post"]) == STEPS * inner_steps, run  # an inner step a sub-group
             for calls, before, after in result["pre"]:
                 assert calls == [] and before and after, (rank, run)
-            for calls, before, after in result["post"]:
-                assert calls == ["all_gather"] and before and after, (rank, run)
+            for index, (calls, before, after) in enumerate(result["post"]):
+                last = index % inner_steps == inner_steps - 1  # the step's last sub-group: the one flush
+                assert calls == (["all_gather"] if last else []) and before and after, (rank, run, index)
