@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 deepspeed = pytest.importorskip("deepspeed")
 
+from helpers import assert_moments  # noqa: E402
 from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
 from probes.stats.numerics import sample_indices  # noqa: E402
 from probes.stats.rows import StepRows  # noqa: E402
@@ -207,12 +208,7 @@ def _check_record(record: dict, values: np.ndarray, shape: tuple, label: str) ->
     assert record["shape"] == list(shape) and record["dtype"] == "float32", label
     for key in ("numel", "finite", "nan", "inf", "neg", "pos", "zero", "min", "max", "sample_indices", "samples"):
         assert record[key] == expected[key], (label, key, record[key], expected[key])
-    for key in ("mean", "m2", "std", "norm"):
-        if expected[key] is None:
-            assert record[key] is None, (label, key)
-        else:  # the mean relative to the spread too: a mean of ~0 has no relative precision of its own
-            scale = abs(expected[key]) + (expected["std"] or 0.0 if key == "mean" else 0.0)
-            assert abs(record[key] - expected[key]) <= 1e-12 * scale + 1e-300, (label, key, record[key], expected[key])
+    assert_moments(record, expected, label, ("mean", "m2", "std", "norm"))
 
 
 @pytest.mark.slow
