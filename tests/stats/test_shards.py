@@ -177,3 +177,26 @@ def test_bounds_that_do_not_split_the_tensor_are_refused_with_what_is_wrong() ->
         merge_shard_rows(torch.zeros(2, 1, ACCUMULATED_WIDTH + COUNT), [ShardSpec(1, ((0, 1), (1, 1)))] * 2,
                          integer=[False])
     assert len(shards) == 0
+
+
+def test_rows_added_and_merged_read_nothing_back_to_the_host(monkeypatch) -> None:
+    from benchmarks.host_reads import count_host_reads
+
+    monkeypatch.setenv("PROBES_NUMERICS_BACKEND", "torch")  # the path device tensors take
+    tensor = torch.randn(35)
+    spec = ShardSpec(35, ((0, 18), (18, 35)))
+    step_rows = StepRows(rank=0, sample_count=COUNT)
+    shards = ShardRows(step_rows)
+    for attempt in range(2):  # the first fills the caches (sample positions, sources): once per run
+        with count_host_reads() as reads:
+            rows = [shard_row(tensor[start:end], spec, rank, sample_count=COUNT) for rank, (start, end) in
+                    enumerate(spec.bounds)]
+            merged = merge_shard_rows(torch.stack(rows).unsqueeze(1), [spec], integer=[False])
+            shards.add(NAMES, attempt, "grad", 0, tensor, full_shape=(5, 7), bounds=((0, 35),), rank=0)
+            shards.flush()
+            step_rows.add_row(NAMES, attempt, "param", 1, merged[0], Described(("shape", "dtype"), [5, 7], "float32",
+                                                                             numel=35))
+    assert reads.total == 0, reads.describe()
+    mean = pytest.approx(float(tensor.double().numpy().mean()), rel=1e-12)
+    assert [(record["phase"], record["mean"]) for record in step_rows.take()[-1].records()] == [("grad", mean),
+                                                                                               ("param", mean)]
