@@ -2,7 +2,8 @@
 
 Two ranks (torch.multiprocessing spawn, gloo, CPU) train a model whose parameters do not divide by 2 (35, 7, 21,
 3 and 1 elements: padding on the last rank, and a parameter rank 1 holds none of) under a DeepSpeed ZeRO-3
-engine with torch's Adam, for 2 steps. In torch's global optimizer step hooks, which see DeepSpeed's inner
+engine with torch's Adam, for 2 steps: without clipping, with clipping, with two param groups split in 4
+sub-groups (4 inner steps a step), and with the optimizer offloaded to host memory. In torch's global optimizer step hooks, which see DeepSpeed's inner
 optimizer over flat fp32 partitions, the building blocks (``exporters._deepspeed_compat.zero3_stepping``,
 ``probes.stats.shards.ShardRows``) make a record per parameter of its gradient (pre-hook), master copy and Adam
 state (post-hook). The test then gathers each full tensor itself with DeepSpeed's ``safe_get_full_*`` and checks
@@ -80,7 +81,7 @@ def _names(name: str) -> tuple:
     return (name, 0, module or "<root>", "Linear" if module else "OddModel", "parameter", name.count("."), name)
 
 
-def _train(rank: int, clip: float, *, sub_groups: bool = False) -> dict:
+def _train(rank: int, clip: float, *, sub_groups: bool = False, offload: bool = False) -> dict:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
@@ -94,6 +95,9 @@ def _train(rank: int, clip: float, *, sub_groups: bool = False) -> dict:
         params = [{"params": list(model.fc1.parameters())},
                   {"params": [*model.fc2.parameters(), model.scale], "weight_decay": 0.1}]
         config["zero_optimization"]["sub_group_size"] = 10
+    if offload:  # the fp32 master copy, its gradient and Adam's state in host memory, stepped by torch's Adam
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
     optimizer = torch.optim.Adam(params, lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     name_of = {id(param): name for name, param in model.named_parameters()}
@@ -159,6 +163,7 @@ def _train(rank: int, clip: float, *, sub_groups: bool = False) -> dict:
     finally:
         for handle in handles:
             handle.remove()
+    result["offloaded"] = bool(engine.optimizer.offload_optimizer)
     result["shapes"] = {name: tuple(p.ds_shape) for name, p in model.named_parameters()}
     result["shard_sizes"] = {name: p.ds_tensor.numel() for name, p in model.named_parameters()}
     engine.destroy()
@@ -171,7 +176,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
-    results = {"plain": _train(rank, 0.0), "clipped": _train(rank, CLIP), "sub-groups": _train(rank, 0.0, sub_groups=True)}
+    results = {"plain": _train(rank, 0.0), "clipped": _train(rank, CLIP), "sub-groups": _train(rank, 0.0, sub_groups=True),
+               "offload": _train(rank, 0.0, offload=True)}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -212,10 +218,11 @@ def _check_record(record: dict, values: np.ndarray, shape: tuple, label: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["plain", "clipped", "sub-groups"])
+@pytest.mark.parametrize("run", ["plain", "clipped", "sub-groups", "offload"])
 def test_shard_statistics_equal_numpy_on_the_gathered_tensors(runs, run):
     zero, one = (ranks[run] for ranks in runs)
     names = list(zero["shapes"])
+    assert zero["offloaded"] == (run == "offload")
     assert zero["shard_sizes"] == {"fc1.weight": 18, "fc1.bias": 4, "fc2.weight": 11, "fc2.bias": 2, "scale": 1}
     inner_steps = len(zero["state_keys_before"]) // STEPS
     assert zero["state_keys_before"] == [[]] * inner_steps + [list(STATE_KEYS)] * inner_steps  # Adam's, from its first step
@@ -258,7 +265,7 @@ def test_the_grad_records_are_the_gradients_after_clipping(runs):
 @pytest.mark.slow
 def test_the_blocks_gather_no_parameter_and_make_one_collective_per_step(runs):
     for rank, ranks in enumerate(runs):
-        for run, inner_steps in (("plain", 1), ("clipped", 1), ("sub-groups", 4)):
+        for run, inner_steps in (("plain", 1), ("clipped", 1), ("sub-groups", 4), ("offload", 1)):
             result = ranks[run]
             assert len(result["pre"]) == len(result["post"]) == STEPS * inner_steps, run  # an inner step a sub-group
             for calls, before, after in result["pre"]:
@@ -266,3 +273,22 @@ def test_the_blocks_gather_no_parameter_and_make_one_collective_per_step(runs):
             for index, (calls, before, after) in enumerate(result["post"]):
                 last = index % inner_steps == inner_steps - 1  # the step's last sub-group: the one flush
                 assert calls == (["all_gather"] if last else []) and before and after, (rank, run, index)
+
+
+def test_a_plain_optimizer_is_no_zero3_inner_optimizer():
+    model = OddModel()
+    optimizer = torch.optim.Adam(model.parameters())
+    assert _deepspeed.zero3_optimizer_of(optimizer, model.parameters()) is None
+
+
+def test_a_zero3_optimizer_without_the_expected_internals_is_named_with_what_it_lacks():
+    class Stage3Elsewhere:  # stands in for a DeepSpeed release whose ZeRO-3 optimizer was reorganised
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+            self.fp16_groups = []
+
+    model = OddModel()
+    optimizer = torch.optim.Adam(model.parameters())
+    model.fc1.weight._z3_optimizer = Stage3Elsewhere(optimizer)
+    with pytest.raises(_deepspeed.DeepSpeedInternalsError, match="lacks .*fp32_partitioned_groups_flat.*_deepspeed_compat"):
+        _deepspeed.zero3_optimizer_of(optimizer, model.parameters())
