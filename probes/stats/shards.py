@@ -95,7 +95,7 @@ def merge_shard_rows(gathered: torch.Tensor, specs: Sequence[ShardSpec], *, inte
     ``gathered``: ``(world, len(specs), width)``, rank ``r``'s rows (``ShardRows``' layout: accumulated statistics,
     then the samples its shard holds); ``integer[i]``: row ``i`` is of an integer tensor (min, max and samples
     as int64 bit patterns). Returns ``(len(specs), width)``: the accumulated statistics merged by the registry's
-    rules (``numerics.merge_rows``), then the full tensor's samples at ``sample_indices(numel, width - 11)``.
+    rules (``numerics.merge_rows``), then the full tensor's samples at ``sample_indices(numel, width - ACCUMULATED_WIDTH)``.
     """
     world, count, width = gathered.shape
     if count != len(specs) or len(integer) != count or any(len(spec.bounds) != world for spec in specs):
