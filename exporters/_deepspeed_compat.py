@@ -9,13 +9,15 @@ does not import DeepSpeed; ``require_deepspeed()`` does, and checks the version.
     _deepspeed_compat.require_deepspeed()                    # ImportError / DeepSpeedVersionError
     _deepspeed_compat.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
     _deepspeed_compat.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
+    owner = _deepspeed_compat.zero3_optimizer_of(optimizer, model.parameters())   # in a torch optimizer step hook
+    _deepspeed_compat.zero3_stepping(owner, optimizer).shards  # this rank's fp32 master / grad / state shards
 """
 
 from __future__ import annotations
 
 import re
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -289,3 +291,116 @@ def declared_full_shape(tensor: Any) -> tuple[int, ...] | None:
     """The full shape DeepSpeed recorded on a (possibly partitioned) tensor (``ds_shape``), or None."""
     shape = getattr(tensor, "ds_shape", None)
     return tuple(shape) if shape else None
+
+
+# The ZeRO-3 optimizer's shards (fp32 master copy, its gradient, optimizer state) --------------------
+#
+# DeepSpeedZeroOptimizer_Stage3 steps a torch optimizer (its ``optimizer``) over flat fp32 partitions, one
+# sub-group at a time: for the duration of that inner ``step()`` it sets the param group's ``params`` to
+# ``[fp32_partitioned_groups_flat[i]]``, and empties it after. Torch's global optimizer hooks therefore see the
+# inner optimizer and flat tensors, once per sub-group. In ``fp32_partitioned_groups_flat[i]`` each model
+# parameter of sub-group ``i`` (``fp16_groups[i]``, in order) holds ``partition_numel()`` elements at
+# ``grad_position[param_id][1]`` (DeepSpeed's own local API, ``safe_get_local_fp32_param``, narrows the same
+# way); its ``.grad`` is the flat gradient after ``unscale_and_clip_grads``, set before the inner step and
+# released after it. Rank ``r`` of the partition group holds the flattened parameter's elements
+# ``[r * partition_numel, (r + 1) * partition_numel)``; what lies past ``ds_numel`` is padding (the last ranks).
+
+_STAGE3_ATTRIBUTES = ("optimizer", "fp16_groups", "fp32_partitioned_groups_flat", "grad_position",
+                      "sub_group_process_groups", "get_param_id")
+
+
+class Zero3Shard(NamedTuple):
+    """This rank's part of one model parameter as the ZeRO-3 optimizer holds it (views: nothing is copied).
+
+    ``bounds[r]`` is rank ``r``'s ``[start, end)`` in the flattened full tensor (padding excluded, so late
+    ranks of a small parameter may hold ``start == end``); ``rank`` is this rank's index in ``group``.
+    ``master``, ``grad`` and each of ``state`` are 1-D, ``end - start`` elements long.
+    """
+
+    param: torch.nn.Parameter  # the model parameter (partitioned: never gathered here)
+    full_shape: tuple[int, ...]
+    bounds: tuple[tuple[int, int], ...]
+    rank: int
+    group: Any  # the partition's torch.distributed process group
+    master: torch.Tensor  # the fp32 master copy's shard
+    grad: torch.Tensor | None  # the fp32 gradient shard the inner optimizer uses (after unscale and clipping)
+    state: dict[str, torch.Tensor]  # the optimizer state shards (exp_avg, exp_avg_sq: tensors shaped like the flat partition)
+
+
+class Zero3Stepping(NamedTuple):
+    """What one inner ``step()`` of a ZeRO-3 optimizer updates: its sub-groups' shards (module doc above)."""
+
+    sub_groups: tuple[int, ...]
+    last: bool  # the engine's step ends with this sub-group (its post-hook is the step's last)
+    shards: list[Zero3Shard]
+
+
+def zero3_optimizer_of(optimizer: Any, params: Iterable[torch.Tensor]) -> Any | None:
+    """The ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3) whose inner torch optimizer is ``optimizer``, found
+    through the model parameters ``params`` (DeepSpeed gives each its ``_z3_optimizer``); None when it is not one.
+
+    The inner optimizer's parameters are flat partitions that name no model parameter, hence ``params``. The
+    answer holds as long as the engine lives; a caller may keep it per optimizer.
+    """
+    seen: set[int] = set()
+    for param in params:
+        owner = getattr(param, "_z3_optimizer", None)
+        if owner is None or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        if optimizer is getattr(owner, "optimizer", None) or optimizer is getattr(owner, "backup_optimizer", None):
+            require_deepspeed()
+            missing = [name for name in _STAGE3_ATTRIBUTES if not hasattr(owner, name)]
+            if missing:
+                raise DeepSpeedInternalsError(
+                    f"{type(owner).__name__} (DeepSpeed {_deepspeed_version()}) lacks {missing}; "
+                    "exporters/_deepspeed_compat.py must be updated for this release")
+            return owner
+    return None
+
+
+def zero3_stepping(owner: Any, optimizer: Any) -> Zero3Stepping:
+    """The sub-groups the inner ``optimizer`` of ``owner`` (``zero3_optimizer_of``) is stepping now, and this
+    rank's shards of their parameters (sub-group order, then DeepSpeed's parameter order: stable across steps).
+
+    Valid inside the inner optimizer's step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook and
+    _post_hook), where DeepSpeed has put one flat partition in the param group:
+
+    - pre-hook: ``grad`` is the gradient the update uses (after loss unscaling and gradient clipping);
+      ``master`` and ``state`` are still the previous step's (``state`` is empty before Adam's first step);
+    - post-hook: ``master`` and ``state`` are the update's results; ``grad`` is unchanged (DeepSpeed releases
+      it after the hook).
+
+    Outside a step the param groups are empty: no sub-group, no shard. Reads no tensor and gathers nothing.
+    Raises ValueError where the optimizer's state lives on NVMe (``offload_optimizer: nvme``: not in memory).
+    """
+    flats = owner.fp32_partitioned_groups_flat
+    stepping = {id(tensor) for group in optimizer.param_groups for tensor in group["params"]}
+    sub_groups = tuple(index for index, flat in enumerate(flats) if id(flat) in stepping)
+    shards: list[Zero3Shard] = []
+    for index in sub_groups:
+        if getattr(owner, "_swappable_optimizer_subgroup", lambda _: False)(index):
+            raise ValueError("the ZeRO-3 optimizer state of this sub-group is swapped to NVMe "
+                             "(offload_optimizer: nvme); its shards are not in memory to be summarised")
+        flat = flats[index]
+        grad = flat.grad
+        state = {str(key): value for key, value in optimizer.state.get(flat, {}).items()
+                 if isinstance(value, torch.Tensor) and value.shape == flat.shape}
+        group = owner.sub_group_process_groups[index]
+        world, rank = torch.distributed.get_world_size(group=group), torch.distributed.get_rank(group=group)
+        for param in owner.fp16_groups[index]:
+            _, offset, size = owner.grad_position[owner.get_param_id(param)]
+            numel = int(param.ds_numel)
+            bounds = tuple((min(r * size, numel), min((r + 1) * size, numel)) for r in range(world))
+            held = bounds[rank][1] - bounds[rank][0]
+            shards.append(Zero3Shard(
+                param, tuple(param.ds_shape), bounds, rank, group, flat.narrow(0, offset, held),
+                None if grad is None else grad.narrow(0, offset, held),
+                {key: value.narrow(0, offset, held) for key, value in state.items()}))
+    return Zero3Stepping(sub_groups, bool(sub_groups) and sub_groups[-1] == len(flats) - 1, shards)
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return getattr(deepspeed, "__version__", "unknown")

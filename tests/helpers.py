@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
@@ -84,6 +86,29 @@ class Recorder(SubscriberBase):
 
     def names(self, step, phase):
         return [c.name for c in self.calls if c.step == step and c.phase == phase]
+
+
+def same_values(a, b) -> bool:
+    """Equal, of the same type, nan equal to nan, lists element by element (Arrow's own equality says nan != nan)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b and type(a) is type(b)
+
+
+def assert_moments(record: dict, expected: dict, label: object, keys: tuple[str, ...] = ("mean", "std", "norm"), *,
+                   rel: float = 1e-12) -> None:
+    """The record's moments equal the reference's to ``rel`` relative (None where the reference has None); the
+    mean relative to the spread too: float64 rounds int64 extremes, and a mean near 0 has no precision of its own."""
+    for key in keys:
+        if expected[key] is None:
+            assert record[key] is None, (label, key)
+        elif key == "mean":
+            assert abs(record[key] - expected[key]) <= rel * (abs(expected[key]) + (expected["std"] or 0.0)), \
+                (label, key, record[key], expected[key])
+        else:
+            assert record[key] == pytest.approx(expected[key], rel=rel, abs=1e-300), (label, key, record[key], expected[key])
 
 
 def hook_count(model: torch.nn.Module) -> int:

@@ -51,6 +51,7 @@ class Described(NamedTuple):
     unsupported: str | None = None
     integer: bool = False  # min, max and samples are int64 bit patterns (an integer or bool tensor)
     numel: int = 0  # of what the statistics read: how many samples the row has
+    hashed: bool = True  # in a hashed block, its row ends with a hash (False: a row merged from shards has none)
 
 
 Entry = tuple  # (names, phase, seq, described, part, row, step): see the module docstring
@@ -179,7 +180,8 @@ class RowBlock:
                 if picked:
                     at, row = zip(*picked)
                     hashes[list(at)] = part[list(row), width]
-            columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows)
+            unhashed = np.array([not entry[3].hashed for entry in entries], dtype=bool)
+            columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | unhashed)
 
 
 def _lists(lengths: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.ListArray:

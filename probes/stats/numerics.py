@@ -207,30 +207,32 @@ def merge_rows(rows: torch.Tensor, integer: bool) -> torch.Tensor:
     merged on their device with no host sync: a float64 vector in the registry's accumulated order.
 
     The moments merge in the k-way form around the shared shift, so rounding at the size of the mean
-    never enters m2. ``integer``: min and max hold int64 bit patterns.
+    never enters m2. ``integer``: min and max hold int64 bit patterns. ``rows`` may have leading batch
+    dimensions (``(..., k, columns)``: k rows of each of several tensors), merged in one pass into ``(..., accumulated)``.
     """
-    if rows.shape[0] == 1:
-        return rows[0, :len(ACCUMULATED)]
-    finite = rows[:, _AT["finite"]]
-    total = finite.sum()
-    deviation = (finite * rows[:, _AT["deviation"]]).sum() / total.clamp(min=1)
+    if rows.shape[-2] == 1:
+        return rows[..., 0, :len(ACCUMULATED)]
+    finite = rows[..., _AT["finite"]]
+    total = finite.sum(-1, keepdim=True)
+    deviations = rows[..., _AT["deviation"]]
+    deviation = (finite * deviations).sum(-1, keepdim=True) / total.clamp(min=1)
     merged = {}
     for stat in ACCUMULATED:
-        column = rows[:, _AT[stat.name]]
+        column = rows[..., _AT[stat.name]]
         if integer and stat.column == "number":
             column = column.view(torch.int64)
         if stat.merge == "sum":
-            value = column.sum()
+            value = column.sum(-1)
         elif stat.merge == "min":
-            value = column.min()
+            value = column.amin(-1)
         elif stat.merge == "max":
-            value = column.max()
+            value = column.amax(-1)
         elif stat.merge == "mean":
-            value = rows[0, _AT["shift"]] + deviation
+            value = rows[..., 0, _AT["shift"]] + deviation[..., 0]
         else:  # "m2"
-            value = column.sum() + (finite * (rows[:, _AT["deviation"]] - deviation).square()).sum()
+            value = column.sum(-1) + (finite * (deviations - deviation).square()).sum(-1)
         merged[stat.name] = value.view(torch.float64) if value.dtype == torch.int64 else value
-    return torch.stack([merged[stat.name] for stat in ACCUMULATED])
+    return torch.stack([merged[stat.name] for stat in ACCUMULATED], dim=-1)
 
 
 _FINITE_ONLY = [stat.name for stat in ACCUMULATED if stat.finite_only]

@@ -2,6 +2,7 @@
 
     rows = StepRows(rank=0, sample_count=32)
     rows.add(event, 0, tensor)          # statistics and samples into a row of a buffer on tensor.device
+    rows.add_row(names, step, phase, seq, row, described)   # a row computed elsewhere (merged shards: stats/shards.py)
     StepRows(rank=0, sample_count=32, hash=True)   # each row also ends with the tensor's hash (hashing.py)
     rows.anomalies(check)               # the sentinel: one read of the nan/inf/min/max of the rows since the last call
     blocks = rows.take()                # the rows since the last take: one copy per device (a RowBlock per step)
@@ -142,6 +143,21 @@ class StepRows:
             names = self._names[key] = (event.record_name(index), index, site.name, site.module_class, site.kind,
                                         site.depth, site.legacy_name(index))
         return names
+
+    def add_row(self, names: tuple, step: int, phase: str, seq: int, row: torch.Tensor | None,
+                described: Described) -> None:
+        """A record whose row was computed elsewhere (``probes.stats.shards``: merged from shards), copied into
+        the buffer of its device; ``row`` None: a record without statistics (``described.unsupported`` says why).
+        Such a row has statistics and samples only: with ``hash``, the record has no hash (None)."""
+        if row is None:
+            self._entries.append((names, phase, seq, described, None, None, step))
+            return
+        buffer, part = self._buffer(row.device)
+        at = buffer.next_row()
+        buffer.rows[at, :row.shape[-1]].copy_(row)
+        if self.hash:
+            described = described._replace(hashed=False)
+        self._entries.append((names, phase, seq, described, part, at, step))
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
         """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row)."""

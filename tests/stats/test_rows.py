@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from helpers import assert_moments, same_values as _same
 from probes.dump.columns import records_to_table
 from probes.dump.statistics import ACCUMULATED, DERIVED, STATISTICS, names
 from probes.stats import kernel
@@ -62,15 +63,6 @@ def rows_of(values: dict[str, torch.Tensor], *, torch_path: bool, bucket_size: i
     return records
 
 
-def _same(a, b) -> bool:
-    """Equal, nan equal to nan (Arrow's own equality says nan != nan)."""
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b and type(a) is type(b)
-
-
 def reference(tensor: torch.Tensor) -> dict:
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
@@ -98,13 +90,7 @@ def test_kernel_and_torch_paths_agree_and_match_numpy(bucket_size: int) -> None:
         for record in (a, b):
             for key in ("numel", "finite", "nan", "inf"):
                 assert record[key] == ref[key], (label, key)
-            for key in ("mean", "std", "norm"):
-                if ref[key] is None:
-                    assert record[key] is None, (label, key)
-                elif key == "mean":  # relative to the spread too: float64 rounds int64 extremes
-                    assert abs(record[key] - ref[key]) <= 1e-12 * (abs(ref[key]) + (ref["std"] or 0.0)), label
-                else:
-                    assert record[key] == pytest.approx(ref[key], rel=1e-12, abs=1e-300), (label, key)
+            assert_moments(record, ref, label)
     extremes = fused[list(values).index("int64 extremes")]
     assert (extremes["min"], extremes["max"]) == (-(2**63), 2**63 - 1)  # exact: int64 bit patterns in the rows
 
