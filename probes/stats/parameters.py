@@ -53,8 +53,11 @@ other failure in the hooks is one ``ProbeFailureWarning`` and an "unsupported" r
 never an exception out of ``optimizer.step()`` (errors of the dump itself, ``DumpWriteError``, are raised as
 everywhere else). ``on_anomaly`` does not check these records.
 
-``ModelParameters`` is where the tensors come from: the model's own parameters. A different source (the fp32
-master shards of DeepSpeed ZeRO-3) gives the same ``holds``/``everything``/``grad``/``value``/``state``.
+``ModelParameters`` is where the tensors come from: the model's own parameters. Under a DeepSpeed ZeRO-3 engine
+the model's parameters are partitioned and its inner optimizer steps flat fp32 partitions: the records are then
+of each rank's shards of the fp32 master copy, its gradient and its optimizer state, merged exactly across
+ranks without gathering (``probes.stats.zero3_updates``); the gradient is read in the pre-hook there (DeepSpeed
+frees it after the update), once per sub-group, and the step's file is finished after the last sub-group.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from ..core.selection import Selection
 from ..core.wrappers import user_named_modules
 from ..dump.layout import DumpWriteError
 from .rows import StepRows
+from .zero3_updates import Zero3Updates
 
 __all__ = ["KIND", "ModelParameters", "ParameterRecords", "Tracked"]
 
@@ -161,15 +165,12 @@ class ParameterRecords:
     """The grad, param and optim records of one subscriber, and when its step files are finished (module doc).
 
     ``finish(step)`` sends the rows so far and finishes the step's file; ``warn(name, phase, error)`` warns once
-    about a tensor without statistics; ``source(model, wants)`` lists the tensors (``ModelParameters``, or one
-    with the same calls reading elsewhere, e.g. ZeRO-3's shards).
+    about a tensor without statistics.
     """
 
     def __init__(self, rows: StepRows, *, selection: Selection, optimizer_state: bool,
-                 finish: Callable[[int], None], warn: Callable[[str, str, BaseException], None],
-                 source: Callable[[torch.nn.Module, Callable[[str, str], bool]], ModelParameters] = ModelParameters) -> None:
+                 finish: Callable[[int], None], warn: Callable[[str, str, BaseException], None]) -> None:
         self._rows = rows
-        self._make_source = source
         self._selection = selection
         wanted = ("grad", "param", "optim") if optimizer_state else ("grad", "param")
         self.phases = tuple(phase for phase in wanted if selection.wants_phase(phase))
@@ -187,13 +188,14 @@ class ParameterRecords:
         self._step_end_grads = False  # the rows hold the pending step's gradients read at its end
         self._phase = "grad"  # what the hooks are recording now (named by a failure record)
         self._failed_once = False
+        self._zero3 = Zero3Updates(rows)
 
     # ------------------------------------------------------------------ the subscriber's calls
 
     def attach(self, model: torch.nn.Module) -> None:
         """The model's parameters and names; the global optimizer hooks (weakly bound: a lost subscriber costs nothing)."""
         self.detach()
-        self._source = self._make_source(model, self._selection.wants_names)
+        self._source = ModelParameters(model, self._selection.wants_names)
         this = weakref.ref(self)
 
         def before(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -246,6 +248,8 @@ class ParameterRecords:
         if optimizer in self._stepping:  # left there by a step() that raised: an optimizer does not re-enter
             del self._stepping[self._stepping.index(optimizer):]
         self._stepping.append(optimizer)
+        if self._source is not None and self._pending is not None and "grad" in self.phases:
+            self._guarded(self._pending, lambda: self._zero3_grads(optimizer))
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer in self._stepping:
@@ -255,6 +259,9 @@ class ParameterRecords:
         self._guarded(self._pending, lambda: self._update(optimizer))
 
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
+        owner = self._zero3_owner(optimizer)
+        if owner is not None:
+            return self._zero3_update(owner, optimizer)
         tracked = self._holds(optimizer)
         if not tracked or any(self._holds(outer) for outer in self._stepping):
             return  # not this model's, or stepped inside an outer optimizer's step (which records)
@@ -285,6 +292,57 @@ class ParameterRecords:
         self._updated.update(id(t.tensor) for t in tracked)
         if all(id(t.tensor) in self._updated for t in self._source.trainable()):
             self.settle()
+
+    # ZeRO-3: the inner optimizer steps flat fp32 partitions, once per sub-group (``zero3_updates``).
+
+    def _zero3_owner(self, optimizer: torch.optim.Optimizer) -> object | None:
+        assert self._source is not None
+        return self._zero3.owner_of(optimizer, lambda: (t.tensor for t in self._source.everything()))
+
+    def _zero3_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Pre-hook: the gradient shards this sub-group's update uses."""
+        owner = self._zero3_owner(optimizer)
+        if owner is None:
+            return
+        assert self._source is not None and self._pending is not None
+        if self._step_end_grads:  # the first update: its gradients replace those read at the step's end
+            self._rows.clear()
+            self._step_end_grads = False
+        self._phase = "grad"
+        for shard in self._zero3.shards(owner, optimizer).shards:
+            t = self._source.tracked.get(id(shard.param))
+            if t is not None and t.selected and shard.grad is not None:
+                self._add_shard(t.names, self._pending, "grad", self._seq + t.index, shard.grad, shard)
+
+    def _zero3_update(self, owner: object, optimizer: torch.optim.Optimizer) -> None:
+        """Post-hook: the updated master and state shards; after the last sub-group, the merge and the step's end."""
+        assert self._source is not None
+        stepping = self._zero3.shards(owner, optimizer)
+        self._optimized.update(id(shard.param) for shard in stepping.shards)
+        step = self._pending
+        if step is None:
+            return
+        base = self._seq + len(self._source.tracked)
+        for shard in stepping.shards:
+            t = self._source.tracked.get(id(shard.param))
+            if t is None or not t.selected:
+                continue
+            if "param" in self.phases:
+                self._phase = "param"
+                self._add_shard(t.names, step, "param", base + t.index, shard.master, shard)
+            if "optim" in self.phases:
+                self._phase = "optim"
+                for key in sorted(shard.state):
+                    self._add_shard(t.state_name(key), step, "optim", self._next_seq, shard.state[key], shard)
+                    self._next_seq += 1
+        if stepping.last:
+            self._zero3.merge()
+            self.settle()
+
+    def _add_shard(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor, shard: object) -> None:
+        error = self._zero3.add(names, step, phase, seq, tensor, shard)
+        if error is not None:
+            self._warn(names[0], phase, error)
 
     def _record_grads(self, step: int, tracked: tuple[Tracked, ...]) -> None:
         self._phase = "grad"

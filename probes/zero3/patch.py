@@ -14,9 +14,10 @@ that for engines created afterwards. Everything that touches DeepSpeed's interna
 
 from __future__ import annotations
 
+import inspect
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
@@ -43,6 +44,7 @@ class Zero3Settings:
     debug: bool = False
     stats_output_dir: str = "./"
     stats_overwrite: bool = False
+    stats_options: dict[str, Any] = field(default_factory=dict)  # more StatisticsSubscriber options
 
 
 _settings: Zero3Settings | None = None
@@ -53,7 +55,8 @@ def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
         return []
 
     def create() -> SubscriberBase:
-        return StatisticsSubscriber(output_dir=settings.stats_output_dir, override_output_dir=settings.stats_overwrite)
+        return StatisticsSubscriber(output_dir=settings.stats_output_dir, override_output_dir=settings.stats_overwrite,
+                                    **settings.stats_options)
 
     # Every rank dumps under the same directory: rank 0 creates it before the others look at it.
     # (Engine creation is collective, so every rank reaches this barrier.)
@@ -102,11 +105,13 @@ class Zero3Patch(Handle):
 
 
 def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: str | os.PathLike = "./",
-                                         stats_overwrite: bool = False) -> Zero3Patch:
+                                         stats_overwrite: bool = False, *,
+                                         stats_options: Mapping[str, Any] | None = None) -> Zero3Patch:
     """Make every DeepSpeed ZeRO-3 engine created from now on use probes' parameter hooks.
 
     ``debug=True`` also subscribes a ``StatisticsSubscriber`` writing to ``stats_output_dir``
-    (each rank under ``rank_<r>/``; ``stats_overwrite`` replaces an earlier dump of the rank).
+    (each rank under ``rank_<r>/``; ``stats_overwrite`` replaces an earlier dump of the rank), with
+    ``stats_options`` (more of its options, e.g. ``{"parameters": True}``: the fp32 master shards' records).
     Engines created before the call keep their hooks. Calling again replaces the settings.
 
     Raises ImportError when DeepSpeed is not installed, DeepSpeedVersionError when its version is
@@ -114,7 +119,14 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
     """
     global _settings
     _deepspeed_compat.require_deepspeed()
-    settings = Zero3Settings(bool(debug), os.fspath(stats_output_dir), bool(stats_overwrite))
+    options = dict(stats_options or {})
+    if options and not debug:
+        raise ValueError("stats_options are the statistics subscriber's options: give them with debug=True")
+    reserved = sorted({"output_dir", "override_output_dir"} & set(options))
+    if reserved:
+        raise ValueError(f"stats_options may not set {', '.join(reserved)}: use stats_output_dir and stats_overwrite")
+    inspect.signature(StatisticsSubscriber).bind(stats_output_dir, **options)  # an unknown option fails here, not at the engine
+    settings = Zero3Settings(bool(debug), os.fspath(stats_output_dir), bool(stats_overwrite), options)
     _deepspeed_compat.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
     _settings = settings
     return Zero3Patch(settings)
