@@ -19,10 +19,10 @@ from ..dump.hashes import HASH, hex_hash
 from .config import COUNTS, MOMENTS, STRUCTURE, CompareConfig
 from .metrics import evaluate
 from .pairs import from_records
-from .results import MetricDiff, RecordDiff
+from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 from .rules import difference, finite, relative
 
-__all__ = ["BIT_IDENTICAL", "BYTES_DIFFER", "record_diffs"]
+__all__ = ["record_diffs"]
 
 
 def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]], config: CompareConfig,
@@ -68,7 +68,6 @@ def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
     return found
 
 
-BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"
 
 
 def _hash_diff(base: Mapping[str, Any], other: Mapping[str, Any], noise: float | None) -> RecordDiff:

@@ -19,8 +19,7 @@ from ..dump.record import RecordKey
 from .config import CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
-from .details import BIT_IDENTICAL, BYTES_DIFFER
-from .results import ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, Rename, StepSummary
+from .results import BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, Rename, StepSummary
 from .values import key_json
 
 __all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]

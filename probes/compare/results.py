@@ -18,7 +18,9 @@ from ..dump.record import RecordKey
 from .config import MOMENTS
 from .values import format_value, is_finite_number, json_value
 
-__all__ = ["ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "GradNorm", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
+BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts
+
+__all__ = ["BIT_IDENTICAL", "BYTES_DIFFER", "ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "GradNorm", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
 
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 
