@@ -108,6 +108,9 @@ def _worker(rank: int, port: int, out: str, modes: list[str]) -> None:
     _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.save({mode: _train(mode, rank, Path(out) / mode) for mode in modes}, Path(out) / f"seen_{rank}.pt")
+    # Leaving with the group alive lets gloo's threads abort the exit now and then (SIGABRT, "terminate called").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -179,6 +179,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results = {"plain": _train(rank, 0.0), "clipped": _train(rank, CLIP), "sub-groups": _train(rank, 0.0, sub_groups=True),
                "offload": _train(rank, 0.0, offload=True)}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # leaving with it alive lets gloo abort the exit now and then
 
 
 def _free_port() -> int:
