@@ -10,7 +10,8 @@ writer's work for that step. Cases, each on its own copy of the same model, time
 - ``parameters=True``: plus a ``grad`` and a ``param`` record per parameter;
 - ``parameters=True, optimizer_state=True``: plus ``optim`` records (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``).
 The figure that matters is each case / activation statistics alone. Peak memory: each case trains alone in
-a fresh process and reports its peak resident memory (``ru_maxrss``), beside that of no probes.
+a fresh process; after its first step the kernel's peak counter is reset (``/proc/self/clear_refs``), so the
+peak resident memory (``VmHWM``) is that of training, beside that of no probes.
 """
 
 from __future__ import annotations
@@ -64,18 +65,21 @@ def _case(config: TransformerConfig, options: dict | None, dump: Path) -> tuple[
 
 
 def _peak_rss(config: TransformerConfig, case: str, steps: int, work: Path) -> int:
-    """Peak resident memory (bytes) of a fresh process that trains ``steps`` steps of one case."""
+    """Peak resident memory (bytes) of a fresh process while it trains ``steps`` steps of one case (Linux)."""
     script = (
-        "import json, resource, sys, torch\n"
+        "import json, sys, torch\n"
         "from pathlib import Path\n"
         "from benchmarks.parameter_overhead import CASES, _case\n"
         "from probes.models import TransformerConfig\n"
         "torch.set_num_threads(1)\n"
         "config = TransformerConfig(**json.loads(sys.argv[1]))\n"
         "step, manager = _case(config, CASES[sys.argv[2]], Path(sys.argv[3]))\n"
+        "step()\n"  # the first step's allocations (optimizer state, caches) belong to every case alike
+        "Path('/proc/self/clear_refs').write_text('5')\n"  # the peak (VmHWM) from here on: training only
         "for _ in range(int(sys.argv[4])): step()\n"
         "if manager is not None: manager.unsubscribe()\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+        "status = dict(line.split(':', 1) for line in Path('/proc/self/status').read_text().splitlines())\n"
+        "print(int(status['VmHWM'].split()[0]) * 1024)\n"
     )
     fields = {key: getattr(config, key) for key in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len")}
     out = subprocess.run([sys.executable, "-c", script, json.dumps(fields), case, str(work / f"rss-{len(case)}"),
