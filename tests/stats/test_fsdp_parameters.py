@@ -1,0 +1,149 @@
+"""``StatisticsSubscriber(parameters=True, optimizer_state=True)`` on a model sharded with FSDP2, 2 gloo ranks.
+
+Two ranks (spawn) train a model whose parameters split unevenly along dim 0 (7 rows: 4 + 3; 3 rows: 2 + 1;
+1 row: 1 + 0, an empty shard on rank 1) under ``torch.distributed.fsdp.fully_shard`` with Adam, 3 steps, each
+rank on its own data. The test gathers every full gradient (before ``step()``), parameter and Adam state
+(after it) itself (``DTensor.full_tensor()``) and checks both ranks' records against numpy float64 of them:
+records of the whole tensors, the same on both ranks. The same training with probes off gives the same losses
+and weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from probes import StatisticsSubscriber, SubscriberManager, load_dump
+from probes.compare import compare_dumps
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip(f"torch {torch.__version__} has no public FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+WORLD = 2
+NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
+STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3), torch.nn.Linear(3, 1))
+    for index in (0, 2, 3):
+        fsdp.fully_shard(model[index])
+    fsdp.fully_shard(model)
+    return model
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a DTensor), as a plain copy."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def _train(out: Path | None, rank: int) -> dict:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    named = dict(model.named_parameters())
+    manager = SubscriberManager()
+    if out is not None:
+        manager.subscribe(model, [StatisticsSubscriber(out, parameters=True, optimizer_state=True)])
+    seen: dict = {"grad": {}, "param": {}, "optim": {}, "losses": []}
+    for step in range(STEPS):
+        data = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))  # each rank its own
+        loss = model(data).pow(2).mean()
+        loss.backward()
+        seen["losses"].append(loss.detach().clone())
+        seen["grad"][step] = {name: _full(p.grad) for name, p in named.items()}
+        optimizer.step()
+        seen["param"][step] = {name: _full(p) for name, p in named.items()}
+        seen["optim"][step] = {f"{name}.{key}": _full(optimizer.state[p][key]) for name, p in named.items()
+                               for key in STATE}
+        optimizer.zero_grad()
+    manager.unsubscribe()
+    seen["weights"] = {name: _full(p) for name, p in named.items()}
+    seen["placements"] = {name: str(p.placements) for name, p in named.items()}
+    return seen
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        probed = _train(Path(out, "dump"), rank)
+        plain = _train(None, rank)
+        torch.save({"probed": probed, "plain": plain}, Path(out, f"seen_{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _reference(tensor: torch.Tensor) -> dict:
+    values = tensor.double().numpy().ravel()
+    return {"numel": values.size, "min": values.min(), "max": values.max(), "mean": values.mean(),
+            "std": values.std(ddof=1) if values.size > 1 else None, "norm": np.sqrt((values * values).sum()),
+            "zero": int((values == 0).sum())}
+
+
+def _assert_matches(record: dict, tensor: torch.Tensor) -> None:
+    expected = _reference(tensor)
+    where = (record["step"], record["phase"], record["name"])
+    assert record["shape"] == list(tensor.shape), where  # the whole tensor's, not a shard's
+    assert record["numel"] == expected["numel"] and record["zero"] == expected["zero"], where
+    for key in ("min", "max", "mean", "std", "norm"):
+        if expected[key] is None:
+            assert record[key] is None, (where, key)
+        else:
+            assert record[key] == pytest.approx(expected[key], rel=1e-12, abs=1e-15), (where, key)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("fsdp")
+    torch.multiprocessing.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True,
+                                          start_method="spawn")
+    return out, [torch.load(out / f"seen_{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+def test_records_are_of_the_whole_tensors_and_equal_numpy_on_every_rank(fsdp_run):
+    out, seen = fsdp_run
+    assert set(seen[0]["probed"]["placements"].values()) == {"(Shard(dim=0),)"}  # FSDP2 sharded every parameter
+    for rank in range(WORLD):
+        records = [r for r in load_dump(out / "dump" / f"rank_{rank}") if r["kind"] == "parameter"]
+        assert not [r for r in records if r.get("unsupported")], rank
+        for step in range(STEPS):
+            for phase in ("grad", "param", "optim"):
+                tensors = seen[rank]["probed"][phase][step]
+                found = {r["name"]: r for r in records if r["step"] == step and r["phase"] == phase}
+                assert sorted(found) == sorted(tensors), (rank, step, phase)
+                for name, tensor in tensors.items():
+                    _assert_matches(found[name], tensor)
+                    assert found[name].get("stats_of") is None, name  # not "local_shard": the whole tensor
+
+
+def test_every_rank_has_the_same_records(fsdp_run):
+    out, _ = fsdp_run
+    assert compare_dumps(out / "dump", ranks=True, rtol=0, atol=0).agrees
+    assert not compare_dumps(out / "dump", ranks=True, phases=["forward"]).agrees  # but each rank its own data
+
+
+def test_probes_leave_losses_and_weights_bit_identical(fsdp_run):
+    _, seen = fsdp_run
+    for rank in range(WORLD):
+        probed, plain = seen[rank]["probed"], seen[rank]["plain"]
+        assert [loss.item() for loss in probed["losses"]] == [loss.item() for loss in plain["losses"]]
+        for name in NAMES:
+            assert torch.equal(probed["weights"][name], plain["weights"][name]), name
