@@ -5,13 +5,15 @@ Two ranks (spawn) train a model whose parameters split unevenly along dim 0 (7 r
 rank on its own data. The test gathers every full gradient (before ``step()``), parameter and Adam state
 (after it) itself (``DTensor.full_tensor()``) and checks both ranks' records against numpy float64 of them:
 records of the whole tensors, the same on both ranks. The same training with probes off gives the same losses
-and weights, bit for bit.
+and weights, bit for bit. Other placements: a ``Replicate()`` DTensor is recorded whole (its local tensor);
+a ``Shard(1)`` one is an "unsupported" record naming its placement, with a warning, and training goes on.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
+from probes.stats import UnsupportedTensorWarning
 from probes.compare import compare_dumps
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -79,6 +82,42 @@ def _train(out: Path | None, rank: int) -> dict:
     return seen
 
 
+class _Placed(torch.nn.Module):
+    """A Linear sharded on dim 1 (``shard_placement_fn``) and a Replicate() DTensor scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(6, 7)  # 6 columns: FSDP shards dim 1 only evenly
+        fsdp.fully_shard(self.fc, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+        mesh = self.fc.weight.device_mesh
+        self.scale = torch.nn.Parameter(distribute_tensor(torch.tensor([1.5, -0.5, 2.0, 0.25, 1.0, -1.0, 0.5]), mesh,
+                                                          [Replicate()]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.scale.to_local()).pow(2).mean()
+
+
+def _other_placements(out: Path, rank: int) -> dict:
+    model = _Placed()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with SubscriberManager().subscribe(model, [StatisticsSubscriber(out, parameters=True, optimizer_state=True)]):
+            for step in range(2):
+                model(torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+                seen[step] = {"grad": model.scale.grad.to_local().clone()}
+                optimizer.step()
+                seen[step]["param"] = model.scale.to_local().detach().clone()
+                optimizer.zero_grad()
+    seen["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UnsupportedTensorWarning)]
+    seen["placements"] = {name: str(p.placements) for name, p in model.named_parameters()}
+    return seen
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -86,7 +125,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         probed = _train(Path(out, "dump"), rank)
         plain = _train(None, rank)
-        torch.save({"probed": probed, "plain": plain}, Path(out, f"seen_{rank}.pt"))
+        placed = _other_placements(Path(out, "placed"), rank)
+        torch.save({"probed": probed, "plain": plain, "placed": placed}, Path(out, f"seen_{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -147,3 +187,20 @@ def test_probes_leave_losses_and_weights_bit_identical(fsdp_run):
         assert [loss.item() for loss in probed["losses"]] == [loss.item() for loss in plain["losses"]]
         for name in NAMES:
             assert torch.equal(probed["weights"][name], plain["weights"][name]), name
+
+
+def test_replicate_is_recorded_whole_and_other_placements_say_unsupported(fsdp_run):
+    out, seen = fsdp_run
+    for rank in range(WORLD):
+        placed = seen[rank]["placed"]
+        assert placed["placements"] == {"scale": "(Replicate(),)", "fc.weight": "(Shard(dim=1),)",
+                                        "fc.bias": "(Shard(dim=0),)"}
+        records = {(r["step"], r["phase"], r["name"]): r for r in load_dump(out / "placed" / f"rank_{rank}")
+                   if r["kind"] == "parameter"}
+        for step in range(2):
+            for phase in ("grad", "param"):
+                _assert_matches(records[step, phase, "scale"], placed[step][phase])  # each rank's own gradient
+                assert not records[step, phase, "fc.bias"].get("unsupported")
+                assert "(Shard(dim=1),) on a 1-D mesh" in records[step, phase, "fc.weight"]["unsupported"]
+            assert "Shard(dim=1)" in records[step, "optim", "fc.weight.exp_avg"]["unsupported"]
+        assert placed["warnings"] and all("Shard(dim=1)" in message for message in placed["warnings"])
