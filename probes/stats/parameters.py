@@ -58,6 +58,16 @@ the model's parameters are partitioned and its inner optimizer steps flat fp32 p
 of each rank's shards of the fp32 master copy, its gradient and its optimizer state, merged exactly across
 ranks without gathering (``probes.stats.zero3_updates``); the gradient is read in the pre-hook there (DeepSpeed
 frees it after the update), once per sub-group, and the step's file is finished after the last sub-group.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters, their gradients and the optimizer's state of them
+are DTensors, matched by identity as any parameter. A DTensor's record goes through ``probes.stats.dtensors``:
+with one ``Shard(0)`` placement on a 1-D mesh (FSDP2's), each rank's shard row is merged exactly with the
+others' into the record of the whole tensor, on every rank, by one ``all_gather`` per step when the step's file
+is finished (``settle``: after the last optimizer's update), without gathering the tensor; a ``Replicate()`` one
+is recorded as its local tensor (it is whole); any other placement is an "unsupported" record naming it.
+FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) is not supported: its parameters are plain views of
+each rank's part of a flat parameter, so each rank records its own flattened slice under the full name
+(a 1-D shape, possibly empty, no grad record where the slice is empty); use FSDP2.
 """
 
 from __future__ import annotations
