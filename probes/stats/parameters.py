@@ -67,7 +67,8 @@ is finished (``settle``: after the last optimizer's update), without gathering t
 is recorded as its local tensor (it is whole); any other placement is an "unsupported" record naming it.
 FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) is not supported: its parameters are plain views of
 each rank's part of a flat parameter, so each rank records its own flattened slice under the full name
-(a 1-D shape, possibly empty, no grad record where the slice is empty); use FSDP2.
+(a 1-D shape, possibly empty, no grad record where the slice is empty); without ``use_orig_params``, each
+rank's part of each unit's ``_flat_param``. Use FSDP2.
 """
 
 from __future__ import annotations
