@@ -12,17 +12,16 @@ a ``Shard(1)`` one is an "unsupported" record naming its placement, with a warni
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from probes import StatisticsSubscriber, SubscriberManager, load_dump
 from probes.stats import UnsupportedTensorWarning
 from probes.compare import compare_dumps
+from test_parameters import _free_port, assert_matches  # numpy float64 statistics of the tensor, rel 1e-12
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
@@ -35,12 +34,6 @@ STEPS = 3
 WORLD = 2
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
 STATE = ("step", "exp_avg", "exp_avg_sq")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -131,25 +124,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _reference(tensor: torch.Tensor) -> dict:
-    values = tensor.double().numpy().ravel()
-    return {"numel": values.size, "min": values.min(), "max": values.max(), "mean": values.mean(),
-            "std": values.std(ddof=1) if values.size > 1 else None, "norm": np.sqrt((values * values).sum()),
-            "zero": int((values == 0).sum())}
-
-
-def _assert_matches(record: dict, tensor: torch.Tensor) -> None:
-    expected = _reference(tensor)
-    where = (record["step"], record["phase"], record["name"])
-    assert record["shape"] == list(tensor.shape), where  # the whole tensor's, not a shard's
-    assert record["numel"] == expected["numel"] and record["zero"] == expected["zero"], where
-    for key in ("min", "max", "mean", "std", "norm"):
-        if expected[key] is None:
-            assert record[key] is None, (where, key)
-        else:
-            assert record[key] == pytest.approx(expected[key], rel=1e-12, abs=1e-15), (where, key)
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("fsdp")
@@ -170,7 +144,7 @@ def test_records_are_of_the_whole_tensors_and_equal_numpy_on_every_rank(fsdp_run
                 found = {r["name"]: r for r in records if r["step"] == step and r["phase"] == phase}
                 assert sorted(found) == sorted(tensors), (rank, step, phase)
                 for name, tensor in tensors.items():
-                    _assert_matches(found[name], tensor)
+                    assert_matches(found[name], tensor)
                     assert found[name].get("stats_of") is None, name  # not "local_shard": the whole tensor
 
 
@@ -199,7 +173,7 @@ def test_replicate_is_recorded_whole_and_other_placements_say_unsupported(fsdp_r
                    if r["kind"] == "parameter"}
         for step in range(2):
             for phase in ("grad", "param"):
-                _assert_matches(records[step, phase, "scale"], placed[step][phase])  # each rank's own gradient
+                assert_matches(records[step, phase, "scale"], placed[step][phase])  # each rank's own gradient
                 assert not records[step, phase, "fc.bias"].get("unsupported")
                 assert "(Shard(dim=1),) on a 1-D mesh" in records[step, phase, "fc.weight"]["unsupported"]
             assert "Shard(dim=1)" in records[step, "optim", "fc.weight.exp_avg"]["unsupported"]
