@@ -58,6 +58,17 @@ the model's parameters are partitioned and its inner optimizer steps flat fp32 p
 of each rank's shards of the fp32 master copy, its gradient and its optimizer state, merged exactly across
 ranks without gathering (``probes.stats.zero3_updates``); the gradient is read in the pre-hook there (DeepSpeed
 frees it after the update), once per sub-group, and the step's file is finished after the last sub-group.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``): the parameters, their gradients and the optimizer's state of them
+are DTensors, matched by identity as any parameter. A DTensor's record goes through ``probes.stats.dtensors``:
+with one ``Shard(0)`` placement on a 1-D mesh (FSDP2's), each rank's shard row is merged exactly with the
+others' into the record of the whole tensor, on every rank, by one ``all_gather`` per step when the step's file
+is finished (``settle``: after the last optimizer's update), without gathering the tensor; a ``Replicate()`` one
+is recorded as its local tensor (it is whole); any other placement is an "unsupported" record naming it.
+FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) is not supported: its parameters are plain views of
+each rank's part of a flat parameter, so each rank records its own flattened slice under the full name
+(a 1-D shape, possibly empty, no grad record where the slice is empty); without ``use_orig_params``, each
+rank's part of each unit's ``_flat_param``. Use FSDP2.
 """
 
 from __future__ import annotations
@@ -74,7 +85,9 @@ from ..core.manager import ROOT_NAME
 from ..core.selection import Selection
 from ..core.wrappers import user_named_modules
 from ..dump.layout import DumpWriteError
+from .dtensors import DTensorRecords
 from .rows import StepRows
+from .views import is_dtensor
 from .zero3_updates import Zero3Updates
 
 __all__ = ["KIND", "ModelParameters", "ParameterRecords", "Tracked"]
@@ -189,6 +202,7 @@ class ParameterRecords:
         self._phase = "grad"  # what the hooks are recording now (named by a failure record)
         self._failed_once = False
         self._zero3 = Zero3Updates(rows)
+        self._dtensors = DTensorRecords(rows)
 
     # ------------------------------------------------------------------ the subscriber's calls
 
@@ -236,7 +250,9 @@ class ParameterRecords:
         return True
 
     def settle(self) -> None:
-        """Finishes the waiting step now (with what it has)."""
+        """Finishes the waiting step now (with what it has): the DTensors' shards merged first (a collective)."""
+        if self._pending is not None:
+            self._guarded(self._pending, self._dtensors.merge)
         step, self._pending = self._pending, None
         self._step_end_grads = False
         if step is not None:
@@ -270,9 +286,7 @@ class ParameterRecords:
         if step is None:
             return  # a step not recorded (selection), or one already finished
         tracked = tuple(t for t in tracked if id(t.tensor) not in self._updated)  # each parameter's first update
-        if self._step_end_grads:  # the first update: its gradients replace those read at the step's end
-            self._rows.clear()
-            self._step_end_grads = False
+        self._drop_step_end_grads()
         with torch.no_grad():
             if "grad" in self.phases:
                 self._record_grads(step, tracked)
@@ -305,9 +319,7 @@ class ParameterRecords:
         if owner is None:
             return
         assert self._source is not None and self._pending is not None
-        if self._step_end_grads:  # the first update: its gradients replace those read at the step's end
-            self._rows.clear()
-            self._step_end_grads = False
+        self._drop_step_end_grads()
         self._phase = "grad"
         for shard in self._zero3.shards(owner, optimizer).shards:
             t = self._source.tracked.get(id(shard.param))
@@ -344,6 +356,12 @@ class ParameterRecords:
         if error is not None:
             self._warn(names[0], phase, error)
 
+    def _drop_step_end_grads(self) -> None:
+        if self._step_end_grads:  # the first update: its gradients replace those read at the step's end
+            self._rows.clear()
+            self._dtensors.clear()
+            self._step_end_grads = False
+
     def _record_grads(self, step: int, tracked: tuple[Tracked, ...]) -> None:
         self._phase = "grad"
         assert self._source is not None
@@ -354,7 +372,10 @@ class ParameterRecords:
                     self._add(t.names, step, "grad", self._seq + t.index, grad)
 
     def _add(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> None:
-        error = self._rows.add_named(names, step, phase, seq, tensor)
+        if is_dtensor(tensor):
+            error = self._dtensors.add(names, step, phase, seq, tensor)
+        else:
+            error = self._rows.add_named(names, step, phase, seq, tensor)
         if error is not None:
             self._warn(names[0], phase, error)
 

@@ -39,7 +39,7 @@ from .numerics import _WIDENED, DEFAULT_BUCKET_SIZE, device_row, device_samples,
 from .rows import _EMPTY_FILL, _SLOT, StepRows, unsupported_description
 from .views import check_readable, dtype_name
 
-__all__ = ["ShardRows", "ShardSpec", "merge_shard_rows", "shard_row"]
+__all__ = ["ShardGroups", "ShardRows", "ShardSpec", "merge_shard_rows", "shard_row"]
 
 # merge_rows reads KernelRow's columns: the accumulated statistics, then shift and deviation.
 if KernelRow._fields != tuple(stat.name for stat in ACCUMULATED) + ("shift", "deviation"):
@@ -200,6 +200,10 @@ class ShardRows:
         self._entries.append((names, step, phase, seq, described, spec))
         return failure
 
+    def clear(self) -> None:
+        """Drops the rows added since the last flush (no collective: every rank drops the same)."""
+        self._pending, self._entries = [], []
+
     def flush(self) -> None:
         """Gathers the rows added since the last flush from every rank (one all_gather) and adds each merged
         row to the StepRows as a record. A collective: every rank calls it with the same tensors added."""
@@ -232,3 +236,30 @@ class ShardRows:
         gathered = torch.empty((world, *local.shape), dtype=local.dtype, device=local.device)
         dist.all_gather(list(gathered.unbind(0)), local, group=self.group)
         return gathered
+
+
+class ShardGroups:
+    """One ``ShardRows`` per process group, flushed together: the shards of a step's records, whichever ranks hold them.
+
+    ``add(..., group=group)`` is ``ShardRows.add`` for the shards ``group``'s ranks hold; ``flush()`` one all_gather
+    per group, in the order the groups were first used (the same on every rank); ``clear()`` as ``ShardRows.clear``.
+    """
+
+    def __init__(self, rows: StepRows) -> None:
+        self.rows = rows
+        self._groups: dict[int, ShardRows] = {}  # id(process group) -> its shard rows (which keep the group alive)
+
+    def add(self, names: tuple, step: int, phase: str, seq: int, shard: torch.Tensor, *, full_shape: Sequence[int],
+            bounds: Sequence[tuple[int, int]], rank: int, group: Any) -> BaseException | None:
+        rows = self._groups.get(id(group))
+        if rows is None:
+            rows = self._groups[id(group)] = ShardRows(self.rows, group=group)
+        return rows.add(names, step, phase, seq, shard, full_shape=full_shape, bounds=bounds, rank=rank)
+
+    def flush(self) -> None:
+        for rows in self._groups.values():
+            rows.flush()
+
+    def clear(self) -> None:
+        for rows in self._groups.values():
+            rows.clear()

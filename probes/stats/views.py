@@ -17,8 +17,8 @@ import torch
 
 from exporters import _torch_compat
 
-__all__ = ["UnsupportedTensor", "check_readable", "dtype_name", "is_dense", "is_dispatch_subclass", "layout_name",
-           "or_none", "shape_of", "statistics_view"]
+__all__ = ["UnsupportedTensor", "check_readable", "dtype_name", "is_dense", "is_dispatch_subclass", "is_dtensor",
+           "layout_name", "or_none", "shape_of", "statistics_view"]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
@@ -75,8 +75,9 @@ def _is_ordinary(tensor: torch.Tensor) -> bool:
     return is_dense(tensor) and not tensor.is_complex()
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    """True for a DTensor. Its module is loaded once one exists, so nothing is imported here."""
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """True for a DTensor (FSDP2's parameters, tensor parallelism). Its module is loaded once one exists, so
+    nothing is imported here."""
     for name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # public from torch 2.5
         dtensor = getattr(sys.modules.get(name), "DTensor", None)
         if isinstance(dtensor, type) and isinstance(tensor, dtensor):
@@ -136,7 +137,7 @@ def _components(tensor: torch.Tensor) -> torch.Tensor:
 def _container_view(tensor: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     """(a strided tensor with data, what it is of) for sparse, nested, DTensor; raises UnsupportedTensor."""
     if is_dispatch_subclass(tensor):
-        if _is_dtensor(tensor):
+        if is_dtensor(tensor):
             return tensor.to_local(), "local_shard"
         if tensor.is_nested:
             return _components(tensor), "components"

@@ -28,7 +28,7 @@ import torch
 from exporters import _deepspeed_compat
 
 from .rows import StepRows
-from .shards import ShardRows
+from .shards import ShardGroups
 
 __all__ = ["Zero3Updates"]
 
@@ -39,9 +39,8 @@ class Zero3Updates:
     """The shard rows of one subscriber's parameter records under ZeRO-3 (see the module docstring)."""
 
     def __init__(self, rows: StepRows) -> None:
-        self._rows = rows
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner optimizer -> owner or _NOT_ZERO3
-        self._groups: dict[int, ShardRows] = {}  # id(process group) -> its shard rows, in first-use order
+        self._shards = ShardGroups(rows)
 
     def owner_of(self, optimizer: torch.optim.Optimizer, parameters: Callable[[], Iterable[torch.Tensor]]) -> Any:
         """The ZeRO-3 optimizer whose inner torch optimizer is ``optimizer`` (cached), or None."""
@@ -58,13 +57,9 @@ class Zero3Updates:
     def add(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor,
             shard: _deepspeed_compat.Zero3Shard) -> BaseException | None:
         """The row of one shard; merged with the other ranks' at ``merge``. The error of failed statistics."""
-        rows = self._groups.get(id(shard.group))
-        if rows is None:
-            rows = self._groups[id(shard.group)] = ShardRows(self._rows, group=shard.group)
-        return rows.add(names, step, phase, seq, tensor, full_shape=shard.full_shape, bounds=shard.bounds,
-                        rank=shard.rank)
+        return self._shards.add(names, step, phase, seq, tensor, full_shape=shard.full_shape, bounds=shard.bounds,
+                                rank=shard.rank, group=shard.group)
 
     def merge(self) -> None:
         """The collective: every group's rows gathered and merged into records of the whole tensors."""
-        for rows in self._groups.values():
-            rows.flush()
+        self._shards.flush()
