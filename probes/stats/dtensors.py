@@ -1,18 +1,18 @@
 """Records of DTensors (FSDP2's parameters, gradients and optimizer state): of the whole tensor, never gathered.
 
-    dtensors = DTensorRecords(step_rows)
+    shards = ShardGroups(step_rows)                     # probes.stats.shards
+    dtensors = DTensorRecords(step_rows, shards)
     if is_dtensor(tensor):                              # probes.stats.views
         error = dtensors.add(names, step, "param", seq, tensor)   # None, or why it has no statistics
-    dtensors.merge()                                    # at the step's end, on every rank: the records go to step_rows
-    dtensors.clear()                                    # drops the rows not merged yet (no collective)
+    shards.flush()                                      # at the step's end, on every rank: the records go to step_rows
 
 ``torch.distributed.fsdp.fully_shard`` (FSDP2) makes each parameter a DTensor with one ``Shard(0)`` placement on
 a 1-D device mesh; its gradient and the optimizer's state of it (Adam's ``exp_avg``, ``exp_avg_sq``) are alike.
 Each rank holds rows ``[start, end)`` of dim 0, as ``torch.chunk`` splits them (uneven: the last ranks may hold
 fewer, or none), so a contiguous range of the flattened tensor: ``add`` computes this rank's shard's row
-(``probes.stats.shards.ShardGroups``), and ``merge`` gathers the rows of every rank of the mesh (one all_gather
-per mesh, per step) and merges them exactly into the record of the whole tensor, the same on every rank; its
-``shape`` is the full shape, and it has no ``hash`` (no rank holds the whole tensor's bytes).
+into the caller's ``probes.stats.shards.ShardGroups``, whose ``flush`` gathers the rows of every rank of the mesh
+(one all_gather per mesh, per step) and merges them exactly into the record of the whole tensor, the same on
+every rank; its ``shape`` is the full shape, and it has no ``hash`` (no rank holds the whole tensor's bytes).
 
 By placement:
 
@@ -21,13 +21,14 @@ By placement:
 - anything else (another dim, ``Partial``, a 2-D mesh as in HSDP or FSDP with tensor parallelism): a record
   without statistics saying which placement, and the error returned (the caller warns once).
 
-``merge`` is a collective: every rank must add the same tensors in the same order (the same selection
+The flush is a collective: every rank must add the same tensors in the same order (the same selection
 everywhere). The shard each rank holds is known from its placement alone; nothing is read back to the host.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -46,23 +47,21 @@ def chunk_bounds(shape: tuple[int, ...], world: int) -> tuple[tuple[int, int], .
         chunk_bounds((7, 5), 2)   # ((0, 20), (20, 35))
         chunk_bounds((1,), 2)     # ((0, 1), (1, 1)): rank 1 holds nothing
     """
-    rows = shape[0]
-    per_row = 1
-    for size in shape[1:]:
-        per_row *= size
+    rows, per_row = shape[0], math.prod(shape[1:])
     chunk = -(-rows // world)  # ceil: torch.chunk's chunk size
     return tuple((min(rank * chunk, rows) * per_row, min((rank + 1) * chunk, rows) * per_row) for rank in range(world))
 
 
 class DTensorRecords:
-    """The records of one subscriber's DTensors (see the module docstring); ``rows``: where they go."""
+    """The records of one subscriber's DTensors (see the module docstring): whole ones go to ``rows``, sharded ones
+    to ``shards`` (flushed by the caller)."""
 
-    def __init__(self, rows: StepRows) -> None:
+    def __init__(self, rows: StepRows, shards: ShardGroups) -> None:
         self._rows = rows
-        self._shards = ShardGroups(rows)
+        self._shards = shards
 
     def add(self, names: tuple, step: int, phase: str, seq: int, tensor: Any) -> BaseException | None:
-        """The record of DTensor ``tensor`` (sharded: merged at ``merge``); the error when it has no statistics."""
+        """The record of DTensor ``tensor`` (sharded: merged at the shards' flush); the error when it has no statistics."""
         placements, mesh = tuple(tensor.placements), tensor.device_mesh
         if all(placement.is_replicate() for placement in placements):
             return self._rows.add_named(names, step, phase, seq, tensor.to_local())
@@ -75,10 +74,3 @@ class DTensorRecords:
                   "(FSDP2's) or Replicate(), not this one")
         self._rows.add_unsupported_named(names, step, phase, seq, tensor, reason)
         return UnsupportedTensor(reason)
-
-    def merge(self) -> None:
-        """The collective: every mesh's rows gathered and merged into records of the whole tensors."""
-        self._shards.flush()
-
-    def clear(self) -> None:
-        self._shards.clear()

@@ -87,6 +87,7 @@ from ..core.wrappers import user_named_modules
 from ..dump.layout import DumpWriteError
 from .dtensors import DTensorRecords
 from .rows import StepRows
+from .shards import ShardGroups
 from .views import is_dtensor
 from .zero3_updates import Zero3Updates
 
@@ -201,8 +202,9 @@ class ParameterRecords:
         self._step_end_grads = False  # the rows hold the pending step's gradients read at its end
         self._phase = "grad"  # what the hooks are recording now (named by a failure record)
         self._failed_once = False
-        self._zero3 = Zero3Updates(rows)
-        self._dtensors = DTensorRecords(rows)
+        self._shards = ShardGroups(rows)  # ZeRO-3's and DTensors' shard rows, merged once per step in settle()
+        self._zero3 = Zero3Updates(self._shards)
+        self._dtensors = DTensorRecords(rows, self._shards)
 
     # ------------------------------------------------------------------ the subscriber's calls
 
@@ -250,9 +252,9 @@ class ParameterRecords:
         return True
 
     def settle(self) -> None:
-        """Finishes the waiting step now (with what it has): the DTensors' shards merged first (a collective)."""
+        """Finishes the waiting step now (with what it has): the shards (ZeRO-3, DTensors) merged first (a collective)."""
         if self._pending is not None:
-            self._guarded(self._pending, self._dtensors.merge)
+            self._guarded(self._pending, self._shards.flush)
         step, self._pending = self._pending, None
         self._step_end_grads = False
         if step is not None:
@@ -348,7 +350,6 @@ class ParameterRecords:
                     self._add_shard(t.state_name(key), step, "optim", self._next_seq, shard.state[key], shard)
                     self._next_seq += 1
         if stepping.last:
-            self._zero3.merge()
             self.settle()
 
     def _add_shard(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor, shard: object) -> None:
@@ -359,7 +360,7 @@ class ParameterRecords:
     def _drop_step_end_grads(self) -> None:
         if self._step_end_grads:  # the first update: its gradients replace those read at the step's end
             self._rows.clear()
-            self._dtensors.clear()
+            self._shards.clear()
             self._step_end_grads = False
 
     def _record_grads(self, step: int, tracked: tuple[Tracked, ...]) -> None:

@@ -1,10 +1,10 @@
 """Parameter records of a DeepSpeed ZeRO-3 engine: each rank's shards of the fp32 master copy, merged exactly.
 
-    updates = Zero3Updates(rows)
+    updates = Zero3Updates(shards)                      # shards: a probes.stats.shards.ShardGroups
     owner = updates.owner_of(optimizer, parameters)     # in a torch optimizer step hook: the ZeRO-3 optimizer, or None
     stepping = updates.shards(owner, optimizer)         # this rank's shards of what steps now (.last: the step's end)
     updates.add(names, step, "grad", seq, shard.grad, shard)   # pre-hook: grad; post-hook: master, state
-    updates.merge()                                     # after the last sub-group: one all_gather, records in rows
+    shards.flush()                                      # after the last sub-group: one all_gather, records in rows
 
 A ZeRO-3 engine steps a torch optimizer over flat fp32 partitions, once per sub-group: torch's global step
 hooks (``probes.stats.parameters``) see that inner optimizer, whose parameters name no model parameter.
@@ -27,7 +27,6 @@ import torch
 
 from exporters import _deepspeed_compat
 
-from .rows import StepRows
 from .shards import ShardGroups
 
 __all__ = ["Zero3Updates"]
@@ -38,9 +37,9 @@ _NOT_ZERO3 = object()
 class Zero3Updates:
     """The shard rows of one subscriber's parameter records under ZeRO-3 (see the module docstring)."""
 
-    def __init__(self, rows: StepRows) -> None:
+    def __init__(self, shards: ShardGroups) -> None:
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner optimizer -> owner or _NOT_ZERO3
-        self._shards = ShardGroups(rows)
+        self._shards = shards
 
     def owner_of(self, optimizer: torch.optim.Optimizer, parameters: Callable[[], Iterable[torch.Tensor]]) -> Any:
         """The ZeRO-3 optimizer whose inner torch optimizer is ``optimizer`` (cached), or None."""
@@ -56,10 +55,6 @@ class Zero3Updates:
 
     def add(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor,
             shard: _deepspeed_compat.Zero3Shard) -> BaseException | None:
-        """The row of one shard; merged with the other ranks' at ``merge``. The error of failed statistics."""
+        """The row of one shard; merged with the other ranks' at the shards' flush. The error of failed statistics."""
         return self._shards.add(names, step, phase, seq, tensor, full_shape=shard.full_shape, bounds=shard.bounds,
                                 rank=shard.rank, group=shard.group)
-
-    def merge(self) -> None:
-        """The collective: every group's rows gathered and merged into records of the whole tensors."""
-        self._shards.flush()
