@@ -143,7 +143,7 @@ def _ints(table: pa.Table, name: str) -> np.ndarray:
     return table.column(name).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
+def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConfig(), *,
               progress: bool | TextIO = True, name_map: NameMap | None = None,
               skip_damaged: bool = False) -> LoadedDump:
     """Loads and validates a dump for comparison, keeping only the steps and names ``config`` selects.
@@ -152,9 +152,10 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     OSError for unreadable paths, NameMapError when ``name_map`` makes two records of a step one.
     ``progress``: False, True (stderr) or a stream. A live writer of this process into ``path`` is
     waited for first, so every step it finished is read. ``skip_damaged``: damaged step files are left out
-    and listed in ``damaged`` (else DamagedSteps names them all).
+    and listed in ``damaged`` (else DamagedSteps names them all). ``path`` may be a DumpReader already open
+    (a window's: ``DumpReader.only``), which is not listed again.
     """
-    reader = DumpReader(path)
+    reader = path if isinstance(path, DumpReader) else DumpReader(path)
     unfinished: dict[int, list[int]] = {}
     if reader.path.is_file():
         files = reader.step_files()
@@ -168,9 +169,11 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
         files = [step_file for step_file in reader.step_files()
                  if step_file.rank is not None and config.wants_step(step_file.step)]
     # One chunk per column: taking rows (matching, building the records a report shows) is slow across chunks.
+    known = len(reader.damaged)  # an open reader may have left out files before: only this read's count
     table = reader.concat_tables(files, columns=COLUMNS, progress=progress, skip_damaged=skip_damaged).combine_chunks()
-    if reader.damaged:
-        left_out = {id(step_file) for step_file, _ in reader.damaged}
+    damaged = reader.damaged[known:]
+    if damaged:
+        left_out = {id(step_file) for step_file, _ in damaged}
         files = [step_file for step_file in files if id(step_file) not in left_out]
     sizes = _rows_per_file(table, files)
     loaded = LoadedDump(reader.path, table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())),
@@ -191,7 +194,7 @@ def read_dump(path: str | Path, config: CompareConfig = CompareConfig(), *,
     if not keep.all():
         _keep(loaded, keep)
     _check_unique(loaded, name_map)
-    loaded.damaged = [Damaged(str(f.path), f.rank, f.step, error.line, error.problem) for f, error in reader.damaged]
+    loaded.damaged = [Damaged(str(f.path), f.rank, f.step, error.line, error.problem) for f, error in damaged]
     return loaded
 
 

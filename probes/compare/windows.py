@@ -56,6 +56,7 @@ class _Window:
     """What one window compares; plain data, so it goes to another process."""
 
     paths: tuple[str, str, str | None]  # base, other, noise
+    readers: tuple[DumpReader, DumpReader, DumpReader | None]  # the same, listed once, narrowed to the steps
     config: Mapping[str, Any]  # CompareConfig.fields(), the user's
     steps: frozenset[int] | None  # this window's steps (None: every step the config wants)
     name_map: NameMap | None
@@ -86,13 +87,13 @@ def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     """The window's report: its steps of each dump read (damaged files left out, of both runs), compared."""
     config = CompareConfig(**window.config)  # type: ignore[arg-type]
     reading = config if window.steps is None else CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
-    base_path, other_path, noise_path = window.paths
+    base_reader, other_reader, noise_reader = window.readers
     if config.ranks:
-        base, other = rank_pairs(read_dump(base_path, reading, progress=progress, skip_damaged=True))
+        base, other = rank_pairs(read_dump(base_reader, reading, progress=progress, skip_damaged=True))
     else:
-        base = read_dump(base_path, reading, progress=progress, skip_damaged=True)
-        other = read_dump(other_path, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
-    noise = read_dump(noise_path, reading, progress=progress, skip_damaged=True) if noise_path is not None else None
+        base = read_dump(base_reader, reading, progress=progress, skip_damaged=True)
+        other = read_dump(other_reader, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
+    noise = None if noise_reader is None else read_dump(noise_reader, reading, progress=progress, skip_damaged=True)
     _drop_damaged(base, other)
     report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy)
     report.damaged = {side: loaded.damaged for side, loaded in (("base", base), ("other", other), ("noise", noise))
@@ -185,11 +186,12 @@ class _SpilledColumn:
         return self.spilled.gather(self.key, rows)
 
 
-def windows_of(base: str | Path, other: str | Path, noise: str | Path | None, config: CompareConfig,
-               window: int | None) -> list[frozenset[int] | None]:
+def windows_of(base: str | Path | DumpReader, other: str | Path | DumpReader, noise: str | Path | DumpReader | None,
+               config: CompareConfig, window: int | None) -> list[frozenset[int] | None]:
     """The steps of each window, in order: about ``window`` records of a dump each, whole steps (None: one window
     of every step, also for a lone step file)."""
-    readers = [DumpReader(path) for path in (base, other, noise) if path is not None]
+    readers = [path if isinstance(path, DumpReader) else DumpReader(path)
+               for path in (base, other, noise) if path is not None]
     if window is None or any(reader.path.is_file() for reader in readers):
         return [None]
     if window < 1:
@@ -327,13 +329,22 @@ def _union(found: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:
     return {rank: sorted(listed) for rank, listed in sorted(steps.items())}
 
 
-def _fuzzy_pairs(base: str | Path, other: str | Path, config: CompareConfig, name_map: NameMap | None
-                 ) -> tuple[Rename, ...]:
+def _narrowed(readers: tuple[DumpReader, DumpReader, DumpReader | None], steps: frozenset[int] | None
+              ) -> tuple[DumpReader, DumpReader, DumpReader | None]:
+    if steps is None:
+        return readers
+    base, other, noise = (None if reader is None else reader.only(steps) for reader in readers)
+    return base, other, noise  # type: ignore[return-value]
+
+
+def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, DumpReader | None], config: CompareConfig,
+                 name_map: NameMap | None) -> tuple[Rename, ...]:
     """Fuzzy alignment's pairs, found as on the whole dumps: on the lowest common rank's first common step."""
+    base, other = readers[0], readers[1]
     steps: list[dict[int, set[int]]] = []
-    for path in (base, other):
+    for reader in (base, other):
         by_rank: dict[int, set[int]] = {}
-        for f in DumpReader(path).step_files():
+        for f in reader.step_files():
             if f.rank is not None and config.wants_step(f.step):
                 by_rank.setdefault(f.rank, set()).add(f.step)
         steps.append(by_rank)
@@ -341,8 +352,9 @@ def _fuzzy_pairs(base: str | Path, other: str | Path, config: CompareConfig, nam
         common = sorted(steps[0][rank] & steps[1][rank])
         if common:
             reading = CompareConfig(**{**config.fields(), "steps": frozenset({common[0]})})  # type: ignore[arg-type]
-            loaded_base = read_dump(base, reading, progress=False, skip_damaged=True)
-            loaded_other = read_dump(other, reading, progress=False, name_map=name_map, skip_damaged=True)
+            first = frozenset({common[0]})
+            loaded_base = read_dump(base.only(first), reading, progress=False, skip_damaged=True)
+            loaded_other = read_dump(other.only(first), reading, progress=False, name_map=name_map, skip_damaged=True)
             _drop_damaged(loaded_base, loaded_other)
             return tuple(fuzzy_renames(loaded_base, loaded_other))
     return ()
@@ -396,10 +408,14 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: fl
                            ranks=bool(ranks))
     mapping = as_name_map(name_map)
     paths = (str(base), str(other), None if noise is None else str(noise))
-    chosen = windows_of(base, other, noise, config, window)
-    pairs = _fuzzy_pairs(base, other, config, mapping) if fuzzy and len(chosen) > 1 else None
-    report = compare_windows([_Window(paths, config.fields(), steps_of, mapping, pairs) for steps_of in chosen],
-                             jobs=jobs, progress=progress)
+    # Each dump is listed once, here: a window's reader is narrowed to its steps (listing a dump of ten thousand
+    # step files in every window would cost more than comparing them).
+    opened = {path: DumpReader(path) for path in paths if path is not None}
+    readers = (opened[paths[0]], opened[paths[1]], None if paths[2] is None else opened[paths[2]])
+    chosen = windows_of(*readers, config, window)
+    pairs = _fuzzy_pairs(readers, config, mapping) if fuzzy and len(chosen) > 1 else None
+    report = compare_windows([_Window(paths, _narrowed(readers, steps_of), config.fields(), steps_of, mapping, pairs)
+                              for steps_of in chosen], jobs=jobs, progress=progress)
     if not skip_damaged and any(report.damaged.values()):
         raise DamagedSteps([(StepFile(Path(item.path), item.rank, item.step, True),
                              DumpFormatError(item.path, item.line, item.problem))

@@ -102,6 +102,15 @@ class DumpReader:
         self._lone = path.is_file()
         self._ranks, self._files = _scan(path)
 
+    def only(self, steps: frozenset[int] | set[int]) -> "DumpReader":
+        """The same dump listed with only the finished files of ``steps`` (and every unfinished one), not listed
+        again: what one window of a comparison reads."""
+        narrowed = object.__new__(DumpReader)
+        narrowed.path, narrowed._lone, narrowed._ranks = self.path, self._lone, list(self._ranks)
+        narrowed._files = [item for item in self._files if not item.finished or item.step in steps]
+        narrowed.damaged = []
+        return narrowed
+
     def step_files(self, *, include_partial: bool = False) -> list[StepFile]:
         """The step files, sorted by (rank, step); a lone step file is returned finished or not."""
         return [item for item in self._files if item.finished or include_partial or self._lone]
