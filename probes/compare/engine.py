@@ -215,7 +215,7 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_
     did not reach is reported as a different step count, not as thousands of divergences.
     """
     candidates: list[tuple[tuple[int, int, int, int], Divergence]] = []
-    diverged = np.flatnonzero(report.records.diverged)
+    diverged = report.records.diverged_rows()
     if len(diverged):
         first_value = report.records[int(diverged[0])]
         candidates.append((execution_order(first_value.step, first_value.phase, first_value.seq, first_value.rank),

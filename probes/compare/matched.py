@@ -2,50 +2,25 @@
 
     records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
     records[0]; records.take([3, 7]); records.worst(10)   # RecordDiff objects, built when read
+    for offset, chunk in records.chunks(): ...           # the arrays a part at a time (what reports read)
+
+A comparison read in windows keeps its arrays on disk, a file per window and array (SpilledRecordDiffs): the
+report's tables and plots read them a window at a time (``chunks``), so memory does not grow with the dumps.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
 
 from .results import CellView, RecordDiff
 
-__all__ = ["RecordDiffs"]
-
-
-def _concatenated(pieces: list[np.ndarray]) -> np.ndarray:
-    """The pieces one after the other, integers as int32 where they fit (keys and codes), each piece let go
-    once copied: joining ten million records never holds them twice."""
-    narrow = all(piece.dtype.kind == "i" and (not piece.size or (piece.min() >= -(1 << 31) and piece.max() < 1 << 31))
-                 for piece in pieces)
-    dtype = np.int32 if narrow else np.result_type(*pieces) if pieces else np.float64
-    out = np.empty((sum(len(piece) for piece in pieces), *(pieces[0].shape[1:] if pieces else ())), dtype)
-    start = 0
-    while pieces:
-        piece = pieces.pop(0)
-        out[start:start + len(piece)] = piece
-        start += len(piece)
-    return out
-
-
-def _handed_over(part: "RecordDiffs", name: str) -> np.ndarray:
-    """A part's array, which the part gives up (``joined`` consumes its parts)."""
-    values = getattr(part, name)
-    setattr(part, name, None)
-    return values
-
-
-def _cleared(items: list[Any], index: int) -> Any:
-    value, items[index] = items[index], None
-    return value
-
-
-def _unbuildable(rows: np.ndarray) -> list[RecordDiff]:
-    raise LookupError("a detached window's records are built in the window (RecordDiffs.detached)")
+__all__ = ["RecordDiffs", "SpilledRecordDiffs", "spill"]
 
 
 class RecordDiffs(Sequence[RecordDiff]):
@@ -90,49 +65,10 @@ class RecordDiffs(Sequence[RecordDiff]):
 
     _ARRAYS = ("rank", "step", "seq", "ratio", "diverged", "rel_error")
 
-    def detached(self, rows: np.ndarray) -> "RecordDiffs":
-        """The same arrays, with the RecordDiffs of ``rows`` built and no link to the dumps (it pickles):
-        what one window of a comparison hands on. ``moments`` are left out (``joined`` takes them apart)."""
-        self.take(rows)
-        part = RecordDiffs(**{name: getattr(self, name) for name in self._ARRAYS}, phase=self.phase, name=self.name,
-                           labels=(list(self.labels[0]), list(self.labels[1])), build=_unbuildable,
-                           worst=None if self._worst is None else (list(self._worst[0]), *self._worst[1:]))
-        part._built = {row: self._built[row] for row in np.unique(rows).tolist()}
-        return part
-
-    @classmethod
-    def joined(cls, parts: Sequence["RecordDiffs"], build: Callable[[np.ndarray], list[RecordDiff]],
-               moments: Mapping[tuple[str, str], Any] | None,
-               worst_values: tuple[Any, Any] | None = None) -> "RecordDiffs":
-        """The records of ``parts`` one after the other (``detached`` windows, in execution order); records not
-        built in a part are built by ``build`` (rows of the whole); the parts are consumed. ``worst_values``: the worst metric's base and
-        other values of every record, read by rows (``views``), where the parts no longer hold them. Keys and
-        codes are int32 where they fit: a comparison of ten million records keeps these arrays."""
-        labels: tuple[dict[str, int], dict[str, int]] = ({}, {})
-        codes: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
-        for part in parts:
-            for which, (found, part_codes) in enumerate(zip(part.labels, (part.phase, part.name))):
-                lookup = np.array([labels[which].setdefault(label, len(labels[which])) for label in found], np.int64)
-                codes[which].append(lookup[part_codes] if len(part_codes) else np.zeros(0, np.int64))
-        sizes = [len(part) for part in parts]
-        arrays = {name: _concatenated([_handed_over(part, name) for part in parts]) for name in cls._ARRAYS}
-        worst = None
-        if all(part._worst is not None for part in parts):
-            metrics = parts[0]._worst[0]  # type: ignore[index]
-            worsts = [list(part._worst) for part in parts]  # type: ignore[arg-type]
-            for part in parts:
-                part._worst = None
-            worst = (metrics, *(worst_values[i - 2] if worst_values is not None and i in (2, 3) else
-                                _concatenated([_cleared(item, i) for item in worsts])
-                                for i in range(1, 5)))
-        joined = cls(**arrays, phase=_concatenated(codes[0]), name=_concatenated(codes[1]),
-                     labels=(list(labels[0]), list(labels[1])), build=build, worst=worst,  # type: ignore[arg-type]
-                     moments=moments)
-        offset = 0
-        for part, size in zip(parts, sizes):
-            joined._built.update((row + offset, record) for row, record in part._built.items())
-            offset += size
-        return joined
+    def built(self, rows: np.ndarray) -> dict[int, RecordDiff]:
+        """The RecordDiff objects of ``rows`` by row (built now where they were not): what a window hands on."""
+        rows = np.unique(np.asarray(rows, np.int64))
+        return dict(zip(rows.tolist(), self.take(rows)))
 
     def __len__(self) -> int:
         return len(self.ratio)
@@ -197,8 +133,150 @@ class RecordDiffs(Sequence[RecordDiff]):
         code = phases.index(phase) if phase in phases else -1
         return (self.rank == rank) & (self.step == step) & (self.phase == code)
 
+    def chunks(self) -> Iterator[tuple[int, "RecordDiffs"]]:
+        """(row of its first record, the records) of each part the arrays are read in, in order: here the whole."""
+        yield 0, self
+
+    def diverged_rows(self) -> np.ndarray:
+        """The rows of the diverged records, in execution order."""
+        return np.concatenate([offset + np.flatnonzero(chunk.diverged) for offset, chunk in self.chunks()] or
+                              [np.zeros(0, np.int64)]).astype(np.int64)
+
+    def rows_where(self, *, rank: int, step: int, phase: str) -> np.ndarray:
+        """The rows of the records of one rank, step and phase."""
+        return np.concatenate([offset + np.flatnonzero(chunk.where(rank=rank, step=step, phase=phase))
+                               for offset, chunk in self.chunks()] or [np.zeros(0, np.int64)]).astype(np.int64)
+
     def worst(self, count: int) -> list[RecordDiff]:
         """The ``count`` records with the largest ratio above 0, largest first (ties: execution order)."""
-        rows = np.flatnonzero(self.ratio > 0)
-        return self.take(rows[np.argsort(-self.ratio[rows], kind="stable")][:count])
+        rows, ratios = [], []
+        for offset, chunk in self.chunks():  # each part's best, then the best of those: the same records
+            positive = np.flatnonzero(chunk.ratio > 0)
+            best = positive[np.argsort(-chunk.ratio[positive], kind="stable")][:count]
+            rows.append(offset + best)
+            ratios.append(np.asarray(chunk.ratio[best], np.float64))
+        if not rows:
+            return []
+        found, ratio = np.concatenate(rows).astype(np.int64), np.concatenate(ratios)
+        return self.take(found[np.argsort(-ratio, kind="stable")][:count])
 
+
+_ARRAY_FILES = RecordDiffs._ARRAYS + ("phase", "name")
+_WORST_FILES = ("worst_code", "worst_base", "worst_other", "worst_null")
+
+
+def spill(records: RecordDiffs, directory: str | Path, prefix: str) -> None:
+    """Writes the arrays of ``records`` (verdicts, codes, the worst metrics, the moments) to ``directory``, a
+    ``.npy`` file each named ``<prefix>.<array>``: what ``SpilledRecordDiffs`` reads back."""
+    directory = Path(directory)
+    arrays = {name: getattr(records, name) for name in _ARRAY_FILES}
+    if records._worst is not None:
+        arrays.update(zip(_WORST_FILES, records._worst[1:]))
+    for (run, moment), values in (records.moments or {}).items():
+        arrays[f"moment.{run}.{moment}"] = values
+    for name, values in arrays.items():
+        if values.dtype.kind == "i" and values.dtype.itemsize > 4 and (not values.size or (
+                values.min() >= -(1 << 31) and values.max() < 1 << 31)):
+            values = values.astype(np.int32)  # keys and codes: half the bytes to write and read back
+        np.save(directory / f"{prefix}.{name}.npy", np.ascontiguousarray(values), allow_pickle=False)
+
+
+class SpilledRecordDiffs(RecordDiffs):
+    """The RecordDiffs of several windows, their arrays in ``.npy`` files (``spill``), read a window at a time.
+
+        records = SpilledRecordDiffs(directory, parts, build)  # parts: (prefix, count, labels, worst metric names,
+                                                               #         moments, built RecordDiffs by row)
+        for offset, chunk in records.chunks(): chunk.ratio.max()
+
+    The array attributes (``ratio``, ``step``, ...) read every window into one array: for small comparisons;
+    reports read ``chunks``. ``directory`` (a TemporaryDirectory) is removed with this object.
+    """
+
+    def __init__(self, directory: tempfile.TemporaryDirectory, parts: Sequence[tuple[str, int, tuple[Sequence[str],
+                 Sequence[str]], Sequence[str] | None, Sequence[tuple[str, str]], Mapping[int, RecordDiff]]],
+                 build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
+        self._directory = directory
+        labels: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._parts: list[tuple[str, int, np.ndarray, np.ndarray, Sequence[str] | None, tuple[tuple[str, str], ...]]] = []
+        self._built: dict[int, RecordDiff] = {}
+        offset = 0
+        for prefix, count, part_labels, worst_names, moments, built in parts:
+            lookups = [np.array([labels[which].setdefault(label, len(labels[which])) for label in found], np.int32)
+                       for which, found in enumerate(part_labels)]
+            self._parts.append((prefix, count, lookups[0], lookups[1], worst_names, tuple(moments)))
+            self._built.update((row + offset, record) for row, record in built.items())
+            offset += count
+        self._count = offset
+        self.labels = (list(labels[0]), list(labels[1]))
+        self._build = build
+        self._worst = None  # read per chunk
+        self.moments = None
+        self._diverged: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def chunks(self) -> Iterator[tuple[int, RecordDiffs]]:
+        offset = 0
+        for prefix, count, phases, names, worst_names, moments in self._parts:
+            yield offset, self._chunk(prefix, count, phases, names, worst_names, moments, offset)
+            offset += count
+
+    def _chunk(self, prefix: str, count: int, phases: np.ndarray, names: np.ndarray, worst_names: Sequence[str] | None,
+               moments: Sequence[tuple[str, str]], offset: int) -> RecordDiffs:
+        return _Chunk(Path(self._directory.name), prefix, (phases, names), worst_names, moments, self.labels,
+                      lambda rows: self.take(np.asarray(rows, np.int64) + offset))
+
+    def diverged_rows(self) -> np.ndarray:
+        if self._diverged is None:  # read by the counts, the JSON and the tables: once
+            self._diverged = super().diverged_rows()
+        return self._diverged
+
+    def _joined(self, name: str) -> np.ndarray:
+        parts = [getattr(chunk, name) for _, chunk in self.chunks()]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    rank = property(lambda self: self._joined("rank"))  # type: ignore[assignment]
+    step = property(lambda self: self._joined("step"))
+    seq = property(lambda self: self._joined("seq"))
+    phase = property(lambda self: self._joined("phase"))
+    name = property(lambda self: self._joined("name"))
+    ratio = property(lambda self: self._joined("ratio"))
+    diverged = property(lambda self: self._joined("diverged"))
+    rel_error = property(lambda self: self._joined("rel_error"))
+
+
+
+class _Chunk(RecordDiffs):
+    """One window's RecordDiffs, each array read from its file when first used (a pass reads only its arrays);
+    phase and name codes turned into the joined ones."""
+
+    def __init__(self, directory: Path, prefix: str, lookups: tuple[np.ndarray, np.ndarray],
+                 worst_names: Sequence[str] | None, moments: Sequence[tuple[str, str]],
+                 labels: tuple[Sequence[str], Sequence[str]], build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
+        self._files = (directory, prefix)
+        self._lookups, self._worst_names, self._moment_keys = lookups, worst_names, moments
+        self.labels = labels
+        self._build = build
+        self._built = {}
+
+    def _load(self, name: str) -> np.ndarray:
+        directory, prefix = self._files
+        return np.load(directory / f"{prefix}.{name}.npy", allow_pickle=False)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in RecordDiffs._ARRAYS:
+            value: Any = self._load(name)
+        elif name in ("phase", "name"):
+            codes = self._load(name)
+            lookup = self._lookups[0 if name == "phase" else 1]
+            value = lookup[codes] if len(codes) else np.zeros(0, np.int32)
+        elif name == "_worst":
+            value = None if self._worst_names is None else (list(self._worst_names),
+                                                            *(self._load(item) for item in _WORST_FILES))
+        elif name == "moments":
+            value = {key: self._load(f"moment.{key[0]}.{key[1]}") for key in self._moment_keys} or None
+        else:
+            raise AttributeError(name)
+        setattr(self, name, value)
+        return value

@@ -66,22 +66,29 @@ class Grid:
     steps: list[int]
     ratios: dict[Row, float]  # the largest |diff| / tolerance of each row over the steps
     records: RecordDiffs
-    row_of: np.ndarray  # per matched record, its index in ``rows``
     missing: dict[tuple[Row, int], str]  # "only in base" / "only in other" cells
 
     @classmethod
     def build(cls, report: Report) -> "Grid":
         records = report.records
         phases, names = records.labels
-        first, inverse = _rows_of(records)
         # A row's place is its seq at its earliest step, so rows follow the execution order of one step.
         order: dict[Row, tuple[int, int, int, int]] = {}
-        for index in first.tolist():
-            phase, name = phases[records.phase[index]], names[records.name[index]]
-            row = (int(records.rank[index]), phase, name)
-            order[row] = (phase_rank(phase), row[0], int(records.step[index]),
-                          int(records.seq[index]))
-        matched_rows = list(order)
+        worst: dict[Row, float] = {}
+        steps: set[int] = set()
+        for _, chunk in records.chunks():  # rows first seen in an earlier part keep that part's first record
+            first, inverse = _rows_of(chunk)
+            maxima = np.zeros(len(first))
+            np.maximum.at(maxima, inverse, np.asarray(chunk.ratio))
+            for index, largest in zip(first.tolist(), maxima.tolist()):
+                phase, name = phases[chunk.phase[index]], names[chunk.name[index]]
+                row = (int(chunk.rank[index]), phase, name)
+                if row not in order:
+                    order[row] = (phase_rank(phase), row[0], int(chunk.step[index]), int(chunk.seq[index]))
+                    worst[row] = largest
+                else:
+                    worst[row] = float(np.maximum(worst[row], largest))  # nan stays nan, as np.maximum.at keeps it
+            steps.update(np.unique(chunk.step).tolist())
         missing: dict[tuple[Row, int], str] = {}
         for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
             for index, (rank, step, phase, name) in enumerate(keys):
@@ -90,40 +97,50 @@ class Grid:
                 position = (phase_rank(phase), rank, step, 1 << 30 | index)
                 if row not in order or position < order[row]:
                     order[row] = position
-        rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3]))
-        place = {row: i for i, row in enumerate(rows)}
-        row_of = np.array([place[row] for row in matched_rows], np.int32)[inverse] if len(first) \
-            else np.zeros(0, np.int32)
-        worst = np.zeros(len(rows))
-        np.maximum.at(worst, row_of, records.ratio)
-        steps = sorted(set(np.unique(records.step).tolist()) | {step for _, step in missing})
-        return cls(rows, steps, dict(zip(rows, worst.tolist())), records, row_of, missing)
+        # Ties (two rows of one seq) by name, then phase: the same order however the records were read.
+        rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3], row[2], row[1]))
+        steps.update(step for _, step in missing)
+        return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing)
 
     def row_ratio(self, row: Row) -> float:
         return self.ratios[row]
+
+    def _positions(self, chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
+        """Per record of ``chunk``: ``place`` of its row, -1 for rows not in ``place``."""
+        first, inverse = _rows_of(chunk)
+        phases, names = self.records.labels
+        found = np.array([place.get((int(chunk.rank[index]), phases[chunk.phase[index]], names[chunk.name[index]]), -1)
+                          for index in first.tolist()], np.int64)
+        return found[inverse] if len(found) else np.zeros(0, np.int64)
 
     def bin_cells(self, rows: Sequence[Row], columns: Sequence[Sequence[int]]
                   ) -> dict[tuple[int, int], CellView | str]:
         """(row position, column) -> what the cell shows: the worst record of the column's steps
         (diverged first, then relative error, then ratio; the earliest on ties), else a missing label."""
-        place = {row: i for i, row in enumerate(self.rows)}
-        selected = np.full(len(self.rows), -1, np.int64)
-        for position, row in enumerate(rows):
-            selected[place[row]] = position
+        place = {row: position for position, row in enumerate(rows)}
         starts = np.array([column[0] for column in columns], np.int64)
-        which = selected[self.row_of]
-        column = np.searchsorted(starts, self.records.step, side="right") - 1
-        shown = np.flatnonzero(which >= 0)
-        cells: dict[tuple[int, int], CellView | str] = {}
-        if len(shown):
-            records = self.records
-            best = shown[np.lexsort((shown, -records.ratio[shown], -records.rel_error[shown],
-                                     ~records.diverged[shown], column[shown], which[shown]))]
-            cell = which[best] * (len(columns) + 1) + column[best]
-            keep = np.concatenate([[True], cell[1:] != cell[:-1]])
-            chosen = best[keep]
-            for index, view in zip(chosen.tolist(), records.views(chosen)):
-                cells[(int(which[index]), int(column[index]))] = view
+        best: dict[tuple[int, int], tuple[tuple[bool, float, float, int], CellView]] = {}
+        for offset, chunk in self.records.chunks():  # each part's best per cell, then the best of those
+            which = self._positions(chunk, place)
+            shown = np.flatnonzero(which >= 0)
+            if not len(shown):
+                continue
+            column = np.searchsorted(starts, chunk.step, side="right") - 1
+            ratio, rel_error = _descending(chunk.ratio[shown]), _descending(chunk.rel_error[shown])
+            calm = ~np.asarray(chunk.diverged[shown], bool)
+            order = np.lexsort((shown, ratio, rel_error, calm, column[shown], which[shown]))
+            cell = which[shown[order]] * (len(columns) + 1) + column[shown[order]]
+            keep = order[np.concatenate([[True], cell[1:] != cell[:-1]])]
+            better = []
+            for at in keep.tolist():
+                index = int(shown[at])
+                key = (bool(calm[at]), float(rel_error[at]), float(ratio[at]), offset + index)
+                where = (int(which[index]), int(column[index]))
+                if where not in best or key < best[where][0]:
+                    better.append((where, key, index))
+            for (where, key, _), view in zip(better, chunk.views(np.array([item[2] for item in better], np.int64))):
+                best[where] = (key, view)
+        cells: dict[tuple[int, int], CellView | str] = {where: view for where, (_, view) in best.items()}
         for position, row in enumerate(rows):
             for c, steps in enumerate(columns):
                 if (position, c) not in cells:
@@ -132,9 +149,32 @@ class Grid:
                         cells[(position, c)] = label
         return cells
 
-    def row_indices(self, row: Row) -> np.ndarray:
-        """The matched records of ``row``, in step order."""
-        return np.flatnonzero(self.row_of == self.rows.index(row))
+    def series(self, rows: Sequence[Row], stats: Sequence[str]) -> dict[Row, tuple[list[int], set[int],
+                                                                                   dict[tuple[str, str], list[Any]]]]:
+        """Per row: its steps (in order), the steps it diverged at, and per (run, statistic) its values there."""
+        place = {row: position for position, row in enumerate(rows)}
+        found: dict[Row, tuple[list[int], set[int], dict[tuple[str, str], list[Any]]]] = {
+            row: ([], set(), {(run, stat): [] for stat in stats for run in ("base", "other")}) for row in rows}
+        for _, chunk in self.records.chunks():
+            which = self._positions(chunk, place)
+            for row, position in place.items():
+                indices = np.flatnonzero(which == position)
+                if not len(indices):
+                    continue
+                steps, diverged, values = found[row]
+                at = np.asarray(chunk.step[indices])
+                steps += at.tolist()
+                diverged.update(at[np.asarray(chunk.diverged[indices], bool)].tolist())
+                for (run, stat), listed in values.items():
+                    listed += chunk.value(indices, run, stat)
+        return found
+
+
+def _descending(values: np.ndarray) -> np.ndarray:
+    """Sort keys that put the largest value first, nan last (as ``-values`` sorts in a lexsort)."""
+    keys = -np.asarray(values, np.float64)
+    keys[np.isnan(keys)] = np.inf
+    return keys
 
 
 def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
@@ -383,15 +423,15 @@ def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
     first = report.first_divergence
     multi_rank = len({row[0] for row in grid.rows}) > 1
     blocks = []
-    for row in _trajectory_rows(grid, report, config.trajectories):
-        indices = grid.row_indices(row)
-        steps = grid.records.step[indices].tolist()
-        diverged = set(grid.records.step[indices][grid.records.diverged[indices]].tolist())
+    chosen = _trajectory_rows(grid, report, config.trajectories)
+    found = grid.series(chosen, MOMENTS)
+    for row in chosen:
+        steps, diverged, values = found[row]
         mark = first.step if first is not None and (first.rank, first.phase, first.name) == row else None
         charts = []
         for stat in MOMENTS:
-            series = [("base", BASE_COLOR, grid.records.value(indices, "base", stat), ""),
-                      ("other", OTHER_COLOR, grid.records.value(indices, "other", stat), "5,3")]
+            series = [("base", BASE_COLOR, values[("base", stat)], ""),
+                      ("other", OTHER_COLOR, values[("other", stat)], "5,3")]
             charts.append(_line_chart(stat, steps, series, mark, diverged, config.max_points))
         heading = f"{row[1]} {_row_label(row, multi_rank)}"
         flag = ' <span class="bad">first divergence</span>' if mark is not None else ""

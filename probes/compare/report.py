@@ -69,12 +69,12 @@ class Report:
     @property
     def diverged_count(self) -> int:
         """How many matched records diverged."""
-        return int(self.records.diverged.sum())
+        return len(self.records.diverged_rows())
 
     @property
     def divergences(self) -> list[Divergence]:
         """Every diverged matched record, in execution order."""
-        return [record.divergence() for record in self.records.select(self.records.diverged)]
+        return [record.divergence() for record in self.records.take(self.records.diverged_rows())]
 
     @property
     def steps_only_in_base(self) -> list[int]:
@@ -92,11 +92,13 @@ class Report:
     def per_rank(self) -> dict[int, Divergence | None]:
         """Per rank compared (``ranks=True``: each rank against rank 0): its first divergence, None where it agrees."""
         found: dict[int, Divergence | None] = {rank: None for rank in sorted({*self.base_steps, *self.other_steps})}
-        diverged = np.flatnonzero(self.records.diverged)
-        for rank in found:
-            rows = diverged[self.records.rank[diverged] == rank]
-            if len(rows):
-                found[rank] = self.records[int(rows[0])].divergence()
+        for offset, chunk in self.records.chunks():
+            diverged = np.flatnonzero(chunk.diverged)
+            ranks = np.asarray(chunk.rank[diverged])
+            for rank in found:
+                rows = diverged[ranks == rank]
+                if found[rank] is None and len(rows):
+                    found[rank] = self.records[offset + int(rows[0])].divergence()
         first = self.first_divergence
         if first is not None and found.get(first.rank) is None:
             found[first.rank] = first  # a record on one side only
@@ -111,21 +113,31 @@ class Report:
         return list(cached[1])
 
     def _per_step(self) -> list[StepSummary]:
-        records = self.records
-        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(np.unique(records.step).tolist()))
-        # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
-        by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
-        found, first = np.unique(records.step[by_step], return_index=True)
-        worst = dict(zip(found.tolist(), records.take(by_step[first])))
-        index = np.searchsorted(steps, records.step)
-        matched = np.bincount(index, minlength=len(steps))
-        diverged = np.bincount(index, weights=records.diverged, minlength=len(steps))
+        matched: Counter[int] = Counter()
+        diverged: Counter[int] = Counter()
+        worst: dict[int, tuple[float, int]] = {}  # step -> (ratio, row) of its worst record so far
+        for offset, chunk in self.records.chunks():  # a part's counts and worst, merged in execution order
+            step, ratio = np.asarray(chunk.step), np.asarray(chunk.ratio)
+            found, first, counts = np.unique(step, return_index=True, return_counts=True)
+            # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
+            by_step = np.lexsort((np.arange(len(step)), -ratio, step))
+            best = by_step[np.unique(step[by_step], return_index=True)[1]]
+            diverged_counts = np.bincount(np.searchsorted(found, step), weights=np.asarray(chunk.diverged),
+                                          minlength=len(found))
+            for key, count, bad, row in zip(found.tolist(), counts.tolist(), diverged_counts.tolist(), best.tolist()):
+                matched[key] += count
+                diverged[key] += int(bad)
+                if key not in worst or ratio[row] > worst[key][0] or (np.isnan(worst[key][0]) and not np.isnan(ratio[row])):
+                    worst[key] = (float(ratio[row]), offset + row)
+        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(matched))
+        rows = [row for _, row in worst.values()]
+        records = dict(zip(worst, self.records.take(rows)))
         only_base = Counter(key[1] for key in self.only_in_base)
         only_other = Counter(key[1] for key in self.only_in_other)
         norms = self._grad_norms()
-        return [StepSummary(step, int(matched[i]), int(diverged[i]), only_base[step], only_other[step], worst.get(step),
+        return [StepSummary(step, matched[step], diverged[step], only_base[step], only_other[step], records.get(step),
                             norms.get(step))
-                for i, step in enumerate(steps)]
+                for step in steps]
 
     def _grad_norms(self) -> dict[int, GradNorm]:
         """Per step the global gradient norms of both runs, on the lowest rank either run has one for."""
@@ -140,11 +152,14 @@ class Report:
         first = self.first_divergence
         if first is None:
             return None
-        records = self.records
-        phases = list(records.labels[0])
-        at_step = records.step == first.step
-        recorded = {phases[code] for code in np.unique(records.phase[at_step]).tolist()}
-        differing = {phases[code] for code in np.unique(records.phase[at_step & records.diverged]).tolist()}
+        phases = list(self.records.labels[0])
+        recorded: set[str] = set()
+        differing: set[str] = set()
+        for _, chunk in self.records.chunks():
+            at_step = np.asarray(chunk.step) == first.step
+            if at_step.any():
+                recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}
+                differing |= {phases[code] for code in np.unique(chunk.phase[at_step & chunk.diverged]).tolist()}
         base_steps, other_steps = self.base_steps, self.other_steps
         for rank, step, phase, _ in (*self.only_in_base, *self.only_in_other):
             if step == first.step:
@@ -191,7 +206,7 @@ class Report:
             "damaged": {side: [item.to_json() for item in self.damaged.get(side, [])]
                         for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
             "per_step": [summary.to_json() for summary in self.per_step()],
-            "divergences": [record.to_json() for record in self.records.select(self.records.diverged)],
+            "divergences": [record.to_json() for record in self.records.take(self.records.diverged_rows())],
         }
 
 

@@ -210,7 +210,7 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
                 f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
                 f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else ""),
              f"  kind: {kind_line(report)}"]
-    neighbours = report.records.select(report.records.where(rank=first.rank, step=first.step, phase=first.phase))
+    neighbours = report.records.take(report.records.rows_where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)
     if at is None:  # a missing record: show the matched records that precede it
         at = sum(1 for r in neighbours if (r.seq or 0) < (first.seq or 0))

@@ -9,16 +9,17 @@
 Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look
 at one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about
 ``window`` records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and
-reduced to its verdict arrays and the RecordDiffs a report shows (every diverged record, each step's worst,
-the worst records, those around the window's first divergence), then the windows are joined in step
-order, which is execution order. The moments the trajectory plots read are kept in a temporary file; a
-record nobody built is rebuilt by comparing its window again. Fuzzy pairs are found once, on the step
+reduced: its arrays (verdicts, keys, the moments the plots read) written to a temporary directory, a file
+per array (``matched.spill``), and the RecordDiffs a report shows built (every diverged record, each step's
+worst, the worst records, those around the window's first divergence). The windows are joined in step order,
+which is execution order, as a SpilledRecordDiffs whose tables and plots read the arrays a window at a time:
+memory grows with the window, not with the dumps. A record nobody built is rebuilt by comparing its window
+again. Fuzzy pairs are found once, on the step
 fuzzy alignment always uses, and applied in every window. With one window this is ``engine`` alone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import tempfile
@@ -40,7 +41,7 @@ from ..utils.progress import progress_meter
 from .align import fuzzy_renames
 from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded
-from .matched import RecordDiffs
+from .matched import SpilledRecordDiffs, spill
 from .names import NameMap, NameMapLike, as_name_map
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
@@ -65,10 +66,14 @@ class _Window:
 
 @dataclass
 class _Part:
-    """One window's comparison, reduced to what the joined report needs."""
+    """One window's comparison, reduced to what the joined report needs: its arrays are in the spill directory
+    (``matched.spill``), its RecordDiffs those a report shows (``_reduced``)."""
 
-    records: RecordDiffs
-    moments: dict[tuple[str, str], np.ndarray] | None
+    count: int
+    labels: tuple[list[str], list[str]]
+    worst_names: list[str] | None
+    moments: list[tuple[str, str]]
+    built: dict[int, RecordDiff]
     only_in_base: list[RecordKey]
     only_in_other: list[RecordKey]
     base_steps: dict[int, list[int]]
@@ -108,8 +113,9 @@ def _drop_damaged(base: LoadedDump, other: LoadedDump) -> None:
     drop_steps(other, damaged[0])
 
 
-def _reduced(window: _Window) -> _Part:
-    """The window compared and reduced (run in a worker process when there are jobs)."""
+def _reduced(window: _Window, directory: str, index: int) -> _Part:
+    """The window compared, its arrays written to ``directory`` and the rest reduced (run in a worker process
+    when there are jobs): the records the report shows are built here, where the dumps are read."""
     report = _compare(window)
     records = report.records
     rows = [np.flatnonzero(records.diverged)]
@@ -123,67 +129,13 @@ def _reduced(window: _Window) -> _Part:
     first = report.first_divergence
     if first is not None:
         rows.append(np.flatnonzero(records.where(rank=first.rank, step=first.step, phase=first.phase)))
-    detached = records.detached(np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64))
-    return _Part(detached, None if records.moments is None else dict(records.moments), report.only_in_base,
-                 report.only_in_other, report.base_steps, report.other_steps, report.unfinished,
-                 report.noise_unmatched, report.zero_grads, first, report.first_nonfinite,
-                 [rename for rename in report.renamed if rename.how == "map"], report.damaged, report.grad_norms)
-
-
-class _SpilledMoments(Mapping[tuple[str, str], "_SpilledColumn"]):
-    """The windows' moments (and the worst metrics' values) in a temporary file each, read back for the rows
-    asked: the trajectories' and the heatmap cells'."""
-
-    def __init__(self) -> None:
-        self._directory = tempfile.TemporaryDirectory(prefix="probes-compare-")
-        self._keys: list[tuple[str, str]] | None = None
-        self._files: list[np.ndarray] = []
-        self._offsets = [0]
-        self._hidden: frozenset[tuple[str, str]] = frozenset()
-
-    def add(self, moments: Mapping[tuple[str, str], np.ndarray], count: int) -> None:
-        if self._keys is None:
-            self._keys = list(moments)
-        path = Path(self._directory.name) / f"{len(self._files)}.npy"
-        np.save(path, np.stack([moments[key] for key in self._keys], axis=1) if count else
-                np.zeros((0, len(self._keys))))
-        self._files.append(np.load(path, mmap_mode="r"))
-        self._offsets.append(self._offsets[-1] + count)
-
-    def gather(self, key: tuple[str, str], rows: np.ndarray) -> np.ndarray:
-        assert self._keys is not None
-        column = self._keys.index(key)
-        rows = np.asarray(rows, np.int64)
-        part = np.searchsorted(self._offsets, rows, side="right") - 1
-        out = np.empty(len(rows))
-        for index in np.unique(part).tolist():
-            at = part == index
-            out[at] = self._files[index][rows[at] - self._offsets[index], column]
-        return out
-
-    def __getitem__(self, key: tuple[str, str]) -> "_SpilledColumn":
-        if self._keys is None or key not in self._keys or key in self._hidden:
-            raise KeyError(key)
-        return _SpilledColumn(self, key)
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(key for key in self._keys or () if key not in self._hidden)
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
-
-    def hide(self, keys: Iterable[tuple[str, str]]) -> None:
-        """These columns are no longer listed (the caller took them on its own); the files stay."""
-        self._hidden = frozenset(keys)
-
-
-@dataclass(frozen=True)
-class _SpilledColumn:
-    spilled: _SpilledMoments
-    key: tuple[str, str]
-
-    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
-        return self.spilled.gather(self.key, rows)
+    spill(records, directory, str(index))
+    return _Part(len(records), (list(records.labels[0]), list(records.labels[1])),
+                 None if records._worst is None else list(records._worst[0]), list(records.moments or ()),
+                 records.built(np.concatenate(rows)), report.only_in_base, report.only_in_other, report.base_steps,
+                 report.other_steps, report.unfinished, report.noise_unmatched, report.zero_grads, first,
+                 report.first_nonfinite, [rename for rename in report.renamed if rename.how == "map"], report.damaged,
+                 report.grad_norms)
 
 
 def windows_of(base: str | Path | DumpReader, other: str | Path | DumpReader, noise: str | Path | DumpReader | None,
@@ -221,43 +173,34 @@ def compare_windows(windows: Sequence[_Window], *, jobs: int = 1, progress: bool
         return _compare(windows[0], progress)
     jobs = max(1, min(jobs, len(windows)))
     meter = progress_meter(f"comparing {len(windows)} windows", len(windows), progress)
-    spilled = _SpilledMoments()
+    directory = tempfile.TemporaryDirectory(prefix="probes-compare-")
     parts: list[_Part] = []
     try:
-        for done, part in enumerate(_each(windows, jobs), 1):
-            kept = dict(part.moments or {})
-            worst = part.records._worst
-            if worst is not None:  # read only for the heatmap cells shown: kept with the moments
-                kept[_WORST_BASE], kept[_WORST_OTHER] = worst[2], worst[3]
-                part.records._worst = (worst[0], worst[1], None, None, worst[4])
-            if kept:
-                spilled.add(kept, len(part.records))
-            part.moments = None
+        for done, part in enumerate(_each(windows, jobs, directory.name), 1):
             parts.append(part)
-            if done % 16 == 0:
-                _give_back_memory()
             if meter:
                 meter.update(done)
+    except BaseException:
+        directory.cleanup()
+        raise
     finally:
         if meter:
             meter.close()
-    return _joined(windows, parts, spilled if len(spilled) else None)
+    return _joined(windows, parts, directory)
 
 
-_WORST_BASE, _WORST_OTHER = ("worst", "base"), ("worst", "other")  # spilled beside the moments
-
-
-def _each(windows: Sequence[_Window], jobs: int) -> Iterable[_Part]:
+def _each(windows: Sequence[_Window], jobs: int, directory: str) -> Iterable[_Part]:
+    arguments = (windows, [directory] * len(windows), range(len(windows)))
     if jobs == 1:
-        return map(_reduced, windows)
+        return map(_reduced, *arguments)
     # fork: a worker starts in milliseconds with everything imported; the windows come back in order.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-    return _pooled(windows, jobs, context)
+    return _pooled(arguments, jobs, context)
 
 
-def _pooled(windows: Sequence[_Window], jobs: int, context: Any) -> Iterator[_Part]:
+def _pooled(arguments: tuple[Sequence[Any], ...], jobs: int, context: Any) -> Iterator[_Part]:
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_one_thread) as pool:
-        yield from pool.map(_reduced, windows)
+        yield from pool.map(_reduced, *arguments)
 
 
 def _one_thread() -> None:
@@ -266,8 +209,8 @@ def _one_thread() -> None:
     pa.set_io_thread_count(1)
 
 
-def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _SpilledMoments | None) -> Report:
-    offsets = np.cumsum([0] + [len(part.records) for part in parts])
+def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempfile.TemporaryDirectory) -> Report:
+    offsets = np.cumsum([0] + [part.count for part in parts])
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
         """Records no window built: their windows compared again."""
@@ -279,13 +222,8 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _Spille
             found.update(zip(wanted.tolist(), again.take(wanted - offsets[index])))
         return [found[row] for row in rows.tolist()]
 
-    worst_values = None
-    if moments is not None and _WORST_BASE in moments:
-        worst_values = (moments[_WORST_BASE], moments[_WORST_OTHER])
-        moments.hide((_WORST_BASE, _WORST_OTHER))
-        moments = moments if len(moments) else None
-    records = RecordDiffs.joined([part.records for part in parts], build, moments, worst_values)  # consumed
-    _give_back_memory()
+    records = SpilledRecordDiffs(directory, [(str(index), part.count, part.labels, part.worst_names, part.moments,
+                                              part.built) for index, part in enumerate(parts)], build)
     first = parts[0]
     renamed: dict[str, Rename] = {}
     for part in parts:
@@ -310,15 +248,6 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], moments: _Spille
     report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
                                           if part.first_nonfinite.get(side)), None) for side in ("base", "other")}
     return report
-
-
-def _give_back_memory() -> None:
-    """Returns the windows' freed memory to the system: glibc keeps freed small arrays in its heap otherwise, and
-    the reports' work would come on top of them."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
 
 
 def _union(found: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:
