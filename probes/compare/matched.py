@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -20,7 +21,76 @@ import numpy as np
 
 from .results import CellView, RecordDiff
 
-__all__ = ["RecordDiffs", "SpilledRecordDiffs", "spill"]
+__all__ = ["RecordDiffs", "SpilledRecordDiffs", "Summary", "spill"]
+
+TOP = 32  # per part, the records of the largest ratio a Summary keeps (``worst`` of up to as many reads them)
+Row = tuple[int, str, str]  # rank, phase, name: a row of the heatmap, a line of the trajectories
+
+
+@dataclass
+class Summary:
+    """What the report's tables and plots read of every record of a part of them (a window), computed once where
+    the part's arrays are in memory (``RecordDiffs.summary``) and merged part by part, in execution order:
+    per step its records, diverged records and worst record; the part's records of the largest ratio; its
+    diverged records; per row (rank, phase, name) its first record's step and seq and its largest ratio.
+    Rows (of the part) are numbered in the order of ``rows``; ``RecordDiffs.row_of`` gives each record's."""
+
+    steps: np.ndarray  # distinct steps, sorted
+    matched: np.ndarray  # per step: records
+    diverged: np.ndarray  # per step: diverged records
+    worst_rows: np.ndarray  # per step: the first record (execution order) of the largest ratio
+    worst_ratios: np.ndarray
+    top_rows: np.ndarray  # the TOP records of the largest ratio above 0, largest first (ties: execution order)
+    top_ratios: np.ndarray
+    diverged_rows: np.ndarray
+    rows: list[Row]
+    row_first: np.ndarray  # per row: (step, seq) of its first record
+    row_max: np.ndarray  # per row: its largest ratio (nan when one is nan, as np.maximum keeps it)
+
+
+def _summarised(records: "RecordDiffs") -> tuple[Summary, np.ndarray]:
+    """(the Summary of ``records``, per record its row)."""
+    step, ratio, diverged = np.asarray(records.step), np.asarray(records.ratio), np.asarray(records.diverged, bool)
+    steps, counts = np.unique(step, return_counts=True)
+    # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
+    by_step = np.lexsort((np.arange(len(step)), -ratio, step))
+    worst = by_step[np.unique(step[by_step], return_index=True)[1]]
+    bad = np.bincount(np.searchsorted(steps, step), weights=diverged, minlength=len(steps)).astype(np.int64)
+    positive = np.flatnonzero(ratio > 0)
+    top = positive[np.argsort(-ratio[positive], kind="stable")][:TOP]
+    first, row_of = _rows_of(records)
+    row_max = np.zeros(len(first))
+    np.maximum.at(row_max, row_of, ratio)
+    phases, names = records.labels
+    rows = [(int(records.rank[index]), phases[records.phase[index]], names[records.name[index]])
+            for index in first.tolist()]
+    row_first = np.stack([step[first], np.asarray(records.seq)[first]], axis=1) if len(first) else np.zeros((0, 2), np.int64)
+    return Summary(steps, counts, bad, worst, ratio[worst], top, ratio[top], np.flatnonzero(diverged), rows,
+                   row_first.astype(np.int64), row_max), row_of.astype(np.int32)
+
+
+def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
+    """(the first record of each (rank, phase, name), in that key's order; per record its key's index): what
+    ``np.unique(keys, return_index=True, return_inverse=True)`` gives, with a table of every possible key where
+    there are few (ranks x phases x names), so ten million records take no sort and no copies of the keys."""
+    count = len(records.rank)
+    ranks = records.rank.astype(np.int64)
+    low = int(ranks.min()) if count else 0
+    phases, names = max(1, len(records.labels[0])), max(1, len(records.labels[1]))
+    size = (int(ranks.max()) - low + 1) * phases * names if count else 0
+    key = ((ranks - low) * phases + records.phase) * names + records.name
+    if size > 4 * count + (1 << 16):  # sparse keys: sort them
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    first_at = np.full(size, count, np.int64)
+    first_at[key[::-1]] = np.arange(count - 1, -1, -1)  # repeated keys: the last assignment, the earliest record
+    present = np.flatnonzero(first_at < count)
+    index_of = np.zeros(size, np.int32)
+    index_of[present] = np.arange(len(present))
+    return first_at[present], index_of[key]
+
+
+
 
 
 class RecordDiffs(Sequence[RecordDiff]):
@@ -46,6 +116,7 @@ class RecordDiffs(Sequence[RecordDiff]):
         self.ratio, self.diverged, self.rel_error = ratio, diverged, rel_error
         self._build = build
         self._built: dict[int, RecordDiff] = {}
+        self._summary: tuple[Summary, np.ndarray] | None = None
 
     @classmethod
     def of(cls, records: Sequence[RecordDiff]) -> "RecordDiffs":
@@ -133,28 +204,46 @@ class RecordDiffs(Sequence[RecordDiff]):
         code = phases.index(phase) if phase in phases else -1
         return (self.rank == rank) & (self.step == step) & (self.phase == code)
 
+    def summary(self) -> Summary:
+        """What the report reads of every record (``Summary``), computed once."""
+        if self._summary is None:
+            self._summary = _summarised(self)
+        return self._summary[0]
+
+    @property
+    def row_of(self) -> np.ndarray:
+        """Per record the index of its row in ``summary().rows``."""
+        self.summary()
+        return self._summary[1]  # type: ignore[index]
+
     def chunks(self) -> Iterator[tuple[int, "RecordDiffs"]]:
         """(row of its first record, the records) of each part the arrays are read in, in order: here the whole."""
         yield 0, self
 
     def diverged_rows(self) -> np.ndarray:
         """The rows of the diverged records, in execution order."""
-        return np.concatenate([offset + np.flatnonzero(chunk.diverged) for offset, chunk in self.chunks()] or
+        return np.concatenate([offset + chunk.summary().diverged_rows for offset, chunk in self.chunks()] or
                               [np.zeros(0, np.int64)]).astype(np.int64)
 
     def rows_where(self, *, rank: int, step: int, phase: str) -> np.ndarray:
         """The rows of the records of one rank, step and phase."""
         return np.concatenate([offset + np.flatnonzero(chunk.where(rank=rank, step=step, phase=phase))
-                               for offset, chunk in self.chunks()] or [np.zeros(0, np.int64)]).astype(np.int64)
+                               for offset, chunk in self.chunks() if step in chunk.summary().steps]
+                              or [np.zeros(0, np.int64)]).astype(np.int64)
 
     def worst(self, count: int) -> list[RecordDiff]:
         """The ``count`` records with the largest ratio above 0, largest first (ties: execution order)."""
         rows, ratios = [], []
         for offset, chunk in self.chunks():  # each part's best, then the best of those: the same records
-            positive = np.flatnonzero(chunk.ratio > 0)
-            best = positive[np.argsort(-chunk.ratio[positive], kind="stable")][:count]
+            if count <= TOP:
+                summary = chunk.summary()
+                best, ratio = summary.top_rows[:count], summary.top_ratios[:count]
+            else:
+                positive = np.flatnonzero(chunk.ratio > 0)
+                best = positive[np.argsort(-chunk.ratio[positive], kind="stable")][:count]
+                ratio = chunk.ratio[best]
             rows.append(offset + best)
-            ratios.append(np.asarray(chunk.ratio[best], np.float64))
+            ratios.append(np.asarray(ratio, np.float64))
         if not rows:
             return []
         found, ratio = np.concatenate(rows).astype(np.int64), np.concatenate(ratios)
@@ -170,6 +259,7 @@ def spill(records: RecordDiffs, directory: str | Path, prefix: str) -> None:
     ``.npy`` file each named ``<prefix>.<array>``: what ``SpilledRecordDiffs`` reads back."""
     directory = Path(directory)
     arrays = {name: getattr(records, name) for name in _ARRAY_FILES}
+    arrays["row"] = records.row_of
     if records._worst is not None:
         arrays.update(zip(_WORST_FILES, records._worst[1:]))
     for (run, moment), values in (records.moments or {}).items():
@@ -193,17 +283,18 @@ class SpilledRecordDiffs(RecordDiffs):
     """
 
     def __init__(self, directory: tempfile.TemporaryDirectory, parts: Sequence[tuple[str, int, tuple[Sequence[str],
-                 Sequence[str]], Sequence[str] | None, Sequence[tuple[str, str]], Mapping[int, RecordDiff]]],
+                 Sequence[str]], Sequence[str] | None, Sequence[tuple[str, str]], Mapping[int, RecordDiff], Summary]],
                  build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
         self._directory = directory
         labels: tuple[dict[str, int], dict[str, int]] = ({}, {})
-        self._parts: list[tuple[str, int, np.ndarray, np.ndarray, Sequence[str] | None, tuple[tuple[str, str], ...]]] = []
+        self._parts: list[tuple[str, int, np.ndarray, np.ndarray, Sequence[str] | None, tuple[tuple[str, str], ...],
+                                Summary]] = []
         self._built: dict[int, RecordDiff] = {}
         offset = 0
-        for prefix, count, part_labels, worst_names, moments, built in parts:
+        for prefix, count, part_labels, worst_names, moments, built, summary in parts:
             lookups = [np.array([labels[which].setdefault(label, len(labels[which])) for label in found], np.int32)
                        for which, found in enumerate(part_labels)]
-            self._parts.append((prefix, count, lookups[0], lookups[1], worst_names, tuple(moments)))
+            self._parts.append((prefix, count, lookups[0], lookups[1], worst_names, tuple(moments), summary))
             self._built.update((row + offset, record) for row, record in built.items())
             offset += count
         self._count = offset
@@ -218,13 +309,13 @@ class SpilledRecordDiffs(RecordDiffs):
 
     def chunks(self) -> Iterator[tuple[int, RecordDiffs]]:
         offset = 0
-        for prefix, count, phases, names, worst_names, moments in self._parts:
-            yield offset, self._chunk(prefix, count, phases, names, worst_names, moments, offset)
+        for prefix, count, phases, names, worst_names, moments, summary in self._parts:
+            yield offset, self._chunk(prefix, count, phases, names, worst_names, moments, summary, offset)
             offset += count
 
     def _chunk(self, prefix: str, count: int, phases: np.ndarray, names: np.ndarray, worst_names: Sequence[str] | None,
-               moments: Sequence[tuple[str, str]], offset: int) -> RecordDiffs:
-        return _Chunk(Path(self._directory.name), prefix, (phases, names), worst_names, moments, self.labels,
+               moments: Sequence[tuple[str, str]], summary: Summary, offset: int) -> RecordDiffs:
+        return _Chunk(Path(self._directory.name), prefix, (phases, names), worst_names, moments, summary, self.labels,
                       lambda rows: self.take(np.asarray(rows, np.int64) + offset))
 
     def diverged_rows(self) -> np.ndarray:
@@ -252,13 +343,21 @@ class _Chunk(RecordDiffs):
     phase and name codes turned into the joined ones."""
 
     def __init__(self, directory: Path, prefix: str, lookups: tuple[np.ndarray, np.ndarray],
-                 worst_names: Sequence[str] | None, moments: Sequence[tuple[str, str]],
+                 worst_names: Sequence[str] | None, moments: Sequence[tuple[str, str]], summary: Summary,
                  labels: tuple[Sequence[str], Sequence[str]], build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
         self._files = (directory, prefix)
+        self._part_summary = summary
         self._lookups, self._worst_names, self._moment_keys = lookups, worst_names, moments
         self.labels = labels
         self._build = build
         self._built = {}
+
+    def summary(self) -> Summary:
+        return self._part_summary
+
+    @property
+    def row_of(self) -> np.ndarray:
+        return self._load("row")
 
     def _load(self, name: str) -> np.ndarray:
         directory, prefix = self._files

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..utils.phases import phase_rank
 from .config import MOMENTS
-from .matched import RecordDiffs
+from .matched import RecordDiffs, Row
 from .report import Report
 from .results import CellView
 from .values import format_value
@@ -35,8 +35,6 @@ HEAT_STOPS = ("#ffffcc", "#ffeda0", "#fed976", "#feb24c", "#fd8d3c", "#fc4e2a", 
 HEAT_LOG_RANGE = (-9.0, 0.0)  # log10 of the relative error mapped onto the palette
 
 ELLIPSIS = "\u2026"
-
-Row = tuple[int, str, str]  # rank, phase, name
 
 
 @dataclass(frozen=True)
@@ -71,24 +69,19 @@ class Grid:
     @classmethod
     def build(cls, report: Report) -> "Grid":
         records = report.records
-        phases, names = records.labels
         # A row's place is its seq at its earliest step, so rows follow the execution order of one step.
         order: dict[Row, tuple[int, int, int, int]] = {}
         worst: dict[Row, float] = {}
         steps: set[int] = set()
         for _, chunk in records.chunks():  # rows first seen in an earlier part keep that part's first record
-            first, inverse = _rows_of(chunk)
-            maxima = np.zeros(len(first))
-            np.maximum.at(maxima, inverse, np.asarray(chunk.ratio))
-            for index, largest in zip(first.tolist(), maxima.tolist()):
-                phase, name = phases[chunk.phase[index]], names[chunk.name[index]]
-                row = (int(chunk.rank[index]), phase, name)
+            part = chunk.summary()
+            for row, (step, seq), largest in zip(part.rows, part.row_first.tolist(), part.row_max.tolist()):
                 if row not in order:
-                    order[row] = (phase_rank(phase), row[0], int(chunk.step[index]), int(chunk.seq[index]))
+                    order[row] = (phase_rank(row[1]), row[0], step, seq)
                     worst[row] = largest
                 else:
                     worst[row] = float(np.maximum(worst[row], largest))  # nan stays nan, as np.maximum.at keeps it
-            steps.update(np.unique(chunk.step).tolist())
+            steps.update(part.steps.tolist())
         missing: dict[tuple[Row, int], str] = {}
         for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
             for index, (rank, step, phase, name) in enumerate(keys):
@@ -105,13 +98,11 @@ class Grid:
     def row_ratio(self, row: Row) -> float:
         return self.ratios[row]
 
-    def _positions(self, chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
+    @staticmethod
+    def _positions(chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
         """Per record of ``chunk``: ``place`` of its row, -1 for rows not in ``place``."""
-        first, inverse = _rows_of(chunk)
-        phases, names = self.records.labels
-        found = np.array([place.get((int(chunk.rank[index]), phases[chunk.phase[index]], names[chunk.name[index]]), -1)
-                          for index in first.tolist()], np.int64)
-        return found[inverse] if len(found) else np.zeros(0, np.int64)
+        found = np.array([place.get(row, -1) for row in chunk.summary().rows], np.int64)
+        return found[chunk.row_of] if len(found) else np.zeros(0, np.int64)
 
     def bin_cells(self, rows: Sequence[Row], columns: Sequence[Sequence[int]]
                   ) -> dict[tuple[int, int], CellView | str]:
@@ -175,27 +166,6 @@ def _descending(values: np.ndarray) -> np.ndarray:
     keys = -np.asarray(values, np.float64)
     keys[np.isnan(keys)] = np.inf
     return keys
-
-
-def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
-    """(the first record of each (rank, phase, name), in that key's order; per record its key's index): what
-    ``np.unique(keys, return_index=True, return_inverse=True)`` gives, with a table of every possible key where
-    there are few (ranks x phases x names), so ten million records take no sort and no copies of the keys."""
-    count = len(records.rank)
-    ranks = records.rank.astype(np.int64)
-    low = int(ranks.min()) if count else 0
-    phases, names = max(1, len(records.labels[0])), max(1, len(records.labels[1]))
-    size = (int(ranks.max()) - low + 1) * phases * names if count else 0
-    key = ((ranks - low) * phases + records.phase) * names + records.name
-    if size > 4 * count + (1 << 16):  # sparse keys: sort them
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        return first, inverse.reshape(-1)
-    first_at = np.full(size, count, np.int64)
-    first_at[key[::-1]] = np.arange(count - 1, -1, -1)  # repeated keys: the last assignment, the earliest record
-    present = np.flatnonzero(first_at < count)
-    index_of = np.zeros(size, np.int32)
-    index_of[present] = np.arange(len(present))
-    return first_at[present], index_of[key]
 
 
 def _heat_color(record: CellView) -> str:

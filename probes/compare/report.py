@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -93,7 +94,9 @@ class Report:
         """Per rank compared (``ranks=True``: each rank against rank 0): its first divergence, None where it agrees."""
         found: dict[int, Divergence | None] = {rank: None for rank in sorted({*self.base_steps, *self.other_steps})}
         for offset, chunk in self.records.chunks():
-            diverged = np.flatnonzero(chunk.diverged)
+            diverged = chunk.summary().diverged_rows
+            if not len(diverged):
+                continue
             ranks = np.asarray(chunk.rank[diverged])
             for rank in found:
                 rows = diverged[ranks == rank]
@@ -117,18 +120,13 @@ class Report:
         diverged: Counter[int] = Counter()
         worst: dict[int, tuple[float, int]] = {}  # step -> (ratio, row) of its worst record so far
         for offset, chunk in self.records.chunks():  # a part's counts and worst, merged in execution order
-            step, ratio = np.asarray(chunk.step), np.asarray(chunk.ratio)
-            found, first, counts = np.unique(step, return_index=True, return_counts=True)
-            # Per step the first record (execution order) of the largest ratio, as max() over the records would pick.
-            by_step = np.lexsort((np.arange(len(step)), -ratio, step))
-            best = by_step[np.unique(step[by_step], return_index=True)[1]]
-            diverged_counts = np.bincount(np.searchsorted(found, step), weights=np.asarray(chunk.diverged),
-                                          minlength=len(found))
-            for key, count, bad, row in zip(found.tolist(), counts.tolist(), diverged_counts.tolist(), best.tolist()):
+            part = chunk.summary()
+            for key, count, bad, row, ratio in zip(part.steps.tolist(), part.matched.tolist(), part.diverged.tolist(),
+                                                   part.worst_rows.tolist(), part.worst_ratios.tolist()):
                 matched[key] += count
-                diverged[key] += int(bad)
-                if key not in worst or ratio[row] > worst[key][0] or (np.isnan(worst[key][0]) and not np.isnan(ratio[row])):
-                    worst[key] = (float(ratio[row]), offset + row)
+                diverged[key] += bad
+                if key not in worst or ratio > worst[key][0] or (math.isnan(worst[key][0]) and not math.isnan(ratio)):
+                    worst[key] = (ratio, offset + row)
         steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(matched))
         rows = [row for _, row in worst.values()]
         records = dict(zip(worst, self.records.take(rows)))
@@ -156,6 +154,8 @@ class Report:
         recorded: set[str] = set()
         differing: set[str] = set()
         for _, chunk in self.records.chunks():
+            if first.step not in chunk.summary().steps:
+                continue
             at_step = np.asarray(chunk.step) == first.step
             if at_step.any():
                 recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}

@@ -41,7 +41,7 @@ from ..utils.progress import progress_meter
 from .align import fuzzy_renames
 from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded
-from .matched import SpilledRecordDiffs, spill
+from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
@@ -49,7 +49,6 @@ from .results import Damaged, Divergence, RecordDiff, Rename
 
 __all__ = ["compare_dumps", "compare_windows", "windows_of"]
 
-_PREBUILT_WORST = 32  # per window, the records of the largest ratio built for ``records.worst``
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,7 @@ class _Part:
     worst_names: list[str] | None
     moments: list[tuple[str, str]]
     built: dict[int, RecordDiff]
+    summary: Summary
     only_in_base: list[RecordKey]
     only_in_other: list[RecordKey]
     base_steps: dict[int, list[int]]
@@ -118,21 +118,17 @@ def _reduced(window: _Window, directory: str, index: int) -> _Part:
     when there are jobs): the records the report shows are built here, where the dumps are read."""
     report = _compare(window)
     records = report.records
-    rows = [np.flatnonzero(records.diverged)]
-    if len(records):
-        by_step = np.lexsort((np.arange(len(records)), -records.ratio, records.step))
-        rows.append(by_step[np.unique(records.step[by_step], return_index=True)[1]])  # each step's worst
-        positive = np.flatnonzero(records.ratio > 0)
-        rows.append(positive[np.argsort(-records.ratio[positive], kind="stable")][:_PREBUILT_WORST])
-        if records._worst is not None:
-            rows.append(np.flatnonzero(records._worst[1] == 1))  # what only a RecordDiff shows (plots build them)
+    summary = records.summary()
+    rows = [summary.diverged_rows, summary.worst_rows, summary.top_rows]  # every step's worst, the worst records
+    if records._worst is not None:
+        rows.append(np.flatnonzero(records._worst[1] == 1))  # what only a RecordDiff shows (plots build them)
     first = report.first_divergence
     if first is not None:
         rows.append(np.flatnonzero(records.where(rank=first.rank, step=first.step, phase=first.phase)))
     spill(records, directory, str(index))
     return _Part(len(records), (list(records.labels[0]), list(records.labels[1])),
                  None if records._worst is None else list(records._worst[0]), list(records.moments or ()),
-                 records.built(np.concatenate(rows)), report.only_in_base, report.only_in_other, report.base_steps,
+                 records.built(np.concatenate(rows)), summary, report.only_in_base, report.only_in_other, report.base_steps,
                  report.other_steps, report.unfinished, report.noise_unmatched, report.zero_grads, first,
                  report.first_nonfinite, [rename for rename in report.renamed if rename.how == "map"], report.damaged,
                  report.grad_norms)
@@ -223,7 +219,7 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
         return [found[row] for row in rows.tolist()]
 
     records = SpilledRecordDiffs(directory, [(str(index), part.count, part.labels, part.worst_names, part.moments,
-                                              part.built) for index, part in enumerate(parts)], build)
+                                              part.built, part.summary) for index, part in enumerate(parts)], build)
     first = parts[0]
     renamed: dict[str, Rename] = {}
     for part in parts:

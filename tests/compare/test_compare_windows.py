@@ -111,7 +111,7 @@ def test_the_heatmap_rows_are_those_of_a_sort(rank_scale):
 
     import numpy as np
 
-    from probes.compare.plots import _rows_of
+    from probes.compare.matched import _rows_of
 
     rng = np.random.default_rng(0)
     count = 5000
