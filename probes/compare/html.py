@@ -19,7 +19,7 @@ from typing import Any, Collection, Iterable, Sequence
 
 from ..utils.phases import phase_rank
 from .report import Report
-from .results import ZERO_GRAD_NOTE
+from .results import ZERO_GRAD_NOTE, StepSummary
 from .values import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
 from .terminal import GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, verdict
@@ -70,6 +70,24 @@ def _zero_grad_section(report: Report, limit: int = 500) -> str:
     if len(report.zero_grads) > len(shown):
         parts.append(f'<p class="note">{len(report.zero_grads) - len(shown)} more in the JSON report.</p>')
     return "".join(parts)
+
+
+def _shown_steps(summaries: list[StepSummary], report: Report, limit: int) -> list[StepSummary]:
+    """At most ``limit`` steps, in step order: the first divergence's, those that diverged or miss records (the
+    earliest first), then those of the largest worst ratio: a long run's table stays a page."""
+    if len(summaries) <= limit:
+        return summaries
+    first = report.first_divergence
+    flagged = [i for i, s in enumerate(summaries) if s.diverged or s.only_in_base or s.only_in_other]
+    rest = sorted((i for i, s in enumerate(summaries) if not (s.diverged or s.only_in_base or s.only_in_other)),
+                  key=lambda i: -(summaries[i].worst.ratio if summaries[i].worst else 0.0))  # stable: earliest first
+    chosen = [i for i, s in enumerate(summaries) if first is not None and s.step == first.step]
+    for i in flagged + rest:
+        if len(chosen) >= limit:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return [summaries[i] for i in sorted(chosen)]
 
 
 def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
@@ -130,7 +148,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                      "|diff| / tolerance.</p>")
         parts.append(trajectories(grid, report, config))
     parts.append("<h2>Per step</h2>")
-    summaries = report.per_step()
+    every = report.per_step()
+    summaries = _shown_steps(every, report, config.max_steps)
     norms = grad_norm_cells(summaries)
     parts.append(_table(["step", "matched", "diverged", "only in base", "only in other", "worst ratio",
                          *(GRAD_NORM_HEADER if norms else []), "worst record"],
@@ -138,6 +157,10 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                           s.worst.ratio if s.worst else None, *(norms[i] if norms else []),
                           f"{s.worst.phase} {s.worst.name}" if s.worst and s.worst.ratio > 0 else "-")
                          for i, s in enumerate(summaries)], set(range(8 if norms else 6))))
+    if len(every) > len(summaries):
+        parts.append(f'<p class="note">{len(every) - len(summaries)} more steps, all within tolerance and with every '
+                     f"record in both runs, are not shown (limit {config.max_steps}); the JSON report lists every "
+                     "step (per_step).</p>")
     for label, keys in (("Only in base", report.only_in_base), ("Only in other", report.only_in_other)):
         if keys:
             shown = keys[:500]

@@ -46,6 +46,7 @@ class HtmlConfig:
     max_cells: int = 10000  # per heatmap: fewer columns for many rows, to keep the page light
     trajectories: int = 6  # layers with trajectory plots
     max_points: int = 200  # steps of a trajectory drawn point by point (hover each); beyond: reduced, see _reduced
+    max_steps: int = 500  # rows of the per-step table: steps that diverged or miss records first, then the worst
 
 
 

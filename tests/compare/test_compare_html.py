@@ -164,3 +164,16 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     assert pixels_of(image, MARK_COLOR) > 40
     # The heatmap's palette: a diverged cell is dark red, equal cells light grey.
     assert pixels_of(image, "#b10026", tolerance=30) > 50
+
+
+def test_the_per_step_table_of_a_long_run_keeps_the_steps_that_matter(tmp_path):
+    bumps = {3: {("forward", 0): 1.5}, 6: {("forward", 1): 1 + 1e-6}}  # step 3 diverges, step 6 is the worst of the rest
+    write_dump(tmp_path / "base", 0, {s: synthetic_records(s, 0) for s in range(8)})
+    write_dump(tmp_path / "other", 0, {s: synthetic_records(s, 0, bump=bumps.get(s)) for s in range(8)})
+    report = compare_dumps(tmp_path / "base", tmp_path / "other")
+    table = render_html(report, HtmlConfig(max_steps=2)).split("<h2>Per step</h2>")[1].split("</table>")[0]
+    shown = [int(cell.split(">")[1].split("<")[0]) for cell in table.split("<tr>")[2:]]
+    assert shown == [3, 6]
+    assert "6 more steps, all within tolerance and with every record in both runs, are not shown (limit 2)" in \
+        render_html(report, HtmlConfig(max_steps=2))
+    assert "more steps" not in render_html(report)  # eight steps: all shown by default
