@@ -123,3 +123,23 @@ def test_the_heatmap_rows_are_those_of_a_sort(rank_scale):
     _, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
     found_first, found_inverse = _rows_of(records)
     assert found_first.tolist() == first.tolist() and found_inverse.tolist() == inverse.tolist()
+
+
+def test_the_windows_arrays_are_on_disk_and_read_back_as_one_read_holds_them(runs):
+    import numpy as np
+
+    from probes.compare.matched import SpilledRecordDiffs
+
+    whole = compare_dumps(runs / "base", runs / "other", window=None)
+    windowed = compare_dumps(runs / "base", runs / "other", window=10, jobs=1)
+    records = windowed.records
+    assert isinstance(records, SpilledRecordDiffs) and len(list(records.chunks())) == STEPS
+    assert len(records) == len(whole.records)
+    for name in ("rank", "step", "seq", "ratio", "diverged", "rel_error"):
+        assert np.array_equal(getattr(records, name), getattr(whole.records, name)), name
+    for count in (1, 5, 100):  # 100: more than a window's summary keeps, read from the arrays
+        assert [r.to_json() for r in records.worst(count)] == [r.to_json() for r in whole.records.worst(count)]
+    first = whole.first_divergence
+    assert np.array_equal(records.rows_where(rank=first.rank, step=first.step, phase=first.phase),
+                          np.flatnonzero(whole.records.where(rank=first.rank, step=first.step, phase=first.phase)))
+    assert np.array_equal(records.diverged_rows(), np.flatnonzero(whole.records.diverged))
