@@ -8,6 +8,7 @@ Inline SVG only (no scripts): a heatmap cell's numbers are in its <title>, shown
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 from dataclasses import dataclass
@@ -111,28 +112,31 @@ class Grid:
         (diverged first, then relative error, then ratio; the earliest on ties), else a missing label."""
         place = {row: position for position, row in enumerate(rows)}
         starts = np.array([column[0] for column in columns], np.int64)
-        best: dict[tuple[int, int], tuple[tuple[bool, float, float, int], CellView]] = {}
+        width = len(columns)
+        # Per cell the sort key of its best record so far: (not diverged, -rel_error, -ratio, row), smallest wins.
+        have = np.zeros(len(rows) * width, dtype=bool)
+        keys = (np.zeros(len(have), dtype=bool), np.zeros(len(have)), np.zeros(len(have)), np.zeros(len(have), np.int64))
+        views: dict[int, CellView] = {}
         for offset, chunk in self.records.chunks():  # each part's best per cell, then the best of those
             which = self._positions(chunk, place)
             shown = np.flatnonzero(which >= 0)
             if not len(shown):
                 continue
-            column = np.searchsorted(starts, chunk.step, side="right") - 1
+            column = np.searchsorted(starts, chunk.step[shown], side="right") - 1
             ratio, rel_error = _descending(chunk.ratio[shown]), _descending(chunk.rel_error[shown])
             calm = ~np.asarray(chunk.diverged[shown], bool)
-            order = np.lexsort((shown, ratio, rel_error, calm, column[shown], which[shown]))
-            cell = which[shown[order]] * (len(columns) + 1) + column[shown[order]]
+            order = np.lexsort((shown, ratio, rel_error, calm, column, which[shown]))
+            cell = which[shown[order]] * width + column[order]
             keep = order[np.concatenate([[True], cell[1:] != cell[:-1]])]
-            better = []
-            for at in keep.tolist():
-                index = int(shown[at])
-                key = (bool(calm[at]), float(rel_error[at]), float(ratio[at]), offset + index)
-                where = (int(which[index]), int(column[index]))
-                if where not in best or key < best[where][0]:
-                    better.append((where, key, index))
-            for (where, key, _), view in zip(better, chunk.views(np.array([item[2] for item in better], np.int64))):
-                best[where] = (key, view)
-        cells: dict[tuple[int, int], CellView | str] = {where: view for where, (_, view) in best.items()}
+            cell = which[shown[keep]] * width + column[keep]
+            found = (calm[keep], rel_error[keep], ratio[keep], offset + shown[keep])
+            better = ~have[cell] | _earlier(found, tuple(key[cell] for key in keys))
+            cell = cell[better]
+            have[cell] = True
+            for key, value in zip(keys, found):
+                key[cell] = value[better]
+            views.update(zip(cell.tolist(), chunk.views(shown[keep][better])))
+        cells: dict[tuple[int, int], CellView | str] = {divmod(at, width): view for at, view in views.items()}
         for position, row in enumerate(rows):
             for c, steps in enumerate(columns):
                 if (position, c) not in cells:
@@ -162,6 +166,16 @@ class Grid:
         return found
 
 
+def _earlier(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Per position whether the key ``a`` sorts before ``b`` (tuples of arrays compared element by element)."""
+    before = np.zeros(len(a[0]), dtype=bool)
+    tied = np.ones(len(a[0]), dtype=bool)
+    for x, y in zip(a, b):
+        before |= tied & (x < y)
+        tied &= x == y
+    return before
+
+
 def _descending(values: np.ndarray) -> np.ndarray:
     """Sort keys that put the largest value first, nan last (as ``-values`` sorts in a lexsort)."""
     keys = -np.asarray(values, np.float64)
@@ -184,8 +198,13 @@ def _interpolate(stops: Sequence[str], t: float) -> str:
     position = t * (len(stops) - 1)
     index = min(int(position), len(stops) - 2)
     frac = position - index
-    a, b = (tuple(int(stop[i:i + 2], 16) for i in (1, 3, 5)) for stop in (stops[index], stops[index + 1]))
+    a, b = _rgb(stops[index]), _rgb(stops[index + 1])
     return "#" + "".join(f"{round(x + (y - x) * frac):02x}" for x, y in zip(a, b))
+
+
+@functools.lru_cache(maxsize=64)
+def _rgb(color: str) -> tuple[int, int, int]:
+    return int(color[1:3], 16), int(color[3:5], 16), int(color[5:7], 16)
 
 
 # --------------------------------------------------------------------------------------------- svg
