@@ -90,9 +90,6 @@ def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
     return first_at[present], index_of[key]
 
 
-
-
-
 class RecordDiffs(Sequence[RecordDiff]):
     """The matched records of a comparison, in execution order: the verdict of each as arrays, each
     RecordDiff built only when asked for (a comparison of a million records builds the few a report shows).
@@ -335,7 +332,6 @@ class SpilledRecordDiffs(RecordDiffs):
     ratio = property(lambda self: self._joined("ratio"))
     diverged = property(lambda self: self._joined("diverged"))
     rel_error = property(lambda self: self._joined("rel_error"))
-
 
 
 class _Chunk(RecordDiffs):

@@ -50,7 +50,6 @@ from .results import Damaged, Divergence, RecordDiff, Rename
 __all__ = ["compare_dumps", "compare_windows", "windows_of"]
 
 
-
 @dataclass(frozen=True)
 class _Window:
     """What one window compares; plain data, so it goes to another process."""
