@@ -144,11 +144,11 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
             noise: np.ndarray | None = None) -> Measured:
     """The verdicts of every pair ``rows``; ``noise``: each pair's noise level (nan: none)."""
     pairs, exact = from_columns(base, other, rows)
-    found = verdicts(evaluate(pairs, config, noise))
+    found = verdicts(evaluate(pairs, config, noise, summaries=False))
     odd = np.flatnonzero(exact)
     if len(odd):
         part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd])), config,
-                                 None if noise is None else noise[odd]))
+                                 None if noise is None else noise[odd], summaries=False))
         part.worst[:] = WORST.index("structure")  # plots build these records to show them
         found.put(odd, part)
     if config.exact:
