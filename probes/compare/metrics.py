@@ -95,40 +95,52 @@ def _column_max(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return largest
 
 
-def _rows(block: SampleBlock, which: np.ndarray) -> SampleBlock:
+def _rows(block: SampleBlock, which: np.ndarray | slice) -> SampleBlock:
     return SampleBlock(block.rows[which], block.indices[which], block.base[which], block.other[which],
                        block.valid[which])
 
 
+# Pairs scanned at a time: each row's metrics are its own, and temporaries of a MB or so are reused
+# from the allocator and the cache, where a block's worth (tens of MB) is fresh memory for every pass.
+_SCAN_ROWS = 4096
+
+
 def _scan(block: SampleBlock, config: CompareConfig, noise: np.ndarray | None, found: Samples,
           summaries: bool) -> None:
-    """The samples of the pairs of one block, into ``found``: the pairs whose samples are all valid floats with
-    a finite difference (the common case) on a shorter path, the others on the general one."""
-    raw = distance(block.base, block.other)
-    if raw.dtype.kind == "f" and block.valid.all():
+    """The samples of the pairs of one block, into ``found``, a slice of rows at a time: the pairs whose
+    samples are all valid floats with a finite difference (the common case) on a shorter path."""
+    for start in range(0, len(block.rows), _SCAN_ROWS):
+        part = _rows(block, slice(start, start + _SCAN_ROWS))
+        raw = distance(part.base, part.other)
+        if raw.dtype.kind != "f" or not part.valid.all():
+            _scan_rows(part, raw, config, noise, found, summaries, False)
+            continue
         plain = np.isfinite(raw).all(axis=1)
-        if not plain.all():
-            for which, is_plain in ((plain, True), (~plain, False)):
-                if which.any():
-                    _scan_rows(_rows(block, which), raw[which], config, noise, found, summaries, is_plain)
-            return
-        _scan_rows(block, raw, config, noise, found, summaries, True)
-    else:
-        _scan_rows(block, raw, config, noise, found, summaries, False)
+        if plain.all():
+            _scan_rows(part, raw, config, noise, found, summaries, True)
+            continue
+        for which, is_plain in ((plain, True), (~plain, False)):
+            if which.any():
+                _scan_rows(_rows(part, which), raw[which], config, noise, found, summaries, is_plain)
 
 
 def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise: np.ndarray | None,
                found: Samples, summaries: bool, plain: bool) -> None:
     """``_scan`` of pairs whose distances are ``raw``; ``plain``: every sample valid, every distance finite."""
     base, other, valid, rows = block.base, block.other, block.valid, block.rows
-    tol = tolerance(config, base, None if noise is None else noise[rows, None])
+    level = None if noise is None else noise[rows, None]
     if plain:  # no nan or inf to compare by equality, no padding: diff is raw, and its ratio can be no nan
         usable = valid
         diff = raw
+        tol = tolerance(config, base, level, np.broadcast_to(True, base.shape))
+        no_difference = diff == 0
+        # ratio(diff, tol) in place of a new block: tol >= 0 (rtol, atol >= 0), so a zero tolerance gives inf,
+        # and no difference (0 / 0 too) is set to -1: never the worst. The tolerance is taken back below.
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            position_ratio = diff / tol  # = ratio(diff, tol): tol >= 0 (rtol, atol >= 0), so 0 gives inf ...
-        position_ratio[diff == 0] = -1.0  # ... and no difference (0 / 0 too) is never the worst
+            position_ratio = np.divide(diff, tol, out=tol)
+        position_ratio[no_difference] = -1.0
     else:
+        tol = tolerance(config, base, level)
         usable = np.isfinite(raw.astype(np.float64)) & valid  # a nan or inf on either side: must be the same value
         diff = np.where(usable, raw, np.where(same(base, other), 0.0, np.inf))
         as_float = diff.astype(np.float64)
@@ -140,7 +152,9 @@ def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise
     found.has[rows] = True
     found.base[rows], found.other[rows] = worst_base, worst_other
     found.diff[rows] = difference(worst_base, worst_other)
-    found.tolerance[rows] = tol[picked, at]
+    # The tolerance is per value: that of the worst sample alone is the same number.
+    found.tolerance[rows] = tolerance(config, worst_base, None if level is None else level[:, 0]) if plain \
+        else tol[picked, at]
     if not summaries:
         return
     found.index[rows] = block.indices[picked, at]

@@ -113,7 +113,8 @@ def distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
     """|other - base| of two samples as Python computes it (a bool is a number here; no number: inf)."""
     if base.dtype.kind == "f" and other.dtype.kind == "f":
         with np.errstate(invalid="ignore", over="ignore"):
-            return np.abs(other - base)
+            found = other - base
+        return np.abs(found, out=found)  # in place: a second temporary of a large block costs more than the pass
     with np.errstate(invalid="ignore", over="ignore"):
         return np.frompyfunc(_distance, 2, 1)(base, other)
 
