@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from .config import MOMENTS, CompareConfig
 from .metrics import Evaluation, evaluate, noise_level
 from .pairs import from_columns, from_records
-from .reading import LoadedDump
+from .reading import LoadedDump, one_key
 from .rules import as_floats, finite, ratio
 
 __all__ = ["WORST", "Measured", "match", "measure", "noise_levels"]
@@ -40,11 +40,8 @@ def match(base: LoadedDump, other: LoadedDump) -> tuple[np.ndarray, np.ndarray]:
         values = pc.unique(pa.concat_arrays([base.table.column(name).combine_chunks(),
                                              other.table.column(name).combine_chunks()]))
         columns.append(np.concatenate([base.codes(name, values)[0], other.codes(name, values)[0]]))
-    bits = [int(column.max()).bit_length() if len(column) else 0 for column in columns]
-    if min(int(column.min()) for column in columns) >= 0 and sum(bits) <= 62:  # one int64 key: a faster sort
-        key = np.zeros(len(side), np.int64)
-        for column, width in zip(columns, bits):
-            key = (key << width) | column
+    key = one_key(columns)
+    if key is not None:  # one int64 key: a faster sort
         order = np.lexsort((side, key))
         ordered = key[order]
         same = ordered[1:] == ordered[:-1]
