@@ -70,8 +70,11 @@ class _Columns:
     def present(self, name: str) -> np.ndarray:
         return pc.is_valid(self.table.column(name)).to_numpy(zero_copy_only=False)
 
-    def strings(self, name: str) -> np.ndarray:
-        return np.array(self.table.column(name).to_pylist(), dtype=object)
+    def differs(self, name: str, other: "_Columns") -> np.ndarray:
+        """Per row: this side's value of a string column is not the other's (None equals only None)."""
+        mine, theirs = self.table.column(name), other.table.column(name)
+        unequal = pc.fill_null(pc.not_equal(mine, theirs), False)
+        return pc.or_(unequal, pc.not_equal(pc.is_null(mine), pc.is_null(theirs))).to_numpy(zero_copy_only=False)
 
     def lists(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat values, start offset per row, length per row; -1 for a null list), over every chunk."""
@@ -86,6 +89,8 @@ class _Columns:
             base += len(child)
         if not values:
             return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if len(values) == 1:  # read_dump's one chunk: its values as they are (samples are tens of MB)
+            return values[0], starts[0].astype(np.int64, copy=False), lengths[0].astype(np.int64, copy=False)
         return (np.concatenate(values), np.concatenate(starts).astype(np.int64, copy=False),
                 np.concatenate(lengths).astype(np.int64, copy=False))
 
@@ -136,7 +141,7 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         for name in ("extra", "min_int", "max_int", "samples_int"):
             exact |= side.present(name)
     unequal = {"shape": ~_same_lists(b.lists("shape"), o.lists("shape")),
-               "dtype": b.strings("dtype") != o.strings("dtype")}
+               "dtype": b.differs("dtype", o)}
     values = {name: (b.floats(name), o.floats(name)) for name in SCALARS}
     for name in ("numel", *COUNTS):
         (values_b, null_b), (values_o, null_o) = values[name]

@@ -60,6 +60,8 @@ class LoadedDump:
     file_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     line_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     damaged: list[Damaged] = field(default_factory=list)  # step files left out (skip_damaged)
+    _codes: dict[str, tuple[pa.Table, tuple[np.ndarray, pa.Array]]] = field(default_factory=dict, repr=False,
+                                                                            compare=False)
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -86,6 +88,15 @@ class LoadedDump:
 
         ``values`` default to the column's distinct values; pass two dumps' common ones to compare codes.
         """
+        if values is None:  # kept while the table is the same one (a filter, a rename replaces it)
+            table, found = self._codes.get(column, (None, None))
+            if table is not self.table or found is None:
+                found = self._codes_of(column, None)
+                self._codes[column] = (self.table, found)
+            return found
+        return self._codes_of(column, values)
+
+    def _codes_of(self, column: str, values: pa.Array | None) -> tuple[np.ndarray, pa.Array]:
         data = self.table.column(column)
         if values is None:
             values = pc.unique(data)
@@ -137,6 +148,20 @@ class LoadedDump:
     def where(self, row: int) -> tuple[Path, int]:
         """(file, 1-based line or row) of a row, for messages."""
         return self.files[int(self.file_of[row])], int(self.line_of[row])
+
+
+def one_key(columns: list[np.ndarray]) -> np.ndarray | None:
+    """Integer columns (of the same length) packed into one int64 per row, ordered as the columns are
+    (lexicographically), when they are >= 0 and fit; None when they do not."""
+    if not len(columns[0]):
+        return np.zeros(0, np.int64)
+    bits = [int(column.max()).bit_length() for column in columns]
+    if min(int(column.min()) for column in columns) < 0 or sum(bits) > 62:
+        return None
+    key = np.zeros(len(columns[0]), np.int64)
+    for column, width in zip(columns, bits):
+        key = (key << width) | column
+    return key
 
 
 def _ints(table: pa.Table, name: str) -> np.ndarray:
@@ -343,6 +368,11 @@ def _check_unique(loaded: LoadedDump, name_map: NameMap | None) -> None:
     if len(loaded) < 2:
         return
     phase_id, name_id = loaded.codes("phase")[0], loaded.codes("name")[0]
+    key = one_key([loaded.rank, loaded.step, phase_id, name_id])
+    if key is not None:  # the common case, no repeat, told by one sort of one column
+        key.sort()
+        if not (key[1:] == key[:-1]).any():
+            return
     by_key = np.lexsort((np.arange(len(loaded)), name_id, phase_id, loaded.step, loaded.rank))
     same = np.ones(len(by_key) - 1, dtype=bool)
     for column in (loaded.rank, loaded.step, phase_id, name_id):
