@@ -7,7 +7,7 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
   ``torch.onnx._internal.torchscript_exporter`` and made ``torch.onnx.export`` default to the dynamo
   exporter; the symbolic registry, the export globals and the graph context are otherwise the same.
 - The autograd engine: which backward pass (graph task) runs now, and a callback when it ends.
-- Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory,
+- Tracing state (pausing a TorchScript trace, the tracer's stand-ins for Python numbers), ONNX element types, the C++ extension build directory,
   whether a tensor dispatches to Python (a ``__torch_dispatch__`` subclass), and torch's pytree
   (``torch.utils._pytree``), which probes uses to flatten module outputs.
 
@@ -164,6 +164,45 @@ def untraced() -> Iterator[None]:
         yield
     finally:
         torch._C._set_tracing_state(state)
+
+
+# What Python's number operators record on the 0-dim tensors a trace gives for sizes (``h // 2``, ``h * w``...).
+_NUMBER_OPS = frozenset(f"aten::{name}" for name in (
+    "add", "sub", "rsub", "mul", "div", "floor_divide", "floordiv", "remainder", "fmod", "neg", "pow", "abs",
+    "ceil", "floor", "round", "minimum", "maximum", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__",
+    "__xor__", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "__lshift__", "__rshift__"))
+
+
+def is_traced_number(tensor: torch.Tensor) -> bool:
+    """True when, inside a TorchScript trace, ``tensor`` is the tracer's stand-in for a Python number of the
+    traced code: a size (``x.shape[i]``, ``x.size(i)``: ``prim::NumToTensor``) or arithmetic on such numbers
+    (``(h + 1) // 2``), which eager code holds as an int. False outside a trace and for every tensor the
+    code computes as a tensor (``torch.arange(h)``, ``mask.sum()``, ``torch.tensor(h)``).
+    """
+    if tensor.dim() != 0 or torch._C._get_tracing_state() is None:
+        return False
+    try:
+        value = torch._C._get_value_trace(tensor)
+    except RuntimeError:  # not a value of this trace (made before it began)
+        return False
+    return _traced_number(value, depth=0)
+
+
+def _traced_number(value: torch._C.Value, depth: int) -> bool:
+    node = value.node()
+    kind = node.kind()
+    if kind == "prim::NumToTensor":
+        return True
+    if kind not in _NUMBER_OPS or depth > 64:
+        return False
+    found = False
+    for operand in node.inputs():
+        if operand.node().kind() == "prim::Constant" or not isinstance(operand.type(), torch._C.TensorType):
+            continue  # a literal (``2`` in ``h // 2``) or a non-tensor operand (``alpha``)
+        if not _traced_number(operand, depth + 1):
+            return False
+        found = True
+    return found
 
 
 def onnx_element_type(dtype: torch.dtype) -> int:

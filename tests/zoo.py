@@ -5,7 +5,8 @@
         loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
 
 Each entry names the family it stands for (decoder with learned or rotary positions, grouped-query attention,
-sliding window, mixture of experts, encoder, encoder-decoder, vision, tied embeddings). Configs use the
+sliding window, mixture of experts, encoder, encoder-decoder, vision, tied embeddings, a frozen base with
+adapters, constant position embeddings, modules returning sizes beside tensors). Configs use the
 arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on the modern one) accept.
 """
 
@@ -156,6 +157,31 @@ def _gemma(t: Any) -> torch.nn.Module:
     return t.GemmaForCausalLM(t.GemmaConfig(**_DECODER, num_key_value_heads=1, head_dim=8))
 
 
+def _llama_lora(t: Any) -> torch.nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(_llama(t), config)  # the base frozen, the adapters trainable
+
+
+def _pegasus(t: Any) -> torch.nn.Module:
+    return t.PegasusForConditionalGeneration(t.PegasusConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                                             decoder_layers=1, encoder_attention_heads=4,
+                                                             decoder_attention_heads=4, encoder_ffn_dim=64,
+                                                             decoder_ffn_dim=64, max_position_embeddings=64,
+                                                             dropout=0.0, attention_dropout=0.0,
+                                                             activation_dropout=0.0, pad_token_id=0,
+                                                             eos_token_id=1, decoder_start_token_id=0,
+                                                             use_cache=False))
+
+
+def _swin(t: Any) -> torch.nn.Module:
+    return t.SwinForImageClassification(t.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16,
+                                                     depths=[1, 1], num_heads=[2, 2], window_size=2, mlp_ratio=2.0,
+                                                     num_labels=4, hidden_dropout_prob=0.0,
+                                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+
+
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="gpt2", family="decoder, learned positions, tied embeddings", make=_gpt2),
     Architecture(name="llama", family="decoder, rotary, grouped-query attention", make=_llama),
@@ -171,4 +197,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="t5", family="encoder-decoder, relative positions", make=_t5, inputs="seq2seq"),
     Architecture(name="bart", family="encoder-decoder, learned positions", make=_bart, inputs="seq2seq"),
     Architecture(name="vit", family="vision transformer", make=_vit, inputs="image"),
+    Architecture(name="llama_lora", family="frozen base + LoRA adapters (peft)", make=_llama_lora),
+    Architecture(name="pegasus", family="encoder-decoder, constant sinusoidal positions", make=_pegasus,
+                 inputs="seq2seq"),
+    Architecture(name="swin", family="vision, shifted windows; modules return sizes beside tensors", make=_swin,
+                 inputs="image"),
 )}

@@ -29,13 +29,13 @@ import functools
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 import exporters
-from exporters import _ort_compat
+from exporters import _ort_compat, _torch_compat
 from exporters.handles import Handle
 
 from ..utils.exit import at_exit
@@ -287,7 +287,7 @@ class SubscriberManager:
                 continue  # nobody wants this module: no hook, no cost
             pre, post = self._module_hooks(inputs, outputs, index == 0, probe_inputs, probe_outputs)
             if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
-                self._handles.append(rootcall.wrap_forward(module, pre, post))
+                self._handles.append(rootcall.wrap_forward(module, pre, post, around=self._schema_run_scope))
             else:
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(post))
@@ -308,6 +308,13 @@ class SubscriberManager:
             return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
 
         return pre_forward, post_forward
+
+    def _schema_run_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
+        """ORTModule's eager run of the model before a training export runs with grad enabled, so the probes
+        learn which of their tensors eager differentiates (``probes.core.differentiable``)."""
+        if torch.compiler.is_compiling() or not root.training or not _ort_compat.is_ort_schema_run():
+            return None
+        return self.tracker.differentiable.learning()
 
     def _pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -357,9 +364,11 @@ class SubscriberManager:
     def _apply_to_tensors(self, site: ProbeSite, structure: Any, *, boundary: bool = False) -> Any:
         """Pass the tensors of a nested structure through ``site``'s probe (``boundary``: through the step
         boundary of the root's outputs); everything else is kept as is."""
-        if isinstance(structure, torch.Tensor) and can_probe(structure):  # the common case, no pytree round trip
+        # A TorchScript trace (ORTModule's export) gives sizes as tensors: they stay out of the probes, as in eager.
+        select = _is_probeable_traced if not torch.compiler.is_compiling() and torch.jit.is_tracing() else _is_probeable
+        if isinstance(structure, torch.Tensor) and select(structure):  # the common case, no pytree round trip
             return self._pass(site, (structure,), boundary)[0]
-        leaves = TensorLeaves.of(structure, select=_is_probeable)
+        leaves = TensorLeaves.of(structure, select=select)
         if not boundary:
             unobservable = [leaf for leaf in leaves.leaves if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
             if unobservable and site not in self._unobserved_warned:
@@ -404,6 +413,11 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def _is_probeable(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and can_probe(leaf)
+
+
+def _is_probeable_traced(leaf: Any) -> bool:
+    """Inside a TorchScript trace: not the tracer's stand-in for a number the code holds as an int in eager."""
+    return _is_probeable(leaf) and not _torch_compat.is_traced_number(leaf)
 
 
 def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:
