@@ -56,6 +56,7 @@ class Call:
     seq: int
     shapes: tuple
     by_ort: bool
+    records: tuple[str, ...] = ()  # the record name of each tensor (of each gradient that is not None)
 
 
 class Recorder(SubscriberBase):
@@ -70,7 +71,9 @@ class Recorder(SubscriberBase):
 
     def _record(self, event, tensors):
         shapes = tuple(None if t is None else tuple(t.shape) for t in tensors)
-        self.calls.append(Call(event.step, event.phase, event.record_name(0), event.seq, shapes, called_by_ort_runtime()))
+        records = tuple(event.record_name(i) for i, t in enumerate(tensors) if t is not None)
+        self.calls.append(Call(event.step, event.phase, event.record_name(0), event.seq, shapes, called_by_ort_runtime(),
+                               records))
 
     def on_forward(self, event, tensors):
         self._record(event, tensors)
@@ -86,6 +89,10 @@ class Recorder(SubscriberBase):
 
     def names(self, step, phase):
         return [c.name for c in self.calls if c.step == step and c.phase == phase]
+
+    def records(self, step, phase):
+        """The record names of every tensor (every gradient that is not None) of ``step``'s ``phase``, sorted."""
+        return sorted(name for c in self.calls if c.step == step and c.phase == phase for name in c.records)
 
 
 def same_values(a, b) -> bool:
