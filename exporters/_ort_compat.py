@@ -325,10 +325,12 @@ def _post_export_process(**kwargs: Any) -> Any:
 
 
 class _OrtPatches:
-    """What this adapter changed in the imported onnxruntime: its exit release and its export steps.
+    """What this adapter changed in the imported onnxruntime: its exit release, its export steps and the
+    training forward that exports a graph with probes again when requires_grad changes.
 
-    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps are static methods
-    of ORT's GraphTransitionManager class, shared by every ORTModule of the process.
+    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps and the training
+    forward are methods of ORT's GraphTransitionManager and TrainingManager classes, shared by every
+    ORTModule of the process.
     """
 
     def __init__(self) -> None:
@@ -386,7 +388,7 @@ class _OrtPatches:
         result = original(manager, *inputs, **kwargs)
         if transition._exported_model_info is not exported:  # it exported
             if self.exported_probes() != probes:
-                self.watched[manager] = flags or _requires_grad_flags(module, (inputs, kwargs))
+                self.watched[manager] = _requires_grad_flags(module, (inputs, kwargs))
             else:
                 self.watched.pop(manager, None)
         return result
