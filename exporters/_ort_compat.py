@@ -138,12 +138,26 @@ def signal_model_changed(model: torch.nn.Module) -> None:
         torch_module = model._torch_module
         managers = [torch_module._execution_manager(training) for training in (False, True)]
         for manager in managers:
-            manager._graph_transition_manager.signal_model_changed()
+            _export_again(manager)
     except AttributeError as error:
         raise OrtInternalsError(
             f"cannot ask ORTModule to re-export after (un)subscribing ({error}); "
             "subscribe before wrapping the model in ORTModule"
         ) from error
+
+
+def _export_again(manager: Any) -> None:
+    """Make ORT's training or inference ``manager`` export, build and run a new graph from its next forward.
+
+    ORT 1.19's own signal is not enough once it exported: its managers then skip the checks that read it
+    and that build a new session (``ORTMODULE_SKIPCHECK_POLICY``'s default) unless nothing was exported
+    and no session made yet, which is what this makes them see (ORT's own re-initialisation after
+    unpickling drops the session the same way).
+    """
+    transition = manager._graph_transition_manager
+    transition.signal_model_changed()
+    transition._exported_model_info = None
+    manager._execution_agent = None
 
 
 # PythonOp export support (used by exporters/) -----------------------------------------------------
@@ -382,8 +396,8 @@ class _OrtPatches:
         watched = self.watched.get(manager)
         flags = _requires_grad_flags(module, (inputs, kwargs)) if watched is not None else None
         if watched is not None and flags != watched:
-            transition.signal_model_changed()
-            transition._exported_model_info = exported = None  # what makes ORT look again (see above)
+            _export_again(manager)
+            exported = None
         probes = self.exported_probes()
         result = original(manager, *inputs, **kwargs)
         if transition._exported_model_info is not exported:  # it exported

@@ -498,6 +498,20 @@ def test_ort_runs_the_same_probes_as_eager(subscribe_after_wrapping):
 
 @pytest.mark.ort
 @pytest.mark.slow
+def test_subscribing_an_ortmodule_that_already_trained_exports_it_again_with_probes():
+    torch.manual_seed(0)
+    model = ortmodule(TinyTransformer(CONFIG))
+    train_ort(model, 1)  # exported without probes; ORT then skips its checks on later steps
+    recorder, manager = Recorder(), SubscriberManager()
+    manager.subscribe(model, [recorder])
+    train_ort(model, 1)
+    manager.unsubscribe()
+    assert recorder.names(0, "forward") and recorder.names(0, "backward")
+    assert all(call.by_ort for call in recorder.calls), "a probe call did not come from ORT"
+
+
+@pytest.mark.ort
+@pytest.mark.slow
 def test_unsubscribing_an_ortmodule_reexports_without_probes():
     torch.manual_seed(0)
     inner = TinyTransformer(CONFIG)
