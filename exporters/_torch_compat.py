@@ -181,8 +181,11 @@ def is_traced_number(tensor: torch.Tensor) -> bool:
     """
     if tensor.dim() != 0 or torch._C._get_tracing_state() is None:
         return False
+    value_trace = getattr(torch._C, "_get_value_trace", None)
+    if value_trace is None:
+        raise _missing("torch._C._get_value_trace (the traced value of a tensor)")
     try:
-        value = torch._C._get_value_trace(tensor)
+        value = value_trace(tensor)
     except RuntimeError:  # not a value of this trace (made before it began)
         return False
     return _traced_number(value, depth=0)

@@ -160,8 +160,9 @@ def _gemma(t: Any) -> torch.nn.Module:
 def _llama_lora(t: Any) -> torch.nn.Module:
     import peft
 
+    base = t.LlamaForCausalLM(t.LlamaConfig(**{**_DECODER, "num_hidden_layers": 1}, num_key_value_heads=2))
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return peft.get_peft_model(_llama(t), config)  # the base frozen, the adapters trainable
+    return peft.get_peft_model(base, config)  # the base frozen, the adapters trainable
 
 
 def _pegasus(t: Any) -> torch.nn.Module:
