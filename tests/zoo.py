@@ -180,7 +180,9 @@ def _swin(t: Any) -> torch.nn.Module:
     return t.SwinForImageClassification(t.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16,
                                                      depths=[1, 1], num_heads=[2, 2], window_size=2, mlp_ratio=2.0,
                                                      num_labels=4, hidden_dropout_prob=0.0,
-                                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+                                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+                                                     # set, not found by the first loss: no recompile at step 1
+                                                     problem_type="single_label_classification"))
 
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
