@@ -195,6 +195,18 @@ def compiled_alias(tensor: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view.default(tensor, tensor.shape)
 
 
+def set_version(tensor: torch.Tensor, version: int) -> None:
+    """Set the autograd version counter of ``tensor`` (what ``torch.autograd._unsafe_preserve_version_counter``
+    does). torch 2.4 takes one tensor and one int, later versions sequences of both."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        raise _missing("torch._C._autograd._unsafe_set_version_counter")
+    try:
+        setter((tensor,), (version,))
+    except TypeError:  # torch 2.4
+        setter(tensor, version)
+
+
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compiler.assume_constant_result`` without importing torch._dynamo.
 
