@@ -50,7 +50,7 @@ import torch
 
 from exporters import _torch_compat
 
-from .functions import mark_frozen
+from .functions import differentiated, mark_frozen
 
 if TYPE_CHECKING:
     from .sites import ProbeSite
@@ -168,6 +168,14 @@ def _defined() -> bool:
     return True
 
 
+@_torch_compat.constant_while_tracing
+def flattening(active: bool) -> bool:
+    """Called while dynamo traces, around a hook's flattening of a module's inputs or outputs: dynamo can
+    then type each value in them (``_torch_compat.AbsentFieldTyping``)."""
+    _torch_compat.ABSENT_FIELDS.set(active)
+    return active
+
+
 def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int | None, what: int, name: str, *,
             backward: bool) -> None:
     """What the ops do at run time: tell the subscription's step tracker (nothing once it has ended)."""
@@ -221,8 +229,10 @@ class CompiledProbe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        torch.ops.probes.observe_grad(OPS.backward_token, list(grads), ctx.key, ctx.module, ctx.slot, ctx.what,
-                                      ctx.name)
+        # torch 2.4's traced Function (``autograd_function_apply``) keeps no ``mark_non_differentiable``: AOT autograd
+        # differentiates a tensor that needed no gradient, which eager never does; it is reported as None.
+        torch.ops.probes.observe_grad(OPS.backward_token, list(differentiated(ctx, grads)), ctx.key, ctx.module,
+                                      ctx.slot, ctx.what, ctx.name)
         return (None, None, None, None, None, *grads)
 
 
