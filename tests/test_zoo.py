@@ -49,6 +49,7 @@ class Run:
     by_ort: int = 0
     seconds: float = 0.0
     reasons: list[str] = field(default_factory=list)
+    tied: frozenset[str] = frozenset()  # parameters used under several names (tied embeddings)
 
 
 class _OrtWitness(SubscriberBase):
@@ -78,15 +79,22 @@ def _counting_backend(run: Run, backend: str):
 
 
 def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend: str = COMPILE_BACKEND,
-          device: str = "cpu") -> Run:
-    """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given."""
+          device: str = "cpu", hooked: bool = False) -> Run:
+    """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given;
+    ``hooked``: with a forward hook that does nothing on every module."""
     model = arch.build(seed=0, attention=ATTENTION).to(device)
+    if hooked:
+        for module in list(model.modules())[1:]:
+            module.register_forward_hook(lambda module, args, outputs: outputs)
     manager = None
     witness = _OrtWitness() if backend == "ort" else None
     if out is not None:
         manager = SubscriberManager()
         manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True)] + ([witness] if witness else []))
-    run = Run([], {})
+    names: dict[int, list[str]] = collections.defaultdict(list)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names[id(parameter)].append(name)
+    run = Run([], {}, tied=frozenset(group[0] for group in names.values() if len(group) > 1))
     runner = model
     if backend == "ort":
         from onnxruntime.training.ortmodule import ORTModule
@@ -138,8 +146,6 @@ def _backends() -> list[str]:
 
 
 TORCH_24 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
-KNOWN_TORCH_24 = ("open: torch 2.4's compiled backward finds the probes' token tensor modified in place (version "
-                  "counter) on Hugging Face models; the compiled probes work on torch 2.13 and on our own models")
 
 _EAGER: dict[str, tuple[Run, Run, Path]] = {}
 
@@ -170,6 +176,11 @@ def _assert_same_training(plain: Run, probed: Run, exact: bool) -> None:
         torch.testing.assert_close(probed.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _only_tied_gradients_differ(plain: Run, probed: Run) -> bool:
+    differ = {name for name, grad in plain.grads.items() if not torch.equal(grad, probed.grads.get(name, grad + 1))}
+    return probed.losses == plain.losses and bool(differ) and differ <= probed.tied
+
+
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("arch_name", list(ARCHITECTURES))
 def test_zoo_trains_identically_with_probes(arch_name, backend, zoo_root):
@@ -198,16 +209,17 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
         _record(arch_name, backend, "fails without probes", reason)
         pytest.skip(f"{backend} fails on {arch_name} without probes too: {reason[:200]}")
     out = zoo_root / f"{arch_name}-{backend}"
-    try:
-        probed = train(arch, backend, out)
-    except RuntimeError as error:
-        if backend == "compile" and TORCH_24 and "modified by an inplace operation" in str(error):
-            _record(arch_name, backend, "failed", KNOWN_TORCH_24)
-            pytest.xfail(KNOWN_TORCH_24)
-        raise
+    probed = train(arch, backend, out)
     # Exactly equal where probes are identities in the same program; ORT and inductor may plan kernels
     # around the opaque probe nodes differently, so there the values agree to float32 rounding.
-    _assert_same_training(plain, probed, exact=backend == "compile" and COMPILE_BACKEND == "aot_eager")
+    exact = backend == "compile" and COMPILE_BACKEND == "aot_eager"
+    if exact and TORCH_24 and _only_tied_gradients_differ(plain, probed):
+        # torch 2.4's dynamo lifts the parameters of a module with hooks otherwise than those of a module
+        # without: a parameter used in three places (T5's shared embedding) gets its gradient summed in
+        # another order. Any hook does that, so the same model with a hook that does nothing on every
+        # module must train exactly as with probes.
+        plain = train(arch, backend, None, hooked=True)
+    _assert_same_training(plain, probed, exact=exact)
     if backend == "ort":
         assert probed.by_ort > 0, "ORT's runtime never called a probe: the probed run did not run in ORT"
     if backend == "compile":

@@ -30,6 +30,9 @@ class Architecture:
     family: str
     make: Callable[[Any], torch.nn.Module]  # transformers module -> model
     inputs: str = "causal"  # causal | masked | seq2seq | image
+    # An attention mask of ones, as a tokenizer gives: where the model's program without one differs between
+    # eager and torch.compile (transformers 4.46's T5 makes one only when not compiling).
+    attention_mask: bool = False
 
     def build(self, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
         import transformers
@@ -51,6 +54,8 @@ class Architecture:
             batch = {"input_ids": tokens, "labels": tokens.clone()}
             if self.inputs == "seq2seq":
                 batch["labels"] = torch.randint(4, VOCAB, (BATCH, SEQ // 2), generator=generator)
+            if self.attention_mask:
+                batch["attention_mask"] = torch.ones_like(tokens)
         return {key: value.to(device) for key, value in batch.items()}
 
     @staticmethod
@@ -197,7 +202,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="opt", family="decoder, learned positions", make=_opt),
     Architecture(name="bert", family="encoder (masked LM)", make=_bert, inputs="masked"),
     Architecture(name="roberta", family="encoder (masked LM)", make=_roberta, inputs="masked"),
-    Architecture(name="t5", family="encoder-decoder, relative positions", make=_t5, inputs="seq2seq"),
+    Architecture(name="t5", family="encoder-decoder, relative positions", make=_t5, inputs="seq2seq",
+                 attention_mask=True),
     Architecture(name="bart", family="encoder-decoder, learned positions", make=_bart, inputs="seq2seq"),
     Architecture(name="vit", family="vision transformer", make=_vit, inputs="image"),
     Architecture(name="llama_lora", family="frozen base + LoRA adapters (peft)", make=_llama_lora),

@@ -300,12 +300,25 @@ class SubscriberManager:
         exporting, and ``copy.deepcopy`` copies no function. The copy's hooks are therefore these very
         closures, reporting to this manager and its sites; a bound method would copy the manager, a
         partial its sites.
-        """
-        def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
 
+        Under torch.compile they are traced inline, in the frame dynamo compiles. A module that runs
+        eagerly there (its forward broke the graph) calls them eagerly, and so they run eagerly, as
+        in eager PyTorch: dynamo compiles none of their frames (each would be a graph of its own, one
+        more per module, recompiled for each site).
+        """
+        @_torch_compat.not_compiled_as_frame
+        def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if torch.compiler.is_compiling():
+                return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+            return _torch_compat.call_uncompiled(self._pre_forward_hook, inputs, is_root, probe_inputs, module,
+                                                 args, kwargs)
+
+        @_torch_compat.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
-            return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+            if torch.compiler.is_compiling():
+                return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+            return _torch_compat.call_uncompiled(self._post_forward_hook, outputs, is_root, probe_outputs, module,
+                                                 args, result)
 
         return pre_forward, post_forward
 
@@ -368,12 +381,15 @@ class SubscriberManager:
         select = _is_probeable_traced if not torch.compiler.is_compiling() and torch.jit.is_tracing() else _is_probeable
         if isinstance(structure, torch.Tensor) and select(structure):  # the common case, no pytree round trip
             return self._pass(site, (structure,), boundary)[0]
+        tracing = torch.compiler.is_compiling() and compiled.flattening(True)
         leaves = TensorLeaves.of(structure, select=select)
-        if not boundary:
-            unobservable = [leaf for leaf in leaves.leaves if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
-            if unobservable and site not in self._unobserved_warned:
-                self._unobserved_warned.add(site)
-                _warn_unobserved(site, unobservable)
+        unobservable = [] if boundary else [leaf for leaf in leaves.leaves
+                                            if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
+        if tracing:
+            compiled.flattening(False)
+        if unobservable and site not in self._unobserved_warned:
+            self._unobserved_warned.add(site)
+            _warn_unobserved(site, unobservable)
         if not leaves.positions and not boundary:
             return structure
         return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
