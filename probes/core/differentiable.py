@@ -1,11 +1,12 @@
 """Which tensors of each probe call eager autograd differentiates, for the probes ORTModule's graph runs.
 
-Eager autograd differentiates a tensor only when it requires grad. Inside ORT's graph that flag is ORT's:
-its gradient builder cannot see into a PythonOp, so it takes every output of one as differentiable when
-any input is, and every probe downstream gets its inputs requiring grad (a frozen base model's
-activations in front of trainable adapters, a constant position embedding, T5's position bias beside a
-hidden state). Their gradients are real numbers in ORT's graph, and a probe reporting them would say
-the model computed gradients it never computes.
+Eager autograd differentiates a tensor only when it requires grad. Inside ORT's graph that flag is ORT's,
+and ORT 1.19 takes more for differentiable: every parameter, frozen or not (its export lists them all as
+requiring grad), and every output of a PythonOp when any input is (its gradient builder cannot see
+into one). So probes get inputs requiring grad where eager's do not: a frozen base model's activations
+in front of trainable adapters, a constant position embedding, T5's position bias beside a hidden
+state. Their gradients are real numbers in ORT's graph, and a probe reporting them would say the model
+computed gradients it never computes.
 
 The truth comes from an eager run of the model: ORTModule's output-schema run, one eager forward of
 (a deep copy of) the model before each export. The manager runs the root forward of that run with grad
