@@ -90,7 +90,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
         noise_of = None if levels is None else [None if math.isnan(level) else float(level) for level in levels[rows]]
-        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config, noise_of)
+        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config, noise_of,
+                            base.column("precision", pairs[0][rows]))
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")

@@ -1,7 +1,7 @@
 """Both sides of matched record pairs as arrays, what the rules (``rules``, ``vector``) are applied to.
 
     pairs, exact = from_columns(base, other, (base_rows, other_rows))   # float64 columns; ``exact``: the pairs
-    pairs = from_records(base_records, other_records)                  # they cannot hold, as Python values
+    pairs = from_records(base_records, other_records, precision)       # they cannot hold, as Python values
 
 A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
 ``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them
@@ -19,14 +19,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import COUNTS, MOMENTS, STRUCTURE
+from .config import COUNTS, MOMENTS, STRUCTURE, precision_of
 from .reading import LoadedDump
 from .rules import pair_samples
 
 __all__ = ["SCALARS", "Pairs", "SampleBlock", "from_columns", "from_records"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
-_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int")
+_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int",
+             "precision")
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Pairs:
     other: dict[str, tuple[np.ndarray, np.ndarray]]
     samples: list[SampleBlock]
     shifted: np.ndarray  # the index lists differ: only the common indices were paired (a note)
+    precision: np.ndarray  # the precision each pair is compared at (names: config.PRECISIONS, "exact")
 
 
 class _Columns:
@@ -158,7 +160,8 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(samples_b, found, length),
                                   _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
-                  {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool))
+                  {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
+                  _objects(b.table.column("precision").to_pylist()))
     return pairs, exact
 
 
@@ -168,8 +171,10 @@ def _objects(items: Sequence[Any]) -> np.ndarray:
     return found
 
 
-def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]]) -> Pairs:
-    """The pairs of ``base[i]`` and ``other[i]``, every value as the record holds it (object arrays)."""
+def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]],
+                 precision: Sequence[str] | None = None) -> Pairs:
+    """The pairs of ``base[i]`` and ``other[i]``, every value as the record holds it (object arrays);
+    ``precision``: each pair's (the ``precision`` column of its base row; None: of the base record's dtype)."""
     count = len(base)
     unequal = {key: np.array([b.get(key) != o.get(key) for b, o in zip(base, other)], dtype=bool)
                for key in (*STRUCTURE, *COUNTS)}
@@ -193,5 +198,7 @@ def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
             for j, (index, b, o) in enumerate(paired[row][0]):
                 indices[i, j], base_values[i, j], other_values[i, j], valid[i, j] = index, b, o, True
         blocks.append(SampleBlock(rows, indices, base_values, other_values, valid))
+    if precision is None:
+        precision = [precision_of(record.get("dtype")).name for record in base]
     return Pairs(count, unequal, side(base), side(other), blocks,
-                 np.array([shifted for _, shifted in paired], dtype=bool))
+                 np.array([shifted for _, shifted in paired], dtype=bool), _objects(list(precision)))

@@ -10,8 +10,8 @@
 Parsing, completeness (the order files) and waiting for live writers are the dump reader's
 (``probes.dump.DumpReader``); here only what comparing needs on top, done on whole columns: filters,
 the types of the key fields, no duplicate keys, which steps each rank finished, names rewritten by a
-name map (before the name filter; the original name is kept in the ``renamed_from`` column), and each
-row's execution-order sort key.
+name map (before the name filter; the original name is kept in the ``renamed_from`` column), each
+row's execution-order sort key, and the precision each record is compared at (the ``precision`` column).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ..utils.phases import phase_rank
 from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 from .results import Damaged
+from .rules import precisions
 
 __all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump"]
 
@@ -52,7 +53,7 @@ class LoadedDump:
     """The records of one dump after the config's filters: ``table`` (one row per record, file order)."""
 
     path: Path
-    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from"
+    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from" and "precision"
     steps_by_rank: dict[int, list[int]]  # rank -> finished steps read
     unfinished: dict[int, list[int]]  # rank -> unfinished steps (not read)
     renamed: dict[str, str] = field(default_factory=dict)  # original name -> name after the map, those it changed
@@ -207,6 +208,7 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
                         line_of=np.arange(table.num_rows, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1)
     _check_keys(loaded)
     _fill_seq(loaded)
+    _add_precision(loaded)
     keep = _wanted_steps(loaded, config)
     loaded.steps_by_rank = _steps_by_rank(loaded, files, keep)
     if name_map is not None:
@@ -275,6 +277,19 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
     for rank, step in steps:
         if rank in loaded.steps_by_rank and step in loaded.steps_by_rank[rank]:
             loaded.steps_by_rank[rank].remove(step)
+
+
+def _add_precision(loaded: LoadedDump) -> None:
+    """The ``precision`` column: the precision each record is compared at (``rules.precisions``), from every
+    record of its rank and step, before any filter, so that selecting records does not change it."""
+    codes, dtypes = loaded.codes("dtype")
+    if len(loaded):
+        _, groups = np.unique(np.stack([loaded.rank, loaded.step], axis=1), axis=0, return_inverse=True)
+    else:
+        groups = np.zeros(0, np.int64)
+    names, index = precisions(dtypes.to_pylist(), codes, groups.reshape(-1))
+    column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
+    loaded.table = loaded.table.append_column("precision", column)
 
 
 def _rows_per_file(table: pa.Table, files: list[StepFile]) -> np.ndarray:

@@ -147,7 +147,8 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     found = verdicts(evaluate(pairs, config, noise, summaries=False))
     odd = np.flatnonzero(exact)
     if len(odd):
-        part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd])), config,
+        part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd]),
+                                              base.column("precision", rows[0][odd])), config,
                                  None if noise is None else noise[odd], summaries=False))
         part.worst[:] = WORST.index("structure")  # plots build these records to show them
         found.put(odd, part)

@@ -1,0 +1,120 @@
+"""Real training runs of the zoo's Llama in fp32 or under bf16 autocast, on eager, torch.compile or ORTModule, with
+or without a known bug: what the default tolerances are measured on (docs/compare.md, Tolerance) and tested with.
+
+    losses = train(tmp_path / "eager", backend="eager", bf16=True)                   # 3 SGD steps, statistics
+    train(tmp_path / "compile", backend="compile", compile_backend="inductor", bf16=True)
+    train(tmp_path / "bug", backend="eager", bf16=True, bug=Bug("output", "model.layers.1.mlp", step=1))
+    train(tmp_path / "gpt2", arch="gpt2", precision="float16")                        # any zoo architecture
+    python tests/precision_runs.py OUT            # every run, then the measured ratios that set the constants
+
+A bug acts from ``Bug.step`` on: ``"output"`` scales a module's first output by ``factor`` before its probe
+records it (``probes.testing.inject_bug``), so the module's own record is the first to differ; ``"softmax"``
+scales the query of one attention layer after its probe recorded it, so the attention's softmax is computed from
+scores ``factor`` times too large while every recorded input of it agrees: the first record to differ is the
+layer's ``o_proj`` output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from probes import StatisticsSubscriber, SubscriberManager
+from probes.testing import BugInjection, _scale_first_tensor, inject_bug
+from zoo import ARCHITECTURES
+
+STEPS = 3
+LR = 0.05
+
+
+@dataclass(frozen=True)
+class Bug:
+    kind: str  # "output" | "softmax"
+    layer: str  # "output": the module; "softmax": the attention module (model.layers.<i>.self_attn)
+    step: int
+    factor: float = 1.01
+
+    @property
+    def first_record(self) -> tuple[int, str, str]:
+        """(step, phase, name) of the record the bug must be found at first."""
+        name = f"{self.layer}.output.0" if self.kind == "output" else f"{self.layer}.o_proj.output.0"
+        return self.step, "forward", name
+
+
+def _softmax_bug(model: torch.nn.Module, bug: Bug) -> BugInjection:
+    """The query of ``bug.layer`` scaled after its probe: the softmax of that layer gets scaled scores."""
+    injection = BugInjection(f"{bug.layer}.q_proj", bug.step, bug.factor, "forward")
+    injection.handle = model.get_submodule(f"{bug.layer}.q_proj").register_forward_hook(_scale_first_tensor(injection))
+    return injection
+
+
+def _autocast(precision: str) -> contextlib.AbstractContextManager:
+    if precision in ("bfloat16", "float16"):
+        return torch.autocast("cpu", dtype=getattr(torch, precision))
+    return contextlib.nullcontext()
+
+
+def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "inductor", bf16: bool = False,
+          precision: str = "float32", steps: int = STEPS, bug: Bug | None = None, attention: str = "eager",
+          arch: str = "llama", sharpen: float = 1.0, seed: int = 0) -> list[float]:
+    """``steps`` SGD steps of a zoo model (the Llama) on ``backend`` (eager | compile | ort); statistics (forward,
+    backward, grad, param) to ``out`` unless None. ``bf16``: under ``torch.autocast("cpu", dtype=torch.bfloat16)``
+    (``precision="bfloat16"``); ``precision="float16"``: autocast to float16; ``"float64"``: the model in float64.
+    ``sharpen``: every query and key projection's weight times this, so that attention attends (scores of order
+    one, as in a trained model) instead of averaging (a fresh model's scores are near zero)."""
+    precision = "bfloat16" if bf16 else precision
+    built = ARCHITECTURES[arch]
+    model = built.build(seed=seed, attention=attention)
+    if precision == "float64":
+        model = model.double()
+    if sharpen != 1.0:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    parameter.mul_(sharpen)
+    injection = None
+    if bug is not None and bug.kind == "output":
+        injection = inject_bug(model, bug.layer, step=bug.step, factor=bug.factor)
+    manager = SubscriberManager()
+    if out is not None:
+        manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True, parameters=True)])
+    if bug is not None and bug.kind == "softmax":
+        injection = _softmax_bug(model, bug)
+    runner: torch.nn.Module = model
+    if backend == "ort":
+        from onnxruntime.training.ortmodule import ORTModule
+
+        runner = ORTModule(model)
+    elif backend == "compile":
+        torch._dynamo.reset()
+        runner = torch.compile(model, backend=compile_backend)
+    elif backend != "eager":
+        raise ValueError(f"unknown backend {backend!r}")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    try:
+        for step in range(steps):
+            if injection is not None:
+                injection.step = step
+            optimizer.zero_grad()
+            with _autocast(precision):
+                loss = built.loss(runner, built.batch(step))
+            loss.backward()
+            losses.append(loss.item())
+            optimizer.step()
+    finally:
+        manager.unsubscribe()
+        if injection is not None:
+            injection.remove()
+        if backend == "compile":
+            torch._dynamo.reset()
+    return losses
+
+
+if __name__ == "__main__":  # pragma: no cover - the measurement behind docs/compare.md's constants
+    root = Path(sys.argv[1])
+    print(train(root / "x", bf16=True))
