@@ -115,6 +115,78 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
     return losses
 
 
-if __name__ == "__main__":  # pragma: no cover - the measurement behind docs/compare.md's constants
-    root = Path(sys.argv[1])
-    print(train(root / "x", bf16=True))
+def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
+    """Per precision the records are compared at: the largest difference of single values (min, max, samples) and
+    of moments (mean, std, norm), each |diff| / max(|x|, rms, scale floor) in units of the precision's eps; the
+    moments' also times sqrt(numel); and the worst ratio |diff| / tolerance under the defaults."""
+    import numpy as np
+
+    from probes.compare import compare_dumps
+    from probes.compare.config import AGGREGATES, MOMENTS, PRECISIONS
+    from probes.compare.pairs import from_columns
+    from probes.compare.reading import read_dump
+    from probes.compare.vector import match
+
+    loaded_b, loaded_o = read_dump(base, progress=False), read_dump(other, progress=False)
+    pairs, _ = from_columns(loaded_b, loaded_o, match(loaded_b, loaded_o))
+    numel = pairs.base["numel"][0]
+    mean, std = (np.nan_to_num(pairs.base[name][0]) for name in ("mean", "std"))
+    rms = np.maximum(np.hypot(mean, std * np.sqrt(np.maximum(numel - 1, 0) / np.maximum(numel, 1))), pairs.floor)
+    single, moment = np.zeros(pairs.count), np.zeros(pairs.count)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name in MOMENTS:
+            values = pairs.base[name][0]
+            found = np.nan_to_num(np.abs(pairs.other[name][0] - values) / np.maximum(np.abs(values), rms))
+            if name in AGGREGATES:
+                moment = np.maximum(moment, found)
+            else:
+                single = np.maximum(single, found)
+        for block in pairs.samples:
+            found = np.abs(block.other - block.base) / np.maximum(np.abs(block.base), rms[block.rows, None])
+            single[block.rows] = np.maximum(single[block.rows], np.nan_to_num(found).max(axis=1))
+    report = compare_dumps(base, other)
+    ratios = np.asarray(report.records.ratio)  # matched records in execution order: the worst per precision below
+    table = {}
+    for name in sorted(set(pairs.precision.tolist())):
+        if name not in PRECISIONS:
+            continue
+        rows = pairs.precision == name
+        eps = PRECISIONS[name].eps
+        table[name] = {"records": int(rows.sum()), "values": float(single[rows].max() / eps),
+                       "moments": float(moment[rows].max() / eps),
+                       "moments_sqrt_numel": float((moment * np.sqrt(numel))[rows].max() / eps)}
+    table["all"] = {"worst_ratio": float(np.nan_to_num(ratios, posinf=1e300).max(initial=0.0)),
+                    "diverged": int(report.diverged_count)}
+    return table
+
+
+def main(argv: list[str]) -> None:  # pragma: no cover - the measurement behind docs/compare.md's constants
+    """python tests/precision_runs.py OUT [ARCH ...]: eager against torch.compile (inductor, aot_eager) in float32,
+    bfloat16 and float16 autocast (and ORTModule in float32 where it imports), 4 steps each; prints ``measure``."""
+    import json
+
+    root = Path(argv[0])
+    torch.set_num_threads(1)
+    for arch in argv[1:] or ["llama"]:
+        attention = "sdpa" if arch != "llama" or torch.__version__ >= "2.5" else "eager"
+        for precision in ("float32", "bfloat16", "float16"):
+            runs = {"eager": {}, "inductor": {"backend": "compile"},
+                    "aot_eager": {"backend": "compile", "compile_backend": "aot_eager"}}
+            if precision == "float32":
+                runs["ort"] = {"backend": "ort"}
+            for label, options in runs.items():
+                try:
+                    train(root / f"{arch}-{precision}-{label}", precision=precision, steps=4, arch=arch,
+                          attention=attention, **options)
+                except Exception as error:  # a backend that cannot run it: said, not measured
+                    print(json.dumps({"arch": arch, "precision": precision, "other": label,
+                                      "fails": f"{type(error).__name__}: {str(error)[:200]}"}), flush=True)
+                    continue
+                if label != "eager":
+                    print(json.dumps({"arch": arch, "precision": precision, "other": label,
+                                      **measure(root / f"{arch}-{precision}-eager", root / f"{arch}-{precision}-{label}")}),
+                          flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """Both sides of matched record pairs as arrays, what the rules (``rules``, ``vector``) are applied to.
 
     pairs, exact = from_columns(base, other, (base_rows, other_rows))   # float64 columns; ``exact``: the pairs
-    pairs = from_records(base_records, other_records, precision)       # they cannot hold, as Python values
+    pairs = from_records(base_records, other_records, context)         # they cannot hold, as Python values
 
 A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
 ``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them
@@ -23,11 +23,12 @@ from .config import COUNTS, MOMENTS, STRUCTURE, precision_of
 from .reading import LoadedDump
 from .rules import pair_samples
 
-__all__ = ["SCALARS", "Pairs", "SampleBlock", "from_columns", "from_records"]
+__all__ = ["CONTEXT", "SCALARS", "Pairs", "SampleBlock", "context_of", "from_columns", "from_records"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
+CONTEXT = ("precision", "scale_floor")  # what a default tolerance depends on beyond the record (reading)
 _COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int",
-             "precision")
+             *CONTEXT)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Pairs:
     samples: list[SampleBlock]
     shifted: np.ndarray  # the index lists differ: only the common indices were paired (a note)
     precision: np.ndarray  # the precision each pair is compared at (names: config.PRECISIONS, "exact")
+    floor: np.ndarray  # the scale floor of each pair's default tolerance (0: none)
 
 
 class _Columns:
@@ -161,7 +163,7 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
                                   _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
                   {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
-                  _objects(b.table.column("precision").to_pylist()))
+                  _objects(b.table.column("precision").to_pylist()), b.floats("scale_floor")[0])
     return pairs, exact
 
 
@@ -172,9 +174,10 @@ def _objects(items: Sequence[Any]) -> np.ndarray:
 
 
 def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]],
-                 precision: Sequence[str] | None = None) -> Pairs:
+                 context: tuple[Sequence[str], Sequence[float]] | None = None) -> Pairs:
     """The pairs of ``base[i]`` and ``other[i]``, every value as the record holds it (object arrays);
-    ``precision``: each pair's (the ``precision`` column of its base row; None: of the base record's dtype)."""
+    ``context``: each pair's precision and scale floor (``CONTEXT``: the columns of its base row, ``context_of``;
+    None: of the base record alone: the precision of its dtype, no floor)."""
     count = len(base)
     unequal = {key: np.array([b.get(key) != o.get(key) for b, o in zip(base, other)], dtype=bool)
                for key in (*STRUCTURE, *COUNTS)}
@@ -198,7 +201,13 @@ def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
             for j, (index, b, o) in enumerate(paired[row][0]):
                 indices[i, j], base_values[i, j], other_values[i, j], valid[i, j] = index, b, o, True
         blocks.append(SampleBlock(rows, indices, base_values, other_values, valid))
-    if precision is None:
-        precision = [precision_of(record.get("dtype")).name for record in base]
+    if context is None:
+        context = ([precision_of(record.get("dtype")).name for record in base], [0.0] * count)
     return Pairs(count, unequal, side(base), side(other), blocks,
-                 np.array([shifted for _, shifted in paired], dtype=bool), _objects(list(precision)))
+                 np.array([shifted for _, shifted in paired], dtype=bool), _objects(list(context[0])),
+                 np.array(context[1], np.float64))
+
+
+def context_of(loaded: LoadedDump, rows: np.ndarray) -> tuple[list[str], list[float]]:
+    """The ``context`` of ``from_records`` for the base rows ``rows``."""
+    return loaded.column("precision", rows), loaded.column("scale_floor", rows)

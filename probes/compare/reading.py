@@ -11,7 +11,8 @@ Parsing, completeness (the order files) and waiting for live writers are the dum
 (``probes.dump.DumpReader``); here only what comparing needs on top, done on whole columns: filters,
 the types of the key fields, no duplicate keys, which steps each rank finished, names rewritten by a
 name map (before the name filter; the original name is kept in the ``renamed_from`` column), each
-row's execution-order sort key, and the precision each record is compared at (the ``precision`` column).
+row's execution-order sort key, and what each record's default tolerance depends on beyond the record (the
+``precision`` and ``scale_floor`` columns).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from ..dump import DumpFormatError, DumpReader, Record
 from ..dump.reader import StepFile
 from ..dump.record import RecordKey
 from ..dump.columns import SCHEMA, table_to_records
-from ..utils.phases import phase_rank
+from ..utils.phases import PARAMETER_PHASES, phase_rank
 from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 from .results import Damaged
-from .rules import precisions
+from .rules import precisions, rms, scale_floors
 
 __all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump"]
 
@@ -53,7 +54,7 @@ class LoadedDump:
     """The records of one dump after the config's filters: ``table`` (one row per record, file order)."""
 
     path: Path
-    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from" and "precision"
+    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from", "precision", "scale_floor"
     steps_by_rank: dict[int, list[int]]  # rank -> finished steps read
     unfinished: dict[int, list[int]]  # rank -> unfinished steps (not read)
     renamed: dict[str, str] = field(default_factory=dict)  # original name -> name after the map, those it changed
@@ -208,7 +209,7 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
                         line_of=np.arange(table.num_rows, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1)
     _check_keys(loaded)
     _fill_seq(loaded)
-    _add_precision(loaded)
+    _add_context(loaded)
     keep = _wanted_steps(loaded, config)
     loaded.steps_by_rank = _steps_by_rank(loaded, files, keep)
     if name_map is not None:
@@ -279,17 +280,36 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
             loaded.steps_by_rank[rank].remove(step)
 
 
-def _add_precision(loaded: LoadedDump) -> None:
-    """The ``precision`` column: the precision each record is compared at (``rules.precisions``), from every
-    record of its rank and step, before any filter, so that selecting records does not change it."""
+def _add_context(loaded: LoadedDump) -> None:
+    """What the default tolerance of each record depends on beyond the record itself (docs/compare.md, Tolerance),
+    from every record of its step before any filter, so that selecting records does not change it: ``precision``
+    (``rules.precisions``: the least precise floating-point dtype of its rank and step) and ``scale_floor``
+    (``rules.scale_floors``: for a parameter's grad, param or optim record, the largest root mean square of the
+    same records of its module: a bias gradient that is zero in exact arithmetic is rounding noise of the size
+    of its module's weight gradient). The dump's statistics columns are read as float64."""
     codes, dtypes = loaded.codes("dtype")
-    if len(loaded):
-        _, groups = np.unique(np.stack([loaded.rank, loaded.step], axis=1), axis=0, return_inverse=True)
-    else:
-        groups = np.zeros(0, np.int64)
-    names, index = precisions(dtypes.to_pylist(), codes, groups.reshape(-1))
+    steps = np.stack([loaded.rank, loaded.step], axis=1)
+    groups = np.unique(steps, axis=0, return_inverse=True)[1].reshape(-1) if len(loaded) else np.zeros(0, np.int64)
+    names, index = precisions(dtypes.to_pylist(), codes, groups)
+    table = loaded.table
+    floats = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in ("numel", "mean", "std")]
+    phase_codes, phases = loaded.codes("phase")
+    of_parameters = np.isin(phase_codes, [i for i, phase in enumerate(phases.to_pylist()) if phase in PARAMETER_PHASES])
+    parameter_groups = np.full(len(loaded), -1, np.int64)
+    rows = np.flatnonzero(of_parameters)
+    if len(rows):
+        modules = table.column("module").take(pa.array(rows, pa.int64())).to_pylist()
+        record_names = table.column("name").take(pa.array(rows, pa.int64())).to_pylist()
+        state = [name.rsplit(".", 1)[-1] if phases[int(phase_codes[row])].as_py() == "optim" else ""
+                 for row, name in zip(rows.tolist(), record_names)]
+        keys = [(int(loaded.rank[row]), int(loaded.step[row]), int(phase_codes[row]), module, part)
+                for row, module, part in zip(rows.tolist(), modules, state)]
+        numbering: dict = {}
+        parameter_groups[rows] = [numbering.setdefault(key, len(numbering)) for key in keys]
+    floors = scale_floors(rms(*floats), parameter_groups)
     column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
-    loaded.table = loaded.table.append_column("precision", column)
+    loaded.table = table.append_column("precision", column).append_column(
+        "scale_floor", pa.array(np.where(of_parameters, floors, 0.0), pa.float64()))
 
 
 def _rows_per_file(table: pa.Table, files: list[StepFile]) -> np.ndarray:

@@ -1,8 +1,9 @@
 """The comparison rules, defined once, on whole arrays: tolerance, difference, ratio, noise bound, sample pairing.
 
     tolerance(config, base, noise, rule=r)  # per value: max(atol + rtol * max(|base|, scale), noise_factor * noise)
-    bounds(config, precision, numel, mean, std)  # per pair the (rtol, atol, scale) of values and of moments
+    bounds(config, precision, numel, mean, std, floor)  # per pair the (rtol, atol, scale) of values, of moments
     precisions(dtypes, codes, groups)       # per record the precision it is compared at (its step's dtypes)
+    scale_floors(rms(numel, mean, std), groups)  # per record the largest rms of its group (a module's parameters)
     difference(base, other)                 # |other - base|; a non-number or non-finite value must be the same
     relative(diff, base); ratio(diff, tol)  # rel_diff and |diff| / tolerance, as MetricDiff keeps them
     pair_samples(b_idx, b_val, o_idx, o_val)  # (index, base, other) at the positions both records sampled
@@ -24,7 +25,7 @@ from .config import EXACT, PRECISIONS, CompareConfig, coarseness, precision_of
 from .values import is_finite_number
 
 __all__ = ["as_floats", "bounds", "difference", "distance", "finite", "pair_samples", "precisions", "ratio",
-           "relative", "same", "tolerance"]
+           "relative", "rms", "same", "scale_floors", "tolerance"]
 
 
 def finite(values: np.ndarray) -> np.ndarray:
@@ -93,21 +94,38 @@ def precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) 
     return names, np.where(level == 0, 0, np.maximum(level, coarsest[groups]))
 
 
-def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray
-           ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+def rms(numel: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """A tensor's root mean square from its statistics (float64 arrays): sqrt(mean^2 + std^2 (numel - 1) / numel),
+    without overflow; a mean or std that is no finite number counts as 0, a numel that is none as 1."""
+    count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
+    mean, std = (np.where(np.isfinite(values), values, 0.0) for values in (mean, std))
+    return np.hypot(mean, std * np.sqrt((count - 1) / count))
+
+
+def scale_floors(scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Per row the largest of ``scales`` in its group (``groups``: 0 to n - 1; -1: a group of its own)."""
+    grouped = groups >= 0
+    largest = np.zeros(int(groups.max(initial=-1)) + 1)
+    np.maximum.at(largest, groups[grouped], scales[grouped])
+    return np.where(grouped, largest[np.maximum(groups, 0)] if len(largest) else 0.0, scales)
+
+
+def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
+           floor: np.ndarray | None = None) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
     """The fixed tolerance's (rtol, atol, scale) per pair, of single values and of moments (``tolerance``'s
     ``rule``): ``config.fixed``'s (rtol, atol, 0) for every pair when given; else of each pair's ``precision``
-    (names): rtol and mtol as ``PRECISIONS`` defines them, no atol, and the scale max(rms, tiny), rms the
-    base tensor's root mean square from its numel, mean and std (a mean or std that is no finite number: 0)."""
+    (names): rtol and mtol as ``PRECISIONS`` defines them, no atol, and the scale max(rms, floor, tiny), rms
+    the base tensor's (``rms``), ``floor`` its scale floor (``scale_floors``; nan or None: 0)."""
     if config.fixed is not None:
         rtol, atol = config.fixed
         return (rtol, atol, 0.0), (rtol, atol, 0.0)
     table = {name: precision_of(name) if name != EXACT.name else EXACT for name in set(precision.tolist())}
     rtol, mtol, tiny = (np.array([getattr(table[name], field) for name in precision.tolist()], np.float64)
                         for field in ("rtol", "mtol", "tiny"))
+    scale = np.maximum(rms(numel, mean, std), tiny)
+    if floor is not None:
+        scale = np.maximum(scale, np.nan_to_num(floor, nan=0.0))
     count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
-    mean, std = (np.where(np.isfinite(values), values, 0.0) for values in (mean, std))
-    scale = np.maximum(np.hypot(mean, std * np.sqrt((count - 1) / count)), tiny)
     zero = np.zeros(len(precision))
     return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)
 

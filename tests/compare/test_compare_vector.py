@@ -30,7 +30,9 @@ def base_record(rng: random.Random, index: int) -> dict:
     samples = [rng.gauss(0, 1) for _ in range(length)]
     # Step 1 (odd indices) has bfloat16 records: its float32 records are compared at bfloat16's tolerance.
     dtype = rng.choice(["float32"] * 8 + ["int64"] + (["bfloat16"] if index % 2 else ["float32"]))
-    return {"name": f"r{index}", "phase": rng.choice(["forward", "backward"]), "seq": index,
+    # grad records of modules m0..m4: a parameter's scale is at least the largest of its module's (per step).
+    return {"name": f"r{index}", "phase": rng.choice(["forward", "backward", "grad"]), "seq": index,
+            "module": f"m{index % 5}",
             "shape": [numel], "dtype": dtype, "numel": numel, "nan": 0, "inf": 0, "zero": 0,
             "min": min(samples, default=0.0), "max": max(samples, default=0.0), "mean": rng.gauss(0, 1),
             "std": abs(rng.gauss(1, 0.1)), "samples": samples,
@@ -108,15 +110,23 @@ def precision_of(record: dict, step_dtypes: set) -> str:
     return "bfloat16" if "bfloat16" in step_dtypes else "float32"
 
 
-def tolerance_of(config: CompareConfig, value, noise, record: dict, moment: bool, step_dtypes: set):
+def rms_of(record: dict) -> float:
+    numel = record["numel"] if number(record.get("numel")) and record["numel"] > 0 else 1
+    mean, std = (record.get(key) if number(record.get(key)) else 0.0 for key in ("mean", "std"))
+    return float(np.hypot(mean, std * np.sqrt((numel - 1) / numel)))
+
+
+def tolerance_of(config: CompareConfig, value, noise, record: dict, moment: bool, step: list):
+    """``step``: the base records of the record's step."""
     if config.rtol is None and config.atol is None:
-        rtol, mtol, tiny = DEFAULTS[precision_of(record, step_dtypes)]
+        rtol, mtol, tiny = DEFAULTS[precision_of(record, {r["dtype"] for r in step})]
         numel = record["numel"] if number(record.get("numel")) and record["numel"] > 0 else 1
-        mean, std = (record.get(key) if number(record.get(key)) else 0.0 for key in ("mean", "std"))
-        rms = float(np.hypot(mean, std * np.sqrt((numel - 1) / numel)))
+        scale = rms_of(record)
+        if record["phase"] == "grad":
+            scale = max([scale] + [rms_of(r) for r in step if r["phase"] == "grad" and r["module"] == record["module"]])
         if moment:
             rtol = max(mtol, rtol / math.sqrt(numel))
-        fixed = rtol * max(abs(value) if number(value) else 0.0, rms, tiny)
+        fixed = rtol * max(abs(value) if number(value) else 0.0, scale, tiny)
     else:
         rtol = 1e-4 if config.rtol is None else config.rtol
         atol = 1e-6 if config.atol is None else config.atol
@@ -154,7 +164,7 @@ def expected_noise(base: dict, base2: dict):
     return float(max(diffs, default=0.0))
 
 
-def expected_record(base: dict, other: dict, config: CompareConfig, noise, step_dtypes: set) -> RecordDiff:
+def expected_record(base: dict, other: dict, config: CompareConfig, noise, step: list) -> RecordDiff:
     metrics, notes = [], []
     for key in (*STRUCTURE, *COUNTS):
         b, o = base.get(key), other.get(key)
@@ -165,7 +175,7 @@ def expected_record(base: dict, other: dict, config: CompareConfig, noise, step_
         b, o = base.get(key), other.get(key)
         if not ((b is None and o is None) or (key == "norm" and (b is None or o is None))):
             metrics.append(metric(key, b, o, tolerance_of(config, b, noise, base, key in ("mean", "std", "norm"),
-                                                          step_dtypes)))
+                                                          step)))
     record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0), metrics,
                         noise=noise, notes=notes)
     pairs = sample_pairs(base, other, notes) if base.get("shape") == other.get("shape") else []
@@ -181,13 +191,13 @@ def expected_record(base: dict, other: dict, config: CompareConfig, noise, step_
             else:
                 diff = 0.0 if same_value(b, o) else math.inf
             if diff:
-                tolerance = tolerance_of(config, b, noise, base, False, step_dtypes)
+                tolerance = tolerance_of(config, b, noise, base, False, step)
                 ratio = diff / tolerance if tolerance > 0 else math.inf
                 if ratio > worst_ratio:
                     worst, worst_ratio = position, ratio
             largest = max(largest, diff)
         index, b, o = pairs[worst]
-        metrics.append(metric("samples", b, o, tolerance_of(config, b, noise, base, False, step_dtypes), index))
+        metrics.append(metric("samples", b, o, tolerance_of(config, b, noise, base, False, step), index))
         record.samples_compared, record.samples_max_abs = len(pairs), largest
         record.samples_cosine = (1.0 if norm_b == 0 and norm_o == 0 else 0.0 if norm_b == 0 or norm_o == 0
                                  else dot / math.sqrt(norm_b * norm_o))
@@ -229,12 +239,12 @@ def test_every_pair_is_decided_by_the_rules(tmp_path, seed, tolerance):
         write(tmp_path / path, records)
     config = CompareConfig(**tolerance)
     by_name = {path: {r["name"]: r for r in load_dump(tmp_path / path)} for path in ("base", "other", "noise")}
-    dtypes = {step: {r["dtype"] for r in base if int(r["name"][1:]) % 2 == step} for step in (0, 1)}
-    assert "bfloat16" in dtypes[1] and "bfloat16" not in dtypes[0]
+    steps = {step: [r for r in by_name["base"].values() if r["step"] == step] for step in (0, 1)}
+    assert "bfloat16" in {r["dtype"] for r in steps[1]} and "bfloat16" not in {r["dtype"] for r in steps[0]}
 
     def wanted(name: str, level) -> RecordDiff:
         b = by_name["base"][name]
-        return expected_record(b, by_name["other"][name], config, level, dtypes[b["step"]])
+        return expected_record(b, by_name["other"][name], config, level, steps[b["step"]])
 
     for use_noise in (False, True):
         report = compare_dumps(tmp_path / "base", tmp_path / "other", noise=tmp_path / "noise" if use_noise else None,
