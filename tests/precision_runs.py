@@ -1,11 +1,12 @@
 """Real training runs of the zoo's Llama in fp32 or under bf16 autocast, on eager, torch.compile or ORTModule, with
 or without a known bug: what the default tolerances are measured on (docs/compare.md, Tolerance) and tested with.
 
-    losses = train(tmp_path / "eager", backend="eager", bf16=True)                   # 3 SGD steps, statistics
+    run = train(tmp_path / "eager", backend="eager", bf16=True)                      # 3 SGD steps, statistics
     train(tmp_path / "compile", backend="compile", compile_backend="inductor", bf16=True)
     train(tmp_path / "bug", backend="eager", bf16=True, bug=Bug("output", "model.layers.1.mlp", step=1))
     train(tmp_path / "gpt2", arch="gpt2", precision="float16")                        # any zoo architecture
-    python tests/precision_runs.py OUT            # every run, then the measured ratios that set the constants
+    measure(tmp_path / "eager", tmp_path / "compile")   # per precision: the largest differences, in eps
+    python tests/precision_runs.py OUT [ARCH ...]  # every run, then what ``measure`` finds (docs/compare.md)
 
 A bug acts from ``Bug.step`` on: ``"output"`` scales a module's first output by ``factor`` before its probe
 records it (``probes.testing.inject_bug``), so the module's own record is the first to differ; ``"softmax"``
@@ -17,13 +18,15 @@ layer's ``o_proj`` output.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from probes import StatisticsSubscriber, SubscriberManager
+from helpers import called_by_ort_runtime
+from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
 from probes.testing import BugInjection, _scale_first_tensor, inject_bug
 from zoo import ARCHITECTURES
 
@@ -58,9 +61,42 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+@dataclass
+class Run:
+    """What a training run did: its losses, and the proof that its backend ran (ORT's runtime called the probes
+    ``by_ort`` times; torch.compile compiled ``graphs`` graphs)."""
+
+    losses: list[float] = field(default_factory=list)
+    by_ort: int = 0
+    graphs: int = 0
+
+
+class _OrtWitness(SubscriberBase):
+    """Counts the probe calls that came from ORT's runtime."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def on_forward(self, event, tensors) -> None:
+        self.run.by_ort += called_by_ort_runtime()
+
+
+def _counting(run: Run, backend: str):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiler = lookup_backend(backend)
+
+    def count(graph, example_inputs):
+        run.graphs += 1
+        return compiler(graph, example_inputs)
+
+    return count
+
+
 def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "inductor", bf16: bool = False,
           precision: str = "float32", steps: int = STEPS, bug: Bug | None = None, attention: str = "eager",
-          arch: str = "llama", sharpen: float = 1.0, seed: int = 0) -> list[float]:
+          arch: str = "llama", sharpen: float = 1.0, seed: int = 0) -> Run:
     """``steps`` SGD steps of a zoo model (the Llama) on ``backend`` (eager | compile | ort); statistics (forward,
     backward, grad, param) to ``out`` unless None. ``bf16``: under ``torch.autocast("cpu", dtype=torch.bfloat16)``
     (``precision="bfloat16"``); ``precision="float16"``: autocast to float16; ``"float64"``: the model in float64.
@@ -76,26 +112,28 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
             for name, parameter in model.named_parameters():
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
                     parameter.mul_(sharpen)
+    run = Run()
     injection = None
     if bug is not None and bug.kind == "output":
         injection = inject_bug(model, bug.layer, step=bug.step, factor=bug.factor)
     manager = SubscriberManager()
     if out is not None:
-        manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True, parameters=True)])
+        subscribers = [StatisticsSubscriber(out, override_output_dir=True, parameters=True)]
+        manager.subscribe(model, subscribers + ([_OrtWitness(run)] if backend == "ort" else []))
     if bug is not None and bug.kind == "softmax":
         injection = _softmax_bug(model, bug)
     runner: torch.nn.Module = model
     if backend == "ort":
         from onnxruntime.training.ortmodule import ORTModule
 
+        os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"  # ORT runs it, or this raises
         runner = ORTModule(model)
     elif backend == "compile":
         torch._dynamo.reset()
-        runner = torch.compile(model, backend=compile_backend)
+        runner = torch.compile(model, backend=_counting(run, compile_backend))
     elif backend != "eager":
         raise ValueError(f"unknown backend {backend!r}")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
     try:
         for step in range(steps):
             if injection is not None:
@@ -104,7 +142,7 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
             with _autocast(precision):
                 loss = built.loss(runner, built.batch(step))
             loss.backward()
-            losses.append(loss.item())
+            run.losses.append(loss.item())
             optimizer.step()
     finally:
         manager.unsubscribe()
@@ -112,7 +150,7 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
             injection.remove()
         if backend == "compile":
             torch._dynamo.reset()
-    return losses
+    return run
 
 
 def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
@@ -161,31 +199,37 @@ def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str]) -> None:  # pragma: no cover - the measurement behind docs/compare.md's constants
-    """python tests/precision_runs.py OUT [ARCH ...]: eager against torch.compile (inductor, aot_eager) in float32,
-    bfloat16 and float16 autocast (and ORTModule in float32 where it imports), 4 steps each; prints ``measure``."""
+    """Eager against torch.compile (inductor, aot_eager) in float32, bfloat16 and float16 autocast, and against
+    ORTModule in float32 where it imports, 4 steps each; prints ``measure`` of each as a JSON line."""
+    import argparse
     import json
 
-    root = Path(argv[0])
+    parser = argparse.ArgumentParser(prog="python tests/precision_runs.py")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("archs", nargs="*", default=["llama"])
+    parser.add_argument("--sharpen", type=float, default=1.0)
+    parser.add_argument("--precisions", default="float32,bfloat16,float16")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    for arch in argv[1:] or ["llama"]:
-        attention = "sdpa" if arch != "llama" or torch.__version__ >= "2.5" else "eager"
-        for precision in ("float32", "bfloat16", "float16"):
+    attention = "eager" if os.environ.get("PROBES_LANE") == "ort" else "sdpa"  # as the zoo trains
+    for arch in args.archs:
+        for precision in args.precisions.split(","):
             runs = {"eager": {}, "inductor": {"backend": "compile"},
                     "aot_eager": {"backend": "compile", "compile_backend": "aot_eager"}}
             if precision == "float32":
                 runs["ort"] = {"backend": "ort"}
             for label, options in runs.items():
+                out = args.out / f"{arch}-{precision}-{label}"
                 try:
-                    train(root / f"{arch}-{precision}-{label}", precision=precision, steps=4, arch=arch,
-                          attention=attention, **options)
+                    train(out, precision=precision, steps=4, arch=arch, attention=attention, sharpen=args.sharpen,
+                          **options)
                 except Exception as error:  # a backend that cannot run it: said, not measured
                     print(json.dumps({"arch": arch, "precision": precision, "other": label,
                                       "fails": f"{type(error).__name__}: {str(error)[:200]}"}), flush=True)
                     continue
                 if label != "eager":
                     print(json.dumps({"arch": arch, "precision": precision, "other": label,
-                                      **measure(root / f"{arch}-{precision}-eager", root / f"{arch}-{precision}-{label}")}),
-                          flush=True)
+                                      **measure(args.out / f"{arch}-{precision}-eager", out)}), flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -102,7 +102,8 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     try:
         for step in range(STEPS):
             optimizer.zero_grad()
-            loss = arch.loss(runner, arch.batch(step, device))
+            with arch.autocast(device):
+                loss = arch.loss(runner, arch.batch(step, device))
             loss.backward()
             run.losses.append(loss.item())
             if step == STEPS - 1:
