@@ -96,12 +96,13 @@ def _counting(run: Run, backend: str):
 
 def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "inductor", bf16: bool = False,
           precision: str = "float32", steps: int = STEPS, bug: Bug | None = None, attention: str = "eager",
-          arch: str = "llama", sharpen: float = 1.0, seed: int = 0) -> Run:
+          arch: str = "llama", sharpen: float = 1.0, adam: bool = False, seed: int = 0) -> Run:
     """``steps`` SGD steps of a zoo model (the Llama) on ``backend`` (eager | compile | ort); statistics (forward,
     backward, grad, param) to ``out`` unless None. ``bf16``: under ``torch.autocast("cpu", dtype=torch.bfloat16)``
     (``precision="bfloat16"``); ``precision="float16"``: autocast to float16; ``"float64"``: the model in float64.
     ``sharpen``: every query and key projection's weight times this, so that attention attends (scores of order
-    one, as in a trained model) instead of averaging (a fresh model's scores are near zero)."""
+    one, as in a trained model) instead of averaging (a fresh model's scores are near zero). ``adam``: AdamW
+    (lr 1e-3) instead of SGD, its state recorded too (``optim`` records)."""
     precision = "bfloat16" if bf16 else precision
     built = ARCHITECTURES[arch]
     model = built.build(seed=seed, attention=attention)
@@ -118,7 +119,7 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
         injection = inject_bug(model, bug.layer, step=bug.step, factor=bug.factor)
     manager = SubscriberManager()
     if out is not None:
-        subscribers = [StatisticsSubscriber(out, override_output_dir=True, parameters=True)]
+        subscribers = [StatisticsSubscriber(out, override_output_dir=True, parameters=True, optimizer_state=adam)]
         manager.subscribe(model, subscribers + ([_OrtWitness(run)] if backend == "ort" else []))
     if bug is not None and bug.kind == "softmax":
         injection = _softmax_bug(model, bug)
@@ -133,7 +134,7 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
         runner = torch.compile(model, backend=_counting(run, compile_backend))
     elif backend != "eager":
         raise ValueError(f"unknown backend {backend!r}")
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=LR)
     try:
         for step in range(steps):
             if injection is not None:
@@ -155,8 +156,9 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
 
 def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
     """Per precision the records are compared at: the largest difference of single values (min, max, samples) and
-    of moments (mean, std, norm), each |diff| / max(|x|, rms, scale floor) in units of the precision's eps; the
-    moments' also times sqrt(numel); and the worst ratio |diff| / tolerance under the defaults."""
+    of moments (mean, std, norm; of activations, of gradients and updates, of optimizer states), each
+    |diff| / max(|x|, rms, scale floor) in units of the precision's eps; the moments' also times sqrt(numel); and
+    the worst ratio |diff| / tolerance under the defaults."""
     import numpy as np
 
     from probes.compare import compare_dumps
@@ -191,8 +193,11 @@ def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
         rows = pairs.precision == name
         eps = PRECISIONS[name].eps
         table[name] = {"records": int(rows.sum()), "values": float(single[rows].max() / eps),
-                       "moments": float(moment[rows].max() / eps),
                        "moments_sqrt_numel": float((moment * np.sqrt(numel))[rows].max() / eps)}
+        for label, phases in (("forward", ("forward",)), ("gradients", ("backward", "grad", "param")),
+                              ("optim", ("optim",))):
+            chosen = rows & np.isin(pairs.phase.astype(str), phases)
+            table[name][f"moments_{label}"] = float(moment[chosen].max(initial=0.0) / eps)
     table["all"] = {"worst_ratio": float(np.nan_to_num(ratios, posinf=1e300).max(initial=0.0)),
                     "diverged": int(report.diverged_count)}
     return table

@@ -28,7 +28,7 @@ __all__ = ["CONTEXT", "SCALARS", "Pairs", "SampleBlock", "context_of", "from_col
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
 CONTEXT = ("precision", "scale_floor")  # what a default tolerance depends on beyond the record (reading)
 _COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int",
-             *CONTEXT)
+             "phase", *CONTEXT)
 
 
 @dataclass
@@ -55,6 +55,7 @@ class Pairs:
     shifted: np.ndarray  # the index lists differ: only the common indices were paired (a note)
     precision: np.ndarray  # the precision each pair is compared at (names: config.PRECISIONS, "exact")
     floor: np.ndarray  # the scale floor of each pair's default tolerance (0: none)
+    phase: np.ndarray  # each pair's phase (its moments' tolerance depends on it)
 
 
 class _Columns:
@@ -163,7 +164,8 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
                                   _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
                   {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
-                  _objects(b.table.column("precision").to_pylist()), b.floats("scale_floor")[0])
+                  _objects(b.table.column("precision").to_pylist()), b.floats("scale_floor")[0],
+                  _objects(b.table.column("phase").to_pylist()))
     return pairs, exact
 
 
@@ -205,7 +207,7 @@ def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
         context = ([precision_of(record.get("dtype")).name for record in base], [0.0] * count)
     return Pairs(count, unequal, side(base), side(other), blocks,
                  np.array([shifted for _, shifted in paired], dtype=bool), _objects(list(context[0])),
-                 np.array(context[1], np.float64))
+                 np.array(context[1], np.float64), _objects([record.get("phase") for record in base]))
 
 
 def context_of(loaded: LoadedDump, rows: np.ndarray) -> tuple[list[str], list[float]]:

@@ -1,7 +1,7 @@
 """The comparison rules, defined once, on whole arrays: tolerance, difference, ratio, noise bound, sample pairing.
 
     tolerance(config, base, noise, rule=r)  # per value: max(atol + rtol * max(|base|, scale), noise_factor * noise)
-    bounds(config, precision, numel, mean, std, floor)  # per pair the (rtol, atol, scale) of values, of moments
+    bounds(config, precision, numel, mean, std, floor, phase)  # per pair the (rtol, atol, scale) of values, of moments
     precisions(dtypes, codes, groups)       # per record the precision it is compared at (its step's dtypes)
     scale_floors(rms(numel, mean, std), groups)  # per record the largest rms of its group (a module's parameters)
     difference(base, other)                 # |other - base|; a non-number or non-finite value must be the same
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import EXACT, PRECISIONS, CompareConfig, coarseness, precision_of
+from .config import EXACT, MOMENT_PASSES, PRECISIONS, CompareConfig, coarseness, precision_of
 from .values import is_finite_number
 
 __all__ = ["as_floats", "bounds", "difference", "distance", "finite", "pair_samples", "precisions", "ratio",
@@ -111,11 +111,13 @@ def scale_floors(scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
 
 
 def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
-           floor: np.ndarray | None = None) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+           floor: np.ndarray | None = None, phase: np.ndarray | None = None
+           ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
     """The fixed tolerance's (rtol, atol, scale) per pair, of single values and of moments (``tolerance``'s
     ``rule``): ``config.fixed``'s (rtol, atol, 0) for every pair when given; else of each pair's ``precision``
-    (names): rtol and mtol as ``PRECISIONS`` defines them, no atol, and the scale max(rms, floor, tiny), rms
-    the base tensor's (``rms``), ``floor`` its scale floor (``scale_floors``; nan or None: 0)."""
+    (names): rtol, and for moments max(passes * mtol, rtol / sqrt(numel)) (``PRECISIONS``; passes of the pair's
+    ``phase``, ``MOMENT_PASSES``, 1 when none), no atol, and the scale max(rms, floor, tiny), rms the base
+    tensor's (``rms``), ``floor`` its scale floor (``scale_floors``; nan or None: 0)."""
     if config.fixed is not None:
         rtol, atol = config.fixed
         return (rtol, atol, 0.0), (rtol, atol, 0.0)
@@ -125,6 +127,8 @@ def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean
     scale = np.maximum(rms(numel, mean, std), tiny)
     if floor is not None:
         scale = np.maximum(scale, np.nan_to_num(floor, nan=0.0))
+    if phase is not None:
+        mtol = mtol * np.array([MOMENT_PASSES.get(name, 1.0) for name in phase.tolist()], np.float64)
     count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
     zero = np.zeros(len(precision))
     return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)

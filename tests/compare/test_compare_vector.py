@@ -124,8 +124,8 @@ def tolerance_of(config: CompareConfig, value, noise, record: dict, moment: bool
         scale = rms_of(record)
         if record["phase"] == "grad":
             scale = max([scale] + [rms_of(r) for r in step if r["phase"] == "grad" and r["module"] == record["module"]])
-        if moment:
-            rtol = max(mtol, rtol / math.sqrt(numel))
+        if moment:  # gradients' moments: twice the activations' floor (forward and backward)
+            rtol = max(mtol * (1 if record["phase"] == "forward" else 2), rtol / math.sqrt(numel))
         fixed = rtol * max(abs(value) if number(value) else 0.0, scale, tiny)
     else:
         rtol = 1e-4 if config.rtol is None else config.rtol
