@@ -65,8 +65,8 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     unequal = np.zeros(pairs.count, dtype=bool)
     for found in pairs.unequal.values():
         unequal |= found
-    single, aggregate = bounds(config, pairs.precision, *(_base_floats(pairs, name) for name in ("numel", "mean", "std")),
-                               pairs.floor, pairs.phase)
+    statistics = (_base_floats(pairs, name) for name in ("numel", "mean", "std"))
+    single, aggregate = bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
     moments = {}
     for name in MOMENTS:
         (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]

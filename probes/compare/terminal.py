@@ -69,14 +69,14 @@ def tolerance_rule(config: CompareConfig) -> str:
     if config.fixed is not None:
         rtol, atol = config.fixed
         return f"atol + rtol*|base|  (rtol {rtol:g}, atol {atol:g})"
-    return ("rtol*max(|base|, rms) per value, max(mtol, rtol/sqrt(numel))*max(|base|, rms) per mean, std, norm; "
-            "rtol and mtol of each record's precision (its dtype, or its step's least precise)")
+    return ("rtol*max(|base|, rms) per value, max(passes*mtol, rtol/sqrt(numel))*max(|base|, rms) per mean, std, "
+            "norm; rtol, mtol of each record's precision (its dtype or its step's least precise), rms of its tensor")
 
 
 def precision_table() -> str:
     """The per-dtype default constants in one line (config.PRECISIONS)."""
-    shown = ", ".join(f"{name} {p.rtol:.3g}/{p.mtol:.3g}" for name, p in PRECISIONS.items() if not name.endswith("fnuz"))
-    return f"rtol/mtol {shown}; integers exact (docs/compare.md, Tolerance)"
+    shown = [f"{name} {p.rtol:.3g}/{p.mtol:.3g}" for name, p in PRECISIONS.items() if not name.endswith("fnuz")]
+    return f"rtol/mtol {', '.join(shown)}; integers exact (docs/compare.md, Tolerance)"
 
 
 def plural(count: int, note: str) -> str:
