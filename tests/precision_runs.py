@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from helpers import called_by_ort_runtime
-from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from helpers import OrtWitness, counting_backend
+from probes import StatisticsSubscriber, SubscriberManager
 from probes.testing import BugInjection, _scale_first_tensor, inject_bug
 from zoo import ARCHITECTURES
 
@@ -71,29 +71,6 @@ class Run:
     graphs: int = 0
 
 
-class _OrtWitness(SubscriberBase):
-    """Counts the probe calls that came from ORT's runtime."""
-
-    def __init__(self, run: Run) -> None:
-        super().__init__()
-        self.run = run
-
-    def on_forward(self, event, tensors) -> None:
-        self.run.by_ort += called_by_ort_runtime()
-
-
-def _counting(run: Run, backend: str):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    compiler = lookup_backend(backend)
-
-    def count(graph, example_inputs):
-        run.graphs += 1
-        return compiler(graph, example_inputs)
-
-    return count
-
-
 def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "inductor", bf16: bool = False,
           precision: str = "float32", steps: int = STEPS, bug: Bug | None = None, attention: str = "eager",
           arch: str = "llama", sharpen: float = 1.0, adam: bool = False, seed: int = 0) -> Run:
@@ -114,13 +91,14 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
                     parameter.mul_(sharpen)
     run = Run()
+    witness = OrtWitness()
     injection = None
     if bug is not None and bug.kind == "output":
         injection = inject_bug(model, bug.layer, step=bug.step, factor=bug.factor)
     manager = SubscriberManager()
     if out is not None:
         subscribers = [StatisticsSubscriber(out, override_output_dir=True, parameters=True, optimizer_state=adam)]
-        manager.subscribe(model, subscribers + ([_OrtWitness(run)] if backend == "ort" else []))
+        manager.subscribe(model, subscribers + ([witness] if backend == "ort" else []))
     if bug is not None and bug.kind == "softmax":
         injection = _softmax_bug(model, bug)
     runner: torch.nn.Module = model
@@ -131,7 +109,7 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
         runner = ORTModule(model)
     elif backend == "compile":
         torch._dynamo.reset()
-        runner = torch.compile(model, backend=_counting(run, compile_backend))
+        runner = torch.compile(model, backend=counting_backend(run, compile_backend))
     elif backend != "eager":
         raise ValueError(f"unknown backend {backend!r}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=LR)
@@ -151,6 +129,7 @@ def train(out: Path | None, *, backend: str = "eager", compile_backend: str = "i
             injection.remove()
         if backend == "compile":
             torch._dynamo.reset()
+    run.by_ort = witness.by_ort
     return run
 
 
