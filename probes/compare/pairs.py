@@ -72,6 +72,12 @@ class _Columns:
         values = column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
         return values, pc.is_null(column).to_numpy(zero_copy_only=False)
 
+    def labels(self, name: str) -> np.ndarray:
+        """A string column as an object array, through its dictionary (a few distinct values, many rows)."""
+        encoded = pc.dictionary_encode(self.table.column(name)).unify_dictionaries().combine_chunks()
+        return np.array(encoded.dictionary.to_pylist() + [None], dtype=object)[
+            encoded.indices.fill_null(-1).to_numpy(zero_copy_only=False)]
+
     def present(self, name: str) -> np.ndarray:
         return pc.is_valid(self.table.column(name)).to_numpy(zero_copy_only=False)
 
@@ -164,8 +170,7 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
                                   _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
                   {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
-                  _objects(b.table.column("precision").to_pylist()), b.floats("scale_floor")[0],
-                  _objects(b.table.column("phase").to_pylist()))
+                  b.labels("precision"), b.floats("scale_floor")[0], b.labels("phase"))
     return pairs, exact
 
 

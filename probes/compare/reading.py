@@ -288,28 +288,38 @@ def _add_context(loaded: LoadedDump) -> None:
     same records of its module: a bias gradient that is zero in exact arithmetic is rounding noise of the size
     of its module's weight gradient). The dump's statistics columns are read as float64."""
     codes, dtypes = loaded.codes("dtype")
-    steps = np.stack([loaded.rank, loaded.step], axis=1)
-    groups = np.unique(steps, axis=0, return_inverse=True)[1].reshape(-1) if len(loaded) else np.zeros(0, np.int64)
-    names, index = precisions(dtypes.to_pylist(), codes, groups)
+    names, index = precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
     table = loaded.table
     floats = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in ("numel", "mean", "std")]
     phase_codes, phases = loaded.codes("phase")
-    of_parameters = np.isin(phase_codes, [i for i, phase in enumerate(phases.to_pylist()) if phase in PARAMETER_PHASES])
+    phase_names = phases.to_pylist()
+    of_parameters = np.isin(phase_codes, [i for i, phase in enumerate(phase_names) if phase in PARAMETER_PHASES])
     parameter_groups = np.full(len(loaded), -1, np.int64)
     rows = np.flatnonzero(of_parameters)
     if len(rows):
-        modules = table.column("module").take(pa.array(rows, pa.int64())).to_pylist()
-        record_names = table.column("name").take(pa.array(rows, pa.int64())).to_pylist()
-        state = [name.rsplit(".", 1)[-1] if phases[int(phase_codes[row])].as_py() == "optim" else ""
-                 for row, name in zip(rows.tolist(), record_names)]
-        keys = [(int(loaded.rank[row]), int(loaded.step[row]), int(phase_codes[row]), module, part)
-                for row, module, part in zip(rows.tolist(), modules, state)]
-        numbering: dict = {}
-        parameter_groups[rows] = [numbering.setdefault(key, len(numbering)) for key in keys]
+        taken = pa.array(rows, pa.int64())
+        modules, record_names = (pc.dictionary_encode(table.column(name).take(taken)).combine_chunks()
+                                 for name in ("module", "name"))
+        # An optimizer state's records group by state (every exp_avg of a module), the others by module alone.
+        states = pc.dictionary_encode(pa.array([name.rsplit(".", 1)[-1] for name in
+                                                record_names.dictionary.to_pylist()], pa.string()))
+        state = states.indices.to_numpy(zero_copy_only=False)[record_names.indices.to_numpy(zero_copy_only=False)]
+        optim = phase_names.index("optim") if "optim" in phase_names else -1
+        state = np.where(phase_codes[rows] == optim, state + 1, 0)
+        parameter_groups[rows] = _groups([loaded.rank[rows], loaded.step[rows], phase_codes[rows],
+                                          modules.indices.fill_null(-1).to_numpy(zero_copy_only=False) + 1, state])
     floors = scale_floors(rms(*floats), parameter_groups)
     column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
     loaded.table = table.append_column("precision", column).append_column(
         "scale_floor", pa.array(np.where(of_parameters, floors, 0.0), pa.float64()))
+
+
+def _groups(columns: list[np.ndarray]) -> np.ndarray:
+    """Per row the number of its distinct combination of these integer columns (0 to n - 1)."""
+    key = one_key(columns)
+    if key is None:
+        return np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    return np.unique(key, return_inverse=True)[1].reshape(-1)
 
 
 def _rows_per_file(table: pa.Table, files: list[StepFile]) -> np.ndarray:

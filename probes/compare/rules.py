@@ -121,14 +121,17 @@ def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean
     if config.fixed is not None:
         rtol, atol = config.fixed
         return (rtol, atol, 0.0), (rtol, atol, 0.0)
-    table = {name: precision_of(name) if name != EXACT.name else EXACT for name in set(precision.tolist())}
-    rtol, mtol, tiny = (np.array([getattr(table[name], field) for name in precision.tolist()], np.float64)
-                        for field in ("rtol", "mtol", "tiny"))
+    rtol, mtol, tiny = (np.zeros(len(precision)) for _ in range(3))
+    for name in set(precision.tolist()):  # a few precisions: one pass over the pairs each
+        which = precision == name
+        found = EXACT if name == EXACT.name else precision_of(name)
+        rtol[which], mtol[which], tiny[which] = found.rtol, found.mtol, found.tiny
     scale = np.maximum(rms(numel, mean, std), tiny)
     if floor is not None:
         scale = np.maximum(scale, np.nan_to_num(floor, nan=0.0))
     if phase is not None:
-        mtol = mtol * np.array([MOMENT_PASSES.get(name, 1.0) for name in phase.tolist()], np.float64)
+        for name in set(phase.tolist()):
+            mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
     count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
     zero = np.zeros(len(precision))
     return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)
