@@ -100,7 +100,7 @@ def same_value(a, b) -> bool:
 
 # The per-dtype defaults (docs/compare.md): (rtol, mtol, smallest normal) of the precisions these records use.
 DEFAULTS = {"float32": (1e-4, 1e-5, 2.0 ** -126), "bfloat16": (2.0 ** -7 * 16, 2.0 ** -7 * 0.64, 2.0 ** -126),
-            "exact": (0.0, 1e-11, 0.0)}
+            "exact": (0.0, 1e-13, 0.0)}
 
 
 def precision_of(record: dict, step_dtypes: set) -> str:
