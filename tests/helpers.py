@@ -34,6 +34,33 @@ def called_by_ort_runtime() -> bool:
     return called_from("ortmodule/_execution_agent.py")
 
 
+class OrtWitness(SubscriberBase):
+    """Counts the probe calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_ort = 0
+
+    def on_forward(self, event, tensors) -> None:
+        self.by_ort += called_by_ort_runtime()
+
+    def on_backward(self, event, grads) -> None:
+        self.by_ort += called_by_ort_runtime()
+
+
+def counting_backend(run, backend: str):
+    """torch.compile backend ``backend`` that counts the graphs it compiles in ``run.graphs``."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiler = lookup_backend(backend)
+
+    def count(gm, example_inputs):
+        run.graphs += 1
+        return compiler(gm, example_inputs)
+
+    return count
+
+
 class Square(torch.autograd.Function):
     """A user's own custom autograd Function, unrelated to probes (and without a symbolic)."""
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from helpers import called_by_ort_runtime
-from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from helpers import OrtWitness, counting_backend
+from probes import StatisticsSubscriber, SubscriberManager
 from probes.testing import assert_parity
 from zoo import ARCHITECTURES, Architecture
 
@@ -52,32 +52,6 @@ class Run:
     tied: frozenset[str] = frozenset()  # parameters used under several names (tied embeddings)
 
 
-class _OrtWitness(SubscriberBase):
-    """Counts the per-step calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_ort = 0
-
-    def on_forward(self, event, tensors) -> None:
-        self.by_ort += called_by_ort_runtime()
-
-    def on_backward(self, event, grads) -> None:
-        self.by_ort += called_by_ort_runtime()
-
-
-def _counting_backend(run: Run, backend: str):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    compiler = lookup_backend(backend)
-
-    def count(gm, example_inputs):
-        run.graphs += 1
-        return compiler(gm, example_inputs)
-
-    return count
-
-
 def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend: str = COMPILE_BACKEND,
           device: str = "cpu", hooked: bool = False) -> Run:
     """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given;
@@ -87,7 +61,7 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
         for module in list(model.modules())[1:]:
             module.register_forward_hook(lambda module, args, outputs: outputs)
     manager = None
-    witness = _OrtWitness() if backend == "ort" else None
+    witness = OrtWitness() if backend == "ort" else None
     if out is not None:
         manager = SubscriberManager()
         manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True)] + ([witness] if witness else []))
@@ -103,13 +77,14 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     elif backend == "compile":
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        runner = torch.compile(model, backend=_counting_backend(run, compile_backend))
+        runner = torch.compile(model, backend=counting_backend(run, compile_backend))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     started = time.perf_counter()
     try:
         for step in range(STEPS):
             optimizer.zero_grad()
-            loss = arch.loss(runner, arch.batch(step, device))
+            with arch.autocast(device):
+                loss = arch.loss(runner, arch.batch(step, device))
             loss.backward()
             run.losses.append(loss.item())
             if step == STEPS - 1:

@@ -2,7 +2,8 @@
 
     for arch in ARCHITECTURES.values():
         model = arch.build(seed=0)               # a fresh model, deterministic weights, no dropout
-        loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
+        with arch.autocast():                    # bfloat16 autocast for the mixed-precision entry
+            loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
 
 Each entry names the family it stands for (decoder with learned or rotary positions, grouped-query attention,
 sliding window, mixture of experts, encoder, encoder-decoder, vision, tied embeddings, a frozen base with
@@ -12,6 +13,7 @@ arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +35,7 @@ class Architecture:
     # An attention mask of ones, as a tokenizer gives: where the model's program without one differs between
     # eager and torch.compile (transformers 4.46's T5 makes one only when not compiling).
     attention_mask: bool = False
+    precision: str = "float32"  # "bfloat16": the forward under torch.autocast("cpu", dtype=torch.bfloat16)
 
     def build(self, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
         import transformers
@@ -42,6 +45,12 @@ class Architecture:
         _set_attention(model, attention)
         model.train()
         return model
+
+    def autocast(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """Where the forward runs: under autocast to ``precision`` on ``device``'s type unless it is float32."""
+        if self.precision == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=getattr(torch, self.precision))
 
     def batch(self, step: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(1000 + step)
@@ -193,6 +202,8 @@ def _swin(t: Any) -> torch.nn.Module:
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="gpt2", family="decoder, learned positions, tied embeddings", make=_gpt2),
     Architecture(name="llama", family="decoder, rotary, grouped-query attention", make=_llama),
+    Architecture(name="llama-bf16", family="decoder, bf16 autocast (mixed precision)", make=_llama,
+                 precision="bfloat16"),
     Architecture(name="mistral", family="decoder, rotary, sliding window", make=_mistral),
     Architecture(name="qwen2", family="decoder, rotary, tied embeddings", make=_qwen2),
     Architecture(name="gemma", family="decoder, rotary, multi-query attention", make=_gemma),

@@ -26,12 +26,14 @@ __all__ = ["record_diffs"]
 
 
 def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]], config: CompareConfig,
-                 noise: Sequence[float | None] | None = None) -> list[RecordDiff]:
+                 noise: Sequence[float | None] | None = None,
+                 context: tuple[Sequence[str], Sequence[float]] | None = None) -> list[RecordDiff]:
     """One RecordDiff per pair ``base[i]``, ``other[i]`` (same rank, step, phase and name); ``noise``: each
-    pair's noise level (None: none). With ``config.exact`` the one metric is the hash."""
+    pair's noise level (None: none); ``context``: each pair's precision and scale floor (``pairs.from_records``;
+    None: of the base record alone). With ``config.exact`` the one metric is the hash."""
     if config.exact:
         return [_hash_diff(b, o, None if noise is None else noise[row]) for row, (b, o) in enumerate(zip(base, other))]
-    pairs = from_records(base, other)
+    pairs = from_records(base, other, context)
     levels = None if noise is None else np.array([math.nan if level is None else level for level in noise])
     evaluated = evaluate(pairs, config, levels)
     found = []

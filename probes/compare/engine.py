@@ -39,6 +39,7 @@ from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
 from .details import record_diffs
+from .pairs import context_of
 from .matched import RecordDiffs
 from .reading import LoadedDump, check_hashes
 from .report import Report
@@ -90,7 +91,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
         noise_of = None if levels is None else [None if math.isnan(level) else float(level) for level in levels[rows]]
-        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config, noise_of)
+        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config, noise_of,
+                            context_of(base, pairs[0][rows]))
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")

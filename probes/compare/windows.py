@@ -39,7 +39,7 @@ from ..dump.record import RecordKey
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import fuzzy_renames
-from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW, CompareConfig
+from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded
 from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
@@ -284,7 +284,8 @@ def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, DumpReader | None], conf
     return ()
 
 
-def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float | None = None,
+                  atol: float | None = None,
                   noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
                   progress: bool | TextIO = False, strict_zero_grads: bool = False,
@@ -292,6 +293,9 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: fl
                   jobs: int = 1, skip_damaged: bool = False, exact: bool = False, ranks: bool = False,
                   phases: Iterable[str] | None = None) -> Report:
     """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
+
+    ``rtol``, ``atol``: one fixed rule ``atol + rtol * |x|`` for every record (the one not given: 1e-4, 1e-6);
+    neither: each record's per-dtype default (docs/compare.md, Tolerance).
 
     ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
     ``probes.compare.names``), before the ``names`` filter. ``fuzzy``: names still found in one run only
