@@ -40,7 +40,7 @@ from exporters.handles import Handle
 
 from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
-from . import compiled, rootcall, wrappers
+from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteProbe, StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
 from .interface import SubscriberBase
@@ -392,7 +392,13 @@ class SubscriberManager:
             _warn_unobserved(site, unobservable)
         if not leaves.positions and not boundary:
             return structure
-        return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
+        shared = aliases.find(leaves.tensors)  # tensors sharing memory: see aliases
+        if shared is None:
+            return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
+        if shared.refused and not boundary:
+            aliases.warn_refused(self._compiled_key, site.name, site.kind, shared.refused)
+            return structure
+        return leaves.rebuild(shared.apply(leaves.tensors, lambda tensors: self._pass(site, tensors, boundary)))
 
     def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool) -> Sequence[torch.Tensor]:
         if torch.compiler.is_compiling():  # dynamo is tracing: the graph gets the probe ops
