@@ -22,7 +22,7 @@ from .report import Report
 from .results import ZERO_GRAD_NOTE, StepSummary
 from .values import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
-from .terminal import GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, verdict
+from .terminal import GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, noise_floor_line, verdict
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "HtmlConfig", "render_html", "write_html"]
 
@@ -98,9 +98,12 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     verdict_class = "agree" if report.agrees else "diverged"
     rule = "|diff| &le; atol + rtol&middot;|base|"
     if report.noise is not None:
-        rule = "|diff| &le; max(atol + rtol&middot;|base|, k&middot;noise)"
+        rule = ("|diff| &le; max(atol + rtol&middot;|base|, k&middot;noise), k&middot;noise being the statistic's "
+                "noise floor")
+    floor = noise_floor_line(report)
     summary = _table(None, [
-        ("base", report.base), ("other", report.other), ("noise (second baseline)", report.noise or "-"),
+        ("base", report.base), ("other", report.other), ("noise (calibration run)", report.noise or "-"),
+        *((("noise floor", floor),) if floor is not None else ()),
         ("rtol / atol / k", f"{cfg.rtol:g} / {cfg.atol:g} / {cfg.noise_factor:g}"),
         ("records matched / diverged", f"{report.matched} / {report.diverged_count}"),
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
@@ -136,6 +139,9 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                              "tolerance"],
                             [(first.rank, first.step, first.phase, first.name, first.seq, first.metric, first.base,
                               first.other, first.abs_diff, first.rel_diff, first.tolerance)], {0, 1, 4, 6, 7, 8, 9, 10}))
+        if first.noise_floor is not None:
+            parts.append(f'<p class="kind">Against the calibration run: {escape(first.noise_floor)} the noise '
+                         "floor.</p>")
         parts.append(f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>')
     parts.append("<h2>Relative error, step &times; layer</h2>")
     if not grid.rows:

@@ -16,8 +16,8 @@ from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value
 
-__all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "nonfinite_lines", "parse_steps",
-           "plural", "rank_lines", "ranges", "verdict"]
+__all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
+           "parse_steps", "plural", "rank_lines", "ranges", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -30,13 +30,43 @@ def verdict(report: Report) -> str:
         noted = f"; {len(report.zero_grads)} {plural(len(report.zero_grads), 'materialised zero gradient')} noted" \
             if report.zero_grads else ""
         within = "bit-identical" if report.config.exact else "within tolerance"
-        return f"AGREE ({report.matched} records {within}{noted})"
+        return f"AGREE ({report.matched} records {within}{_floor_clause(report)}{noted})"
     if first is not None:
         what = "differs in its bytes" if first.metric == "hash" else first.metric
+        if first.noise_floor is not None:
+            what += f", {first.noise_floor} the noise floor"
         return (f"DIVERGED at rank {first.rank}, step {first.step}, {first.phase}, {format_value(first.name)} "
                 f"({what})")
     return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
             f"{len(report.only_in_other)} only in other; matched records agree)")
+
+
+def _floor_clause(report: Report) -> str:
+    """For an agreeing report with a calibration run: whether every record is within its noise floor."""
+    floor = report.noise_floor
+    if floor is None or report.config.exact:
+        return ""
+    if not floor.beyond:
+        return ", every one within the noise floor"
+    return f", {floor.beyond} beyond the noise floor but within the fixed tolerance"
+
+
+def noise_floor_line(report: Report) -> str | None:
+    """With a calibration run: how many records are beyond their noise floor, and the first of them."""
+    floor = report.noise_floor
+    if floor is None or report.config.exact:
+        return None
+    text = (f"{floor.beyond} {plural(floor.beyond, 'record')} beyond the noise floor, {floor.within} within it"
+            + (f" (largest |diff| / noise floor {format_value(floor.largest)})" if floor.largest is not None else ""))
+    if floor.first_beyond is not None:
+        rank, step, phase, name = floor.first_beyond
+        text += f"; the first beyond it: rank {rank} step {step} {phase} {format_value(name)}"
+    if floor.silent and not floor.beyond + floor.within:
+        text += ("; the calibration run is identical to the base, so it measures no noise: make it with "
+                 "probes.testing.perturbed_rounding (docs/compare.md, Noise floor)")
+    elif floor.silent:
+        text += f"; {floor.silent} {plural(floor.silent, 'record')} identical in the calibration run (fixed tolerance)"
+    return text
 
 
 def kind_line(report: Report) -> str | None:
@@ -159,7 +189,7 @@ def _header(report: Report) -> list[str]:
     if report.noise is not None:
         lines.append(f"  noise  {report.noise}   ({report.noise_unmatched} compared records had no noise counterpart)")
         rule = (f"|diff| <= max(atol + rtol*|base|, k*noise)  (rtol {config.rtol:g}, atol {config.atol:g}, "
-                f"k {config.noise_factor:g})")
+                f"k {config.noise_factor:g}; noise per statistic, k*noise the noise floor)")
     if config.exact:
         rule = "bit-identical bytes (the records' hashes; tolerances not used)"
     lines.append(f"  {'exact' if config.exact else 'tolerance'}  {rule}")
@@ -175,6 +205,9 @@ def _header(report: Report) -> list[str]:
         for rank, steps in ranks.items():
             lines.append(f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)")
     lines.append(f"  {counts_line(report)}")
+    floor = noise_floor_line(report)
+    if floor is not None:
+        lines.append(f"  noise floor: {floor}")
     if report.steps_only_in_base or report.steps_only_in_other:
         lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
                      f"only in other {ranges(report.steps_only_in_other)}")
@@ -208,7 +241,8 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
              f"  {first.metric}: base {format_value(first.base)}  other {format_value(first.other)}"
              + ("  (differs in its bytes)" if first.metric == "hash" else
                 f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
-                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else ""),
+                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")
+             + (f"  ({first.noise_floor} the noise floor)" if first.noise_floor is not None else ""),
              f"  kind: {kind_line(report)}"]
     neighbours = report.records.take(report.records.rows_where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)

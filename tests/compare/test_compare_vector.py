@@ -93,17 +93,22 @@ def same_value(a, b) -> bool:
     return (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)) or a == b
 
 
-def tolerance_of(config: CompareConfig, value, noise):
+def tolerance_of(config: CompareConfig, value, noise, statistic):
     fixed = config.atol + config.rtol * abs(value) if number(value) else config.atol
-    return max(fixed, config.noise_factor * noise) if noise else fixed
+    return max(fixed, config.noise_factor * noise[statistic]) if noise else fixed
 
 
-def metric(name, b, o, tolerance, index=None) -> MetricDiff:
+def floor_of(config: CompareConfig, noise, statistic):
+    return config.noise_factor * noise[statistic] if noise is not None else None
+
+
+def metric(name, b, o, tolerance, index=None, floor=None) -> MetricDiff:
     if not (number(b) and number(o)):
         size = 0.0 if same_value(b, o) else math.inf
-        return MetricDiff(name, b, o, size, size, tolerance, index)
+        return MetricDiff(name, b, o, size, size, tolerance, index, floor)
     size = float(abs(o - b))
-    return MetricDiff(name, b, o, size, size / abs(b) if b != 0 else (0.0 if size == 0 else math.inf), tolerance, index)
+    return MetricDiff(name, b, o, size, size / abs(b) if b != 0 else (0.0 if size == 0 else math.inf), tolerance, index,
+                      floor)
 
 
 def sample_pairs(base: dict, other: dict, notes: list | None = None) -> list:
@@ -121,11 +126,25 @@ def sample_pairs(base: dict, other: dict, notes: list | None = None) -> list:
 
 
 def expected_noise(base: dict, base2: dict):
+    """The noise levels of docs/compare.md (Noise floor), per statistic."""
     if any(base.get(key) != base2.get(key) for key in STRUCTURE):
         return None
-    diffs = [abs(base2[k] - base[k]) for k in MOMENTS if number(base.get(k)) and number(base2.get(k))]
-    diffs += [abs(y - x) for _, x, y in sample_pairs(base, base2) if number(x) and number(y)]
-    return float(max(diffs, default=0.0))
+    change = {k: float(abs(base2[k] - base[k])) if number(base.get(k)) and number(base2.get(k)) else 0.0
+              for k in MOMENTS}
+    samples = [float(abs(y - x)) for _, x, y in sample_pairs(base, base2) if number(x) and number(y)]
+    count = sum(sign * base[k] for k, sign in (("numel", 1), ("nan", -1), ("inf", -1)) if number(base.get(k)))
+    root = math.sqrt(max(count, 0))
+    per_value = 1 / root if root else 0.0
+    largest = max(samples, default=0.0)
+    scale = largest if largest > 0 and math.isfinite(largest) else 1.0
+    total = 0.0
+    for diff in samples:  # the squares of diff / largest, in position order
+        total += (diff / scale) ** 2
+    rms = scale * math.sqrt(total / max(len(samples), 1)) if math.isfinite(largest) else math.inf
+    floor = rms * per_value if root else 0.0
+    value = max(change["min"], change["max"], change["mean"], change["norm"] * per_value, largest)
+    return {"min": value, "max": value, "mean": max(change["mean"], floor), "std": max(change["std"], floor),
+            "norm": max(change["norm"], floor * root), "samples": value}
 
 
 def expected_record(base: dict, other: dict, config: CompareConfig, noise) -> RecordDiff:
@@ -138,7 +157,7 @@ def expected_record(base: dict, other: dict, config: CompareConfig, noise) -> Re
     for key in MOMENTS:
         b, o = base.get(key), other.get(key)
         if not ((b is None and o is None) or (key == "norm" and (b is None or o is None))):
-            metrics.append(metric(key, b, o, tolerance_of(config, b, noise)))
+            metrics.append(metric(key, b, o, tolerance_of(config, b, noise, key), floor=floor_of(config, noise, key)))
     record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0), metrics,
                         noise=noise, notes=notes)
     pairs = sample_pairs(base, other, notes) if base.get("shape") == other.get("shape") else []
@@ -154,13 +173,14 @@ def expected_record(base: dict, other: dict, config: CompareConfig, noise) -> Re
             else:
                 diff = 0.0 if same_value(b, o) else math.inf
             if diff:
-                tolerance = tolerance_of(config, b, noise)
+                tolerance = tolerance_of(config, b, noise, "samples")
                 ratio = diff / tolerance if tolerance > 0 else math.inf
                 if ratio > worst_ratio:
                     worst, worst_ratio = position, ratio
             largest = max(largest, diff)
         index, b, o = pairs[worst]
-        metrics.append(metric("samples", b, o, tolerance_of(config, b, noise), index))
+        metrics.append(metric("samples", b, o, tolerance_of(config, b, noise, "samples"), index,
+                              floor_of(config, noise, "samples")))
         record.samples_compared, record.samples_max_abs = len(pairs), largest
         record.samples_cosine = (1.0 if norm_b == 0 and norm_o == 0 else 0.0 if norm_b == 0 or norm_o == 0
                                  else dot / math.sqrt(norm_b * norm_o))
@@ -179,10 +199,15 @@ def assert_same_record(got: RecordDiff, want: RecordDiff) -> None:
         (want.rank, want.step, want.phase, want.name, want.seq, want.notes)
     assert [m.metric for m in got.metrics] == [m.metric for m in want.metrics], want.name
     for mine, theirs in zip(got.metrics, want.metrics):
-        for field in ("base", "other", "abs_diff", "rel_diff", "tolerance", "index"):
+        for field in ("base", "other", "abs_diff", "rel_diff", "tolerance", "index", "floor"):
             assert same_fields(getattr(mine, field), getattr(theirs, field)), (want.name, mine, theirs, field)
-    for field in ("samples_compared", "samples_max_abs", "samples_cosine", "noise"):
+    for field in ("samples_compared", "samples_max_abs", "samples_cosine"):
         assert same_fields(getattr(got, field), getattr(want, field)), (want.name, field)
+    assert (got.noise is None) == (want.noise is None), want.name
+    if want.noise is not None:
+        assert got.noise.keys() == want.noise.keys(), want.name
+        for key in want.noise:
+            assert same_fields(got.noise[key], want.noise[key]), (want.name, key, got.noise, want.noise)
     assert got.to_json() == want.to_json()
 
 
