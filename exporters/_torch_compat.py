@@ -230,24 +230,34 @@ def dispatch_mode_class() -> type:
     return _dispatch_api()[0]
 
 
+class _EnteredMode(Handle):
+    """A dispatch mode entered on one thread; removing it checks first, so a refused removal changes nothing."""
+
+    def __init__(self, mode: Any) -> None:
+        import threading
+
+        self._owner = threading.get_ident()
+        self._mode = mode
+        mode.__enter__()
+        super().__init__(lambda: mode.__exit__(None, None, None))
+
+    def remove(self) -> None:
+        import threading
+
+        if self.active:
+            if threading.get_ident() != self._owner:
+                raise RuntimeError("a dispatch mode must be removed on the thread that entered it")
+            if _dispatch_api()[1]() is not self._mode:
+                raise RuntimeError("another dispatch mode was entered after this one and is still active: "
+                                   "leave it first (modes are a stack)")
+        super().remove()
+
+
 def enter_dispatch_mode(mode: Any) -> Handle:
     """Makes ``mode`` (a ``dispatch_mode_class()`` instance) see every operation of this thread (and of the
-    backward passes it starts) until the handle is removed; the handle refuses to remove it from another
-    thread or while a mode entered after it is still active (modes are a stack)."""
-    import threading
-
-    owner = threading.get_ident()
-    mode.__enter__()
-
-    def leave() -> None:
-        if threading.get_ident() != owner:
-            raise RuntimeError("a dispatch mode must be removed on the thread that entered it")
-        if _dispatch_api()[1]() is not mode:
-            raise RuntimeError("another dispatch mode was entered after this one and is still active: "
-                               "leave it first (modes are a stack)")
-        mode.__exit__(None, None, None)
-
-    return Handle(leave)
+    backward passes it starts) until the handle is removed; the handle refuses (and stays active) when removed
+    from another thread or while a mode entered after it is still active (modes are a stack)."""
+    return _EnteredMode(mode)
 
 
 def operator_name(func: Any) -> str:

@@ -85,14 +85,16 @@ class PerturbedRounding(Handle):
         self.ulps = ulps
         self.perturbed = 0
         self._generators: dict[torch.device, torch.Generator] = {}
-        mode = _mode_class()(self)
-        super().__init__(_torch_compat.enter_dispatch_mode(mode).remove)
+        self._entered = _torch_compat.enter_dispatch_mode(_mode_class()(self))
+        super().__init__(self._entered.remove)
 
     def __repr__(self) -> str:
         return f"PerturbedRounding(seed={self.seed}, ulps={self.ulps}, perturbed={self.perturbed}, active={self.active})"
 
     def remove(self) -> None:
         was_active = self.active
+        if was_active:
+            self._entered.remove()  # first: a refused removal (another thread, a mode entered later) changes nothing
         super().remove()
         if was_active and self.perturbed == 0:
             warnings.warn("probes: perturbed_rounding perturbed no operation: the calibration run must run its "
