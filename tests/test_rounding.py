@@ -145,7 +145,7 @@ def test_nothing_outlives_the_block():
 
     # Another thread is not perturbed while the block is active here.
     found = {}
-    with perturbed_rounding(seed=1):
+    with pytest.warns(RuntimeWarning, match="perturbed no operation"), perturbed_rounding(seed=1):
         thread = threading.Thread(target=lambda: found.setdefault("run", _train(copy.deepcopy(model))))
         thread.start()
         thread.join()
