@@ -34,6 +34,20 @@ def called_by_ort_runtime() -> bool:
     return called_from("ortmodule/_execution_agent.py")
 
 
+class OrtWitness(SubscriberBase):
+    """Counts the per-step probe calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_ort = 0
+
+    def on_forward(self, event, tensors) -> None:
+        self.by_ort += called_by_ort_runtime()
+
+    def on_backward(self, event, grads) -> None:
+        self.by_ort += called_by_ort_runtime()
+
+
 class Square(torch.autograd.Function):
     """A user's own custom autograd Function, unrelated to probes (and without a symbolic)."""
 

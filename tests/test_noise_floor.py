@@ -26,8 +26,8 @@ import torch
 
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from helpers import called_by_ort_runtime
-from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from helpers import OrtWitness
+from probes import StatisticsSubscriber, SubscriberManager
 from probes.compare import compare_dumps
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.testing import BugInjection, ScaleOutput, assert_parity, inject_bug, perturbed_rounding
@@ -101,20 +101,6 @@ def train(out: Path, *, dtype: str, backend: str = "eager", bug: str | None = No
     assert backend != "compile" or counter.frame_count >= 1, "the compiled graph never ran"
     assert backend != "ort" or witness.by_ort > 0, "ORT's runtime never called a probe"
     return losses
-
-
-class OrtWitness(SubscriberBase):
-    """Counts the probe calls that ORT's runtime made."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_ort = 0
-
-    def on_forward(self, event, tensors) -> None:
-        self.by_ort += called_by_ort_runtime()
-
-    def on_backward(self, event, grads) -> None:
-        self.by_ort += called_by_ort_runtime()
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from helpers import called_by_ort_runtime
-from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
+from helpers import OrtWitness
+from probes import StatisticsSubscriber, SubscriberManager
 from probes.compare import compare_dumps
 from probes.testing import assert_parity, parity_message
 from zoo import ARCHITECTURES, Architecture
@@ -52,20 +52,6 @@ class Run:
     reasons: list[str] = field(default_factory=list)
 
 
-class _OrtWitness(SubscriberBase):
-    """Counts the per-step calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_ort = 0
-
-    def on_forward(self, event, tensors) -> None:
-        self.by_ort += called_by_ort_runtime()
-
-    def on_backward(self, event, grads) -> None:
-        self.by_ort += called_by_ort_runtime()
-
-
 def _counting_backend(run: Run, backend: str):
     from torch._dynamo.backends.registry import lookup_backend
 
@@ -83,7 +69,7 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given."""
     model = arch.build(seed=0, attention=ATTENTION).to(device)
     manager = None
-    witness = _OrtWitness() if backend == "ort" else None
+    witness = OrtWitness() if backend == "ort" else None
     if out is not None:
         manager = SubscriberManager()
         manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True)] + ([witness] if witness else []))

@@ -14,7 +14,6 @@ clean. Per backend of the lane, one row of the support matrix (``PROBES_ZOO_MATR
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 

@@ -11,9 +11,10 @@ never dropped. A gradient that is exactly zero everywhere in one run and absent 
 backend materialises the zeros another leaves out) is a note, not a divergence, unless
 ``strict_zero_grads``. Every matched record is checked statistic by statistic against a tolerance that is
 fixed (``atol + rtol * |base|``) or, given calibration runs (the base run again with its rounding perturbed,
-``probes.rounding``), at least the statistic's noise floor: noise_factor times how much calibration moved it. The first divergence is searched in execution order: earliest step, then its phases in
-the order they run (forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase
-the base run's order (``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
+``probes.rounding``), at least the statistic's noise floor: noise_factor times how much calibration moved it.
+The first divergence is searched in execution order: earliest step, then its phases in the order they run
+(forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase the base run's order
+(``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
 The rules are ``rules``, applied to every pair at once by ``vector`` (verdicts) and ``details`` (the
 RecordDiff objects a report shows; ``compare_records`` is the same for records at hand). The result model is
@@ -40,11 +41,11 @@ from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
 from .details import record_diffs
 from .matched import RecordDiffs
+from .metrics import NOISED, noise_level
+from .pairs import from_records
 from .reading import LoadedDump, check_hashes
 from .report import Report
 from .results import Divergence, NoiseFloor, RecordDiff, Rename
-from .metrics import NOISED, noise_level
-from .pairs import from_records
 from .vector import WORST, match, measure, noise_levels
 
 __all__ = ["compare_loaded", "compare_records", "is_zero_gradient", "noise_label"]
@@ -90,8 +91,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     pairs = (natural[0][in_order], natural[1][in_order])
     measured = measured.take(in_order)
     levels = None if levels is None else levels[in_order]
-    noise_floor = None if levels is None else _noise_floor(levels, measured.noise_ratio,
-                                                           lambda row: base.key(int(pairs[0][row])))
+    noise_floor = None if levels is None or measured.noise_ratio is None else \
+        _noise_floor(levels, measured.noise_ratio, lambda row: base.key(int(pairs[0][row])))
     if meter:
         meter.update(2)
 
