@@ -47,7 +47,7 @@ def _floor_clause(report: Report) -> str:
     if floor is None or report.config.exact:
         return ""
     if not floor.beyond:
-        return ", every one within the noise floor"
+        return ", none beyond the noise floor"
     return f", {floor.beyond} beyond the noise floor but within the fixed tolerance"
 
 

@@ -61,7 +61,7 @@ def test_a_run_that_differs_by_rounding_is_within_the_noise_floor_everywhere(run
     report = assert_parity(runs["base"], runs["rounded"], rtol=1e-7, atol=1e-9, noise=[runs["noise_1"], runs["noise_2"]])
     floor = report.noise_floor
     assert floor.beyond == 0 and floor.within + floor.silent == report.matched and floor.within > 0.9 * report.matched
-    assert verdict(report) == f"AGREE ({report.matched} records within tolerance, every one within the noise floor)"
+    assert verdict(report) == f"AGREE ({report.matched} records within tolerance, none beyond the noise floor)"
     assert all(record.beyond_noise in (False, None) for record in report.records)
     code = probes_main(["compare", str(runs["base"]), str(runs["rounded"]), "--rtol", "1e-7", "--atol", "1e-9",
                         "--noise", str(runs["noise_1"]), str(runs["noise_2"])])
