@@ -5,6 +5,7 @@ already been imported by the user's program, so importing probes never imports O
 
     from . import _ort_compat
     if _ort_compat.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
+    if _ort_compat.is_ort_schema_run(): ...     # its eager run before the trace (on a deep copy)
     if _ort_compat.inside_ort_graph(): ...      # a PythonOp run by ORT's runtime: do not raise from here
     inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
     _ort_compat.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
@@ -20,6 +21,7 @@ import importlib
 import importlib.util
 import sys
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -79,6 +81,15 @@ def is_exporting() -> bool:
     return is_ort_exporting() or torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
 
 
+def is_ort_schema_run() -> bool:
+    """True during ORTModule's eager run of the model before an export, the one that finds its output schema.
+
+    ORT 1.19 runs (a deep copy of) the model once, eagerly under ``torch.no_grad()``, then traces it; both
+    inside the export flag of ``is_ort_exporting``. The eager run is the one that is no trace.
+    """
+    return is_ort_exporting() and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
+
+
 # ORTModule's Python frame through which its C++ graph run (forward and backward) calls PythonOps.
 _GRAPH_RUNNER = "ortmodule/_execution_agent.py"
 
@@ -127,12 +138,26 @@ def signal_model_changed(model: torch.nn.Module) -> None:
         torch_module = model._torch_module
         managers = [torch_module._execution_manager(training) for training in (False, True)]
         for manager in managers:
-            manager._graph_transition_manager.signal_model_changed()
+            _export_again(manager)
     except AttributeError as error:
         raise OrtInternalsError(
             f"cannot ask ORTModule to re-export after (un)subscribing ({error}); "
             "subscribe before wrapping the model in ORTModule"
         ) from error
+
+
+def _export_again(manager: Any) -> None:
+    """Make ORT's training or inference ``manager`` export, build and run a new graph from its next forward.
+
+    ORT 1.19's own signal is not enough once it exported: its managers then skip the checks that read it
+    and that build a new session (``ORTMODULE_SKIPCHECK_POLICY``'s default) unless nothing was exported
+    and no session made yet, which is what this makes them see (ORT's own re-initialisation after
+    unpickling drops the session the same way).
+    """
+    transition = manager._graph_transition_manager
+    transition.signal_model_changed()
+    transition._exported_model_info = None
+    manager._execution_agent = None
 
 
 # PythonOp export support (used by exporters/) -----------------------------------------------------
@@ -215,6 +240,7 @@ def enable_pythonop_runners() -> None:
 # Rewriting ORTModule's export (ZeRO-3 models, see exporters/zero3.py) ----------------------------
 
 _GTM_MODULE = "onnxruntime.training.ortmodule._graph_transition_manager"
+_TRAINING_MANAGER_MODULE = "onnxruntime.training.ortmodule._training_manager"
 _TRIGGER_MODULE = "onnxruntime.training.ortmodule._mem_efficient_grad_mgmt"
 _EXPORT_STEPS = ("_export_model", "_post_export_process")
 
@@ -269,6 +295,41 @@ def install_export_rewrite(rewrite: ExportRewrite) -> None:
     _PATCHES.install_rewrite(cls, rewrite)
 
 
+def reexport_when_requires_grad_changes(exported_probes: Callable[[], int]) -> None:
+    """Make ORTModule export a training graph with probes again when which parameters or inputs require
+    grad changes (idempotent; the latest ``exported_probes`` wins).
+
+    The probes of such a graph learnt from the export's eager run which of their tensors eager
+    differentiates; a new export is the only way to learn it again. ORT 1.19 itself never exports again
+    for that: once exported it skips its checks (``ORTMODULE_SKIPCHECK_POLICY``'s default), and without
+    that skip it only rebuilds the gradient graph. ``exported_probes()`` counts the probe nodes exported
+    so far: an export that made it grow holds probes. Costs a comparison of flags per training step.
+    """
+    _check_version()
+    cls = getattr(importlib.import_module(_TRAINING_MANAGER_MODULE), "TrainingManager", None)
+    if cls is None or not callable(cls.__dict__.get("forward")):
+        raise OrtInternalsError(
+            f"{_TRAINING_MANAGER_MODULE}.TrainingManager.forward is missing; probes cannot tell ORTModule to "
+            "export again when requires_grad changes"
+        )
+    _PATCHES.install_requires_grad_watch(cls, exported_probes)
+
+
+def _requires_grad_flags(module: torch.nn.Module, inputs: Any) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Which parameters of ``module``, and which tensors of ``inputs`` (nested), require grad."""
+    tensors: list[torch.Tensor] = []
+    pending = [inputs]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return tuple(p.requires_grad for p in module.parameters()), tuple(t.requires_grad for t in tensors)
+
+
 def _export_model(**kwargs: Any) -> Any:
     return _PATCHES.export_model(**kwargs)
 
@@ -278,16 +339,21 @@ def _post_export_process(**kwargs: Any) -> Any:
 
 
 class _OrtPatches:
-    """What this adapter changed in the imported onnxruntime: its exit release and its export steps.
+    """What this adapter changed in the imported onnxruntime: its exit release, its export steps and the
+    training forward that exports a graph with probes again when requires_grad changes.
 
-    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps are static methods
-    of ORT's GraphTransitionManager class, shared by every ORTModule of the process.
+    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps and the training
+    forward are methods of ORT's GraphTransitionManager and TrainingManager classes, shared by every
+    ORTModule of the process.
     """
 
     def __init__(self) -> None:
         self.releases_at_exit = False
         self.rewrite: ExportRewrite | None = None
         self.original_steps: dict[str, Callable[..., Any]] = {}  # ORT's own, once wrapped
+        self.exported_probes: Callable[[], int] | None = None
+        # Per TrainingManager whose last export held probes: the requires_grad flags it exported with.
+        self.watched: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
     def release_at_exit(self, unregister_python_functions: Callable[[], None]) -> None:
         if self.releases_at_exit:
@@ -307,6 +373,39 @@ class _OrtPatches:
         cls._export_model = staticmethod(functools.wraps(self.original_steps["_export_model"])(_export_model))
         cls._post_export_process = staticmethod(
             functools.wraps(self.original_steps["_post_export_process"])(_post_export_process))
+
+    def install_requires_grad_watch(self, cls: type, exported_probes: Callable[[], int]) -> None:
+        installed = self.exported_probes is not None
+        self.exported_probes = exported_probes
+        if installed:
+            return
+        original = cls.forward
+
+        @functools.wraps(original)
+        def forward(manager: Any, *inputs: Any, **kwargs: Any) -> Any:
+            return self.training_forward(original, manager, inputs, kwargs)
+
+        cls.forward = forward
+
+    def training_forward(self, original: Callable[..., Any], manager: Any, inputs: tuple, kwargs: dict) -> Any:
+        try:
+            transition, module = manager._graph_transition_manager, manager._flattened_module
+            exported = transition._exported_model_info
+        except AttributeError as error:
+            raise OrtInternalsError(f"ORT's TrainingManager changed ({error}); see exporters/_ort_compat.py") from error
+        watched = self.watched.get(manager)
+        flags = _requires_grad_flags(module, (inputs, kwargs)) if watched is not None else None
+        if watched is not None and flags != watched:
+            _export_again(manager)
+            exported = None
+        probes = self.exported_probes()
+        result = original(manager, *inputs, **kwargs)
+        if transition._exported_model_info is not exported:  # it exported
+            if self.exported_probes() != probes:
+                self.watched[manager] = _requires_grad_flags(module, (inputs, kwargs))
+            else:
+                self.watched.pop(manager, None)
+        return result
 
     def managed(self, flattened_module: Any) -> tuple[ExportRewrite, torch.nn.Module] | None:
         rewrite = self.rewrite

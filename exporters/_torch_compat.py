@@ -7,7 +7,7 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
   ``torch.onnx._internal.torchscript_exporter`` and made ``torch.onnx.export`` default to the dynamo
   exporter; the symbolic registry, the export globals and the graph context are otherwise the same.
 - The autograd engine: which backward pass (graph task) runs now, and a callback when it ends.
-- Tracing state (pausing a TorchScript trace), ONNX element types, the C++ extension build directory,
+- Tracing state (pausing a TorchScript trace, the tracer's stand-ins for Python numbers), ONNX element types, the C++ extension build directory,
   whether a tensor dispatches to Python (a ``__torch_dispatch__`` subclass), and torch's pytree
   (``torch.utils._pytree``), which probes uses to flatten module outputs.
 - Python dispatch modes (``torch.utils._python_dispatch``): a mode that sees every aten operation of one
@@ -23,6 +23,7 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from types import ModuleType
@@ -169,6 +170,48 @@ def untraced() -> Iterator[None]:
         torch._C._set_tracing_state(state)
 
 
+# What Python's number operators record on the 0-dim tensors a trace gives for sizes (``h // 2``, ``h * w``...).
+_NUMBER_OPS = frozenset(f"aten::{name}" for name in (
+    "add", "sub", "rsub", "mul", "div", "floor_divide", "floordiv", "remainder", "fmod", "neg", "pow", "abs",
+    "ceil", "floor", "round", "minimum", "maximum", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__",
+    "__xor__", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "__lshift__", "__rshift__"))
+
+
+def is_traced_number(tensor: torch.Tensor) -> bool:
+    """True when, inside a TorchScript trace, ``tensor`` is the tracer's stand-in for a Python number of the
+    traced code: a size (``x.shape[i]``, ``x.size(i)``: ``prim::NumToTensor``) or arithmetic on such numbers
+    (``(h + 1) // 2``), which eager code holds as an int. False outside a trace and for every tensor the
+    code computes as a tensor (``torch.arange(h)``, ``mask.sum()``, ``torch.tensor(h)``).
+    """
+    if tensor.dim() != 0 or torch._C._get_tracing_state() is None:
+        return False
+    value_trace = getattr(torch._C, "_get_value_trace", None)
+    if value_trace is None:
+        raise _missing("torch._C._get_value_trace (the traced value of a tensor)")
+    try:
+        value = value_trace(tensor)
+    except RuntimeError:  # not a value of this trace (made before it began)
+        return False
+    return _traced_number(value, depth=0)
+
+
+def _traced_number(value: torch._C.Value, depth: int) -> bool:
+    node = value.node()
+    kind = node.kind()
+    if kind == "prim::NumToTensor":
+        return True
+    if kind not in _NUMBER_OPS or depth > 64:
+        return False
+    found = False
+    for operand in node.inputs():
+        if operand.node().kind() == "prim::Constant" or not isinstance(operand.type(), torch._C.TensorType):
+            continue  # a literal (``2`` in ``h // 2``) or a non-tensor operand (``alpha``)
+        if not _traced_number(operand, depth + 1):
+            return False
+        found = True
+    return found
+
+
 def onnx_element_type(dtype: torch.dtype) -> int:
     """The ONNX ``TensorProto`` element type of a torch dtype."""
     try:  # torch >= 2.9
@@ -196,6 +239,103 @@ def compiled_alias(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.layout != torch.strided or tensor.is_nested:
         return tensor.detach()
     return torch.ops.aten._unsafe_view.default(tensor, tensor.shape)
+
+
+def set_version(tensor: torch.Tensor, version: int) -> None:
+    """Set the autograd version counter of ``tensor`` (what ``torch.autograd._unsafe_preserve_version_counter``
+    does). torch 2.4 takes one tensor and one int, later versions sequences of both."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        raise _missing("torch._C._autograd._unsafe_set_version_counter")
+    try:
+        setter((tensor,), (version,))
+    except TypeError:  # torch 2.4
+        setter(tensor, version)
+
+
+class AbsentFieldTyping:
+    """Lets torch 2.1-2.4's dynamo tell the type of a Hugging Face ``ModelOutput`` field that is None, while
+    the probes flatten a module's outputs (``active``), and nowhere else.
+
+    That dynamo models a ``ModelOutput`` built in traced code by its fields that are not None. Reading
+    another field (``outputs.past_key_values``, None when the model uses no cache) gives a value of no
+    known type, which the model passes on into the outputs it builds; ``type()`` or ``isinstance`` on it,
+    as torch's pytree does when the probes flatten those outputs, breaks the graph ("GetAttrVariable(
+    CustomizedDictVariable(), past_key_values) has no type"). A ``ModelOutput`` keeps exactly its fields
+    that are not None, so such a field (a dataclass field defaulting to None) is None: NoneType. The
+    model's own code is traced as before (``active`` is off then). torch >= 2.5 models a ``ModelOutput``
+    otherwise: nothing to do.
+
+        ABSENT_FIELDS.set(True); leaves = pytree.tree_flatten(outputs); ABSENT_FIELDS.set(False)   # while tracing
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self._installed = False
+
+    def set(self, active: bool) -> None:
+        if active and not self._installed:
+            self._install()
+        self.active = active
+
+    def _install(self) -> None:
+        self._installed = True
+        from torch._dynamo.variables import dicts, misc
+
+        customized = getattr(dicts, "CustomizedDictVariable", None)
+        if customized is None:  # torch >= 2.5
+            return
+        from torch._dynamo.variables.constant import ConstantVariable
+
+        untyped = misc.GetAttrVariable.python_type
+        typing = self
+
+        def python_type(self: Any) -> type:
+            owner = self.obj
+            if typing.active and isinstance(owner, customized) and dataclasses.is_dataclass(owner.user_cls):
+                field = {field.name: field for field in dataclasses.fields(owner.user_cls)}.get(self.name)
+                if field is not None and field.default is None and ConstantVariable.create(self.name) not in owner:
+                    return type(None)
+            return untyped(self)
+
+        misc.GetAttrVariable.python_type = python_type
+
+
+ABSENT_FIELDS = AbsentFieldTyping()  # process-wide: it patches dynamo's class, once
+
+
+def _frame_evaluation() -> Any:
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    if frames is None or not hasattr(frames, "set_eval_frame"):
+        raise _missing("torch._C._dynamo.eval_frame.set_eval_frame")
+    return frames
+
+
+def not_compiled_as_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo never compiles a frame of ``fn``'s code as a program of its own; it still traces ``fn`` inline
+    where a frame it compiles calls it. (What ``torch._dynamo.skip`` does, without marking ``fn`` as
+    disabled, which would make dynamo break the graph at every call.) ``call_uncompiled`` is marked too:
+    called from such a frame, it must not be compiled before it turns dynamo off."""
+    frames = _frame_evaluation()
+    for code in (fn.__code__, call_uncompiled.__code__):
+        if hasattr(frames, "skip_code"):  # torch 2.4
+            frames.skip_code(code)
+        elif hasattr(frames, "set_code_exec_strategy"):  # torch >= 2.6
+            frames.set_code_exec_strategy(code, frames._FrameExecStrategy(frames._FrameAction.SKIP,
+                                                                          frames._FrameAction.DEFAULT))
+        else:
+            raise _missing("torch._C._dynamo.eval_frame.skip_code or set_code_exec_strategy")
+    return fn
+
+
+def call_uncompiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with dynamo's frame evaluation off, as inside ``torch.compiler.disable``: no frame it
+    runs is compiled."""
+    prior = torch._C._dynamo.eval_frame.set_eval_frame(None)
+    try:
+        return fn(*args)
+    finally:
+        torch._C._dynamo.eval_frame.set_eval_frame(prior)
 
 
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:

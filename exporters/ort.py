@@ -10,7 +10,10 @@ Without onnxruntime installed this does nothing and imports nothing. If ORT is i
 - ORTModule's PythonOp exporter calls our handler for every registered probe Function, which emits
   the node of exporters/pythonop.py (same attributes as ORT's default, plus the site name);
 - ORT's PythonOp kernels get each Function's class, ``infer_shape`` and ``alias_input``, so ORT keeps
-  the shapes and returns the probes' outputs in their inputs' buffers instead of copying them.
+  the shapes and returns the probes' outputs in their inputs' buffers instead of copying them;
+- a training graph with probes is exported again when which parameters or inputs require grad changes
+  (ORT would only rebuild its gradient graph): its probes learn at export which tensors eager
+  differentiates (``probes.core.differentiable``).
 
 All ORT internals used here are behind exporters/_ort_compat.py.
 """
@@ -37,6 +40,7 @@ def _ort_handler(spec: ProbeFunctionSpec) -> Callable[..., Any]:
         current = spec_for(spec.function)
         if current is None:  # unregistered since: None makes ORT use its default exporter
             return None
+        _INSTALLATION.exported_probes += 1
         return emit_probe(g, node, current, args)
 
     handler.__qualname__ = f"export_{spec.function.__qualname__}"
@@ -59,6 +63,7 @@ class _OrtInstallation:
     def __init__(self) -> None:
         self.installed = False
         self.waiting = False  # an _AfterImport finder is on sys.meta_path
+        self.exported_probes = 0  # probe nodes ORTModule's exports emitted so far
 
     def install(self) -> None:
         if self.installed:
@@ -75,6 +80,8 @@ class _OrtInstallation:
         for spec in registered_specs():
             _install_spec(spec)
         if not self.installed:
+            # The probes learn at each export what eager differentiates: a change of requires_grad re-exports.
+            _ort_compat.reexport_when_requires_grad_changes(lambda: self.exported_probes)
             self.installed = True
             on_register(_install_spec)
 

@@ -35,7 +35,7 @@ def called_by_ort_runtime() -> bool:
 
 
 class OrtWitness(SubscriberBase):
-    """Counts the per-step probe calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
+    """Counts the probe calls ORT's runtime made (proof that the probes ran inside ORT's graph)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,6 +46,19 @@ class OrtWitness(SubscriberBase):
 
     def on_backward(self, event, grads) -> None:
         self.by_ort += called_by_ort_runtime()
+
+
+def counting_backend(run, backend: str):
+    """torch.compile backend ``backend`` that counts the graphs it compiles in ``run.graphs``."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiler = lookup_backend(backend)
+
+    def count(gm, example_inputs):
+        run.graphs += 1
+        return compiler(gm, example_inputs)
+
+    return count
 
 
 class Square(torch.autograd.Function):
@@ -70,6 +83,7 @@ class Call:
     seq: int
     shapes: tuple
     by_ort: bool
+    records: tuple[str, ...] = ()  # the record name of each tensor (of each gradient that is not None)
 
 
 class Recorder(SubscriberBase):
@@ -84,7 +98,9 @@ class Recorder(SubscriberBase):
 
     def _record(self, event, tensors):
         shapes = tuple(None if t is None else tuple(t.shape) for t in tensors)
-        self.calls.append(Call(event.step, event.phase, event.record_name(0), event.seq, shapes, called_by_ort_runtime()))
+        records = tuple(event.record_name(i) for i, t in enumerate(tensors) if t is not None)
+        self.calls.append(Call(event.step, event.phase, event.record_name(0), event.seq, shapes, called_by_ort_runtime(),
+                               records))
 
     def on_forward(self, event, tensors):
         self._record(event, tensors)
@@ -100,6 +116,10 @@ class Recorder(SubscriberBase):
 
     def names(self, step, phase):
         return [c.name for c in self.calls if c.step == step and c.phase == phase]
+
+    def records(self, step, phase):
+        """The record names of every tensor (every gradient that is not None) of ``step``'s ``phase``, sorted."""
+        return sorted(name for c in self.calls if c.step == step and c.phase == phase for name in c.records)
 
 
 def same_values(a, b) -> bool:

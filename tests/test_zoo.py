@@ -25,10 +25,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from helpers import OrtWitness
+from helpers import OrtWitness, counting_backend
 from probes import StatisticsSubscriber, SubscriberManager
-from probes.compare import compare_dumps
-from probes.testing import assert_parity, parity_message
+from probes.testing import assert_parity
 from zoo import ARCHITECTURES, Architecture
 
 pytest.importorskip("transformers")
@@ -50,30 +49,26 @@ class Run:
     by_ort: int = 0
     seconds: float = 0.0
     reasons: list[str] = field(default_factory=list)
-
-
-def _counting_backend(run: Run, backend: str):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    compiler = lookup_backend(backend)
-
-    def count(gm, example_inputs):
-        run.graphs += 1
-        return compiler(gm, example_inputs)
-
-    return count
+    tied: frozenset[str] = frozenset()  # parameters used under several names (tied embeddings)
 
 
 def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend: str = COMPILE_BACKEND,
-          device: str = "cpu") -> Run:
-    """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given."""
+          device: str = "cpu", hooked: bool = False) -> Run:
+    """``STEPS`` SGD steps of ``arch`` on ``backend`` (eager | ort | compile); statistics to ``out`` if given;
+    ``hooked``: with a forward hook that does nothing on every module."""
     model = arch.build(seed=0, attention=ATTENTION).to(device)
+    if hooked:
+        for module in list(model.modules())[1:]:
+            module.register_forward_hook(lambda module, args, outputs: outputs)
     manager = None
     witness = OrtWitness() if backend == "ort" else None
     if out is not None:
         manager = SubscriberManager()
         manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True)] + ([witness] if witness else []))
-    run = Run([], {})
+    names: dict[int, list[str]] = collections.defaultdict(list)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names[id(parameter)].append(name)
+    run = Run([], {}, tied=frozenset(group[0] for group in names.values() if len(group) > 1))
     runner = model
     if backend == "ort":
         from onnxruntime.training.ortmodule import ORTModule
@@ -82,13 +77,14 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     elif backend == "compile":
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        runner = torch.compile(model, backend=_counting_backend(run, compile_backend))
+        runner = torch.compile(model, backend=counting_backend(run, compile_backend))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     started = time.perf_counter()
     try:
         for step in range(STEPS):
             optimizer.zero_grad()
-            loss = arch.loss(runner, arch.batch(step, device))
+            with arch.autocast(device):
+                loss = arch.loss(runner, arch.batch(step, device))
             loss.backward()
             run.losses.append(loss.item())
             if step == STEPS - 1:
@@ -127,16 +123,6 @@ def _backends() -> list[str]:
 
 
 TORCH_24 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
-KNOWN_TORCH_24 = ("open: torch 2.4's compiled backward finds the probes' token tensor modified in place (version "
-                  "counter) on Hugging Face models; the compiled probes work on torch 2.13 and on our own models")
-
-# Records one backend has and eager has not, all of them gradients, with why (the training itself is identical).
-EXTRA_GRADIENTS: dict[tuple[str, str], tuple[frozenset[str], str]] = {
-    ("t5", "ort"): (frozenset({"decoder.block.0.output.2", "decoder.block.0.layer.1.output.1"}),
-                    "ORT also differentiates the decoder's cross-attention position bias (a constant zeros+mask "
-                    "tensor in eager) where it passes a probe beside a hidden state: 2 extra gradient records "
-                    "per step"),
-}
 
 _EAGER: dict[str, tuple[Run, Run, Path]] = {}
 
@@ -167,6 +153,11 @@ def _assert_same_training(plain: Run, probed: Run, exact: bool) -> None:
         torch.testing.assert_close(probed.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _only_tied_gradients_differ(plain: Run, probed: Run) -> bool:
+    differ = {name for name, grad in plain.grads.items() if not torch.equal(grad, probed.grads.get(name, grad + 1))}
+    return probed.losses == plain.losses and bool(differ) and differ <= probed.tied
+
+
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("arch_name", list(ARCHITECTURES))
 def test_zoo_trains_identically_with_probes(arch_name, backend, zoo_root):
@@ -195,16 +186,17 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
         _record(arch_name, backend, "fails without probes", reason)
         pytest.skip(f"{backend} fails on {arch_name} without probes too: {reason[:200]}")
     out = zoo_root / f"{arch_name}-{backend}"
-    try:
-        probed = train(arch, backend, out)
-    except RuntimeError as error:
-        if backend == "compile" and TORCH_24 and "modified by an inplace operation" in str(error):
-            _record(arch_name, backend, "failed", KNOWN_TORCH_24)
-            pytest.xfail(KNOWN_TORCH_24)
-        raise
+    probed = train(arch, backend, out)
     # Exactly equal where probes are identities in the same program; ORT and inductor may plan kernels
     # around the opaque probe nodes differently, so there the values agree to float32 rounding.
-    _assert_same_training(plain, probed, exact=backend == "compile" and COMPILE_BACKEND == "aot_eager")
+    exact = backend == "compile" and COMPILE_BACKEND == "aot_eager"
+    if exact and TORCH_24 and _only_tied_gradients_differ(plain, probed):
+        # torch 2.4's dynamo lifts the parameters of a module with hooks otherwise than those of a module
+        # without: a parameter used in three places (T5's shared embedding) gets its gradient summed in
+        # another order. Any hook does that, so the same model with a hook that does nothing on every
+        # module must train exactly as with probes.
+        plain = train(arch, backend, None, hooked=True)
+    _assert_same_training(plain, probed, exact=exact)
     if backend == "ort":
         assert probed.by_ort > 0, "ORT's runtime never called a probe: the probed run did not run in ORT"
     if backend == "compile":
@@ -214,13 +206,5 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
         extra = 1 if plain.breaks else 0
         assert probed.graphs <= plain.graphs + extra, (probed.graphs, plain.graphs)
         assert set(probed.reasons) <= set(plain.reasons), (probed.reasons, plain.reasons)
-    known = EXTRA_GRADIENTS.get((arch_name, backend))
-    if known is None:
-        assert_parity(eager_out, out)
-        _record(arch_name, backend, "ok", seconds=time.perf_counter() - started)
-        return
-    report = compare_dumps(eager_out, out)
-    assert report.diverged_count == 0 and not report.only_in_base, parity_message(report)
-    extra = {(phase, name) for _rank, _step, phase, name in report.only_in_other}
-    assert extra and all(phase == "backward" and name in known[0] for phase, name in extra), sorted(extra)
-    _record(arch_name, backend, "ok, note", known[1], seconds=time.perf_counter() - started)
+    assert_parity(eager_out, out)
+    _record(arch_name, backend, "ok", seconds=time.perf_counter() - started)

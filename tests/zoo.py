@@ -2,15 +2,18 @@
 
     for arch in ARCHITECTURES.values():
         model = arch.build(seed=0)               # a fresh model, deterministic weights, no dropout
-        loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
+        with arch.autocast():                    # bfloat16 autocast for the mixed-precision entry
+            loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
 
 Each entry names the family it stands for (decoder with learned or rotary positions, grouped-query attention,
-sliding window, mixture of experts, encoder, encoder-decoder, vision, speech with a CTC loss, tied embeddings). Configs use the
+sliding window, mixture of experts, encoder, encoder-decoder, vision, speech with a CTC loss, tied embeddings, a
+frozen base with adapters, constant position embeddings, modules returning sizes beside tensors). Configs use the
 arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on the modern one) accept.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,6 +33,10 @@ class Architecture:
     family: str
     make: Callable[[Any], torch.nn.Module]  # transformers module -> model
     inputs: str = "causal"  # causal | masked | seq2seq | image | audio
+    # An attention mask of ones, as a tokenizer gives: where the model's program without one differs between
+    # eager and torch.compile (transformers 4.46's T5 makes one only when not compiling).
+    attention_mask: bool = False
+    precision: str = "float32"  # "bfloat16": the forward under torch.autocast("cpu", dtype=torch.bfloat16)
 
     def build(self, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
         import transformers
@@ -39,6 +46,12 @@ class Architecture:
         _set_attention(model, attention)
         model.train()
         return model
+
+    def autocast(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """Where the forward runs: under autocast to ``precision`` on ``device``'s type unless it is float32."""
+        if self.precision == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(device).type, dtype=getattr(torch, self.precision))
 
     def batch(self, step: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(1000 + step)
@@ -54,6 +67,8 @@ class Architecture:
             batch = {"input_ids": tokens, "labels": tokens.clone()}
             if self.inputs == "seq2seq":
                 batch["labels"] = torch.randint(4, VOCAB, (BATCH, SEQ // 2), generator=generator)
+            if self.attention_mask:
+                batch["attention_mask"] = torch.ones_like(tokens)
         return {key: value.to(device) for key, value in batch.items()}
 
     @staticmethod
@@ -171,9 +186,39 @@ def _wav2vec2(t: Any) -> torch.nn.Module:
         pad_token_id=0, ctc_loss_reduction="sum"))
 
 
+def _llama_lora(t: Any) -> torch.nn.Module:
+    import peft
+
+    base = t.LlamaForCausalLM(t.LlamaConfig(**{**_DECODER, "num_hidden_layers": 1}, num_key_value_heads=2))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(base, config)  # the base frozen, the adapters trainable
+
+
+def _pegasus(t: Any) -> torch.nn.Module:
+    return t.PegasusForConditionalGeneration(t.PegasusConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                                             decoder_layers=1, encoder_attention_heads=4,
+                                                             decoder_attention_heads=4, encoder_ffn_dim=64,
+                                                             decoder_ffn_dim=64, max_position_embeddings=64,
+                                                             dropout=0.0, attention_dropout=0.0,
+                                                             activation_dropout=0.0, pad_token_id=0,
+                                                             eos_token_id=1, decoder_start_token_id=0,
+                                                             use_cache=False))
+
+
+def _swin(t: Any) -> torch.nn.Module:
+    return t.SwinForImageClassification(t.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16,
+                                                     depths=[1, 1], num_heads=[2, 2], window_size=2, mlp_ratio=2.0,
+                                                     num_labels=4, hidden_dropout_prob=0.0,
+                                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+                                                     # set, not found by the first loss: no recompile at step 1
+                                                     problem_type="single_label_classification"))
+
+
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="gpt2", family="decoder, learned positions, tied embeddings", make=_gpt2),
     Architecture(name="llama", family="decoder, rotary, grouped-query attention", make=_llama),
+    Architecture(name="llama-bf16", family="decoder, bf16 autocast (mixed precision)", make=_llama,
+                 precision="bfloat16"),
     Architecture(name="mistral", family="decoder, rotary, sliding window", make=_mistral),
     Architecture(name="qwen2", family="decoder, rotary, tied embeddings", make=_qwen2),
     Architecture(name="gemma", family="decoder, rotary, multi-query attention", make=_gemma),
@@ -183,9 +228,15 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="opt", family="decoder, learned positions", make=_opt),
     Architecture(name="bert", family="encoder (masked LM)", make=_bert, inputs="masked"),
     Architecture(name="roberta", family="encoder (masked LM)", make=_roberta, inputs="masked"),
-    Architecture(name="t5", family="encoder-decoder, relative positions", make=_t5, inputs="seq2seq"),
+    Architecture(name="t5", family="encoder-decoder, relative positions", make=_t5, inputs="seq2seq",
+                 attention_mask=True),
     Architecture(name="bart", family="encoder-decoder, learned positions", make=_bart, inputs="seq2seq"),
     Architecture(name="vit", family="vision transformer", make=_vit, inputs="image"),
+    Architecture(name="llama_lora", family="frozen base + LoRA adapters (peft)", make=_llama_lora),
+    Architecture(name="pegasus", family="encoder-decoder, constant sinusoidal positions", make=_pegasus,
+                 inputs="seq2seq"),
+    Architecture(name="swin", family="vision, shifted windows; modules return sizes beside tensors", make=_swin,
+                 inputs="image"),
 )}
 
 # Trained long enough for rounding noise to grow (tests/test_zoo_noise.py): a loss of about 200 and SGD at 1e-2.

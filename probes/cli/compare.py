@@ -42,14 +42,15 @@ def parser() -> argparse.ArgumentParser:
                    "(and where each run saw its first non-finite value).", examples=EXAMPLES)
     parser.add_argument("base", metavar="BASE", help="the reference dump (directory, rank_<r> directory or step file)")
     parser.add_argument("other", metavar="OTHER", nargs="?", help="the dump to check against BASE (not with --ranks)")
-    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
-                        help=f"relative tolerance (default {DEFAULT_RTOL:g})")
-    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL,
-                        help=f"absolute tolerance (default {DEFAULT_ATOL:g})")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="one fixed rule atol + rtol*|x| for every record (default: each record's per-dtype "
+                             f"tolerance, docs/compare.md; with --atol alone rtol is {DEFAULT_RTOL:g})")
+    parser.add_argument("--atol", type=float, default=None,
+                        help=f"absolute tolerance of the fixed rule (with --rtol alone: {DEFAULT_ATOL:g})")
     parser.add_argument("--noise", action="extend", nargs="+", metavar="CALIBRATION",
                         help="calibration runs: BASE again under probes.testing.perturbed_rounding (repeatable); each "
-                             "statistic's tolerance is then max(atol + rtol*|x|, k*noise), k*noise its noise floor "
-                             "(docs/compare.md, Noise floor)")
+                             "statistic's tolerance is then max(its default or fixed tolerance, k*noise), k*noise its "
+                             "noise floor (docs/compare.md, Noise floor)")
     parser.add_argument("--noise-factor", type=float, default=DEFAULT_NOISE_FACTOR, metavar="K",
                         help=f"k of the noise floor (default {DEFAULT_NOISE_FACTOR:g})")
     parser.add_argument("--step", action="append", type=parse_steps, metavar="STEPS",

@@ -26,15 +26,17 @@ __all__ = ["record_diffs"]
 
 
 def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]], config: CompareConfig,
-                 noise: np.ndarray | None = None) -> list[RecordDiff]:
+                 noise: np.ndarray | None = None,
+                 context: tuple[Sequence[str], Sequence[float]] | None = None) -> list[RecordDiff]:
     """One RecordDiff per pair ``base[i]``, ``other[i]`` (same rank, step, phase and name); ``noise``: per pair
     and statistic (``metrics.NOISED``, a column each) the noise level, nan where there is none (None: no
-    calibration run). With ``config.exact`` the one metric is the hash."""
+    calibration run); ``context``: each pair's precision and scale floor (``pairs.from_records``; None: of the
+    base record alone). With ``config.exact`` the one metric is the hash."""
     levels = None if noise is None else np.asarray(noise, np.float64).reshape(len(base), len(NOISED))
     if config.exact:
         return [_hash_diff(b, o, None if levels is None else _levels(levels[row]))
                 for row, (b, o) in enumerate(zip(base, other))]
-    pairs = from_records(base, other)
+    pairs = from_records(base, other, context)
     evaluated = evaluate(pairs, config, levels)
     found = []
     for row, (b, o) in enumerate(zip(base, other)):

@@ -42,7 +42,7 @@ from .config import CompareConfig
 from .details import record_diffs
 from .matched import RecordDiffs
 from .metrics import NOISED, noise_level
-from .pairs import from_records
+from .pairs import context_of, from_records
 from .reading import LoadedDump, check_hashes
 from .report import Report
 from .results import Divergence, NoiseFloor, RecordDiff, Rename
@@ -98,7 +98,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
         return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config,
-                            None if levels is None else levels[rows])
+                            None if levels is None else levels[rows], context_of(base, pairs[0][rows]))
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
+from .config import AGGREGATES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
 from .pairs import Pairs, SampleBlock
-from .rules import as_floats, difference, distance, finite, ratio, same, tolerance
+from .rules import as_floats, bounds, difference, distance, finite, ratio, same, tolerance
 
 __all__ = ["NOISED", "Evaluation", "Moment", "Samples", "evaluate", "noise_level"]
 
@@ -72,6 +72,8 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     unequal = np.zeros(pairs.count, dtype=bool)
     for found in pairs.unequal.values():
         unequal |= found
+    statistics = (_base_floats(pairs, name) for name in ("numel", "mean", "std"))
+    single, aggregate = bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
     moments = {}
     for name in MOMENTS:
         (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
@@ -79,19 +81,32 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
         numbers = finite(values_b) & ~null_b
         level = None if noise is None else noise[:, NOISED.index(name)]
         moments[name] = Moment(compared, difference(values_b, values_o, null_b, null_o),
-                               tolerance(config, values_b, level, numbers), numbers, level)
+                               tolerance(config, values_b, level, numbers, aggregate if name in AGGREGATES else single),
+                               numbers, level)
     return Evaluation(pairs, unequal, moments,
-                      _samples(pairs, config, None if noise is None else noise[:, NOISED.index("samples")], summaries))
+                      _samples(pairs, config, None if noise is None else noise[:, NOISED.index("samples")], summaries,
+                               single))
 
 
-def _samples(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None, summaries: bool) -> Samples:
+def _base_floats(pairs: Pairs, name: str) -> np.ndarray:
+    values, null = pairs.base[name]
+    return as_floats(values, finite(values) & ~null)
+
+
+def _rule_rows(rule: tuple, rows: np.ndarray, column: bool) -> tuple:
+    """A per-pair rule (``rules.bounds``) for the pairs ``rows``: as a column against their samples or as is."""
+    return tuple(part if np.isscalar(part) else part[rows, None] if column else part[rows] for part in rule)
+
+
+def _samples(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None, summaries: bool, rule: tuple
+             ) -> Samples:
     count = pairs.count
     kind = object if any(block.base.dtype == object for block in pairs.samples) else np.float64
     found = Samples(np.zeros(count, dtype=bool), np.full(count, None, dtype=object), np.zeros(count, dtype=kind),
                     np.zeros(count, dtype=kind), np.zeros(count), np.zeros(count), np.zeros(count, np.int64),
                     np.zeros(count, dtype=kind), np.ones(count), noise, None if noise is None else np.zeros(count))
     for block in pairs.samples:
-        _scan(block, config, noise, found, summaries)
+        _scan(block, config, noise, found, summaries, rule)
     return found
 
 
@@ -115,33 +130,35 @@ _SCAN_ROWS = 4096
 
 
 def _scan(block: SampleBlock, config: CompareConfig, noise: np.ndarray | None, found: Samples,
-          summaries: bool) -> None:
+          summaries: bool, rule: tuple) -> None:
     """The samples of the pairs of one block, into ``found``, a slice of rows at a time: the pairs whose
     samples are all valid floats with a finite difference (the common case) on a shorter path."""
     for start in range(0, len(block.rows), _SCAN_ROWS):
         part = _rows(block, slice(start, start + _SCAN_ROWS))
         raw = distance(part.base, part.other)
         if raw.dtype.kind != "f" or not part.valid.all():
-            _scan_rows(part, raw, config, noise, found, summaries, False)
+            _scan_rows(part, raw, config, noise, found, summaries, False, rule)
             continue
         plain = np.isfinite(raw).all(axis=1)
         if plain.all():
-            _scan_rows(part, raw, config, noise, found, summaries, True)
+            _scan_rows(part, raw, config, noise, found, summaries, True, rule)
             continue
         for which, is_plain in ((plain, True), (~plain, False)):
             if which.any():
-                _scan_rows(_rows(part, which), raw[which], config, noise, found, summaries, is_plain)
+                _scan_rows(_rows(part, which), raw[which], config, noise, found, summaries, is_plain, rule)
 
 
 def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise: np.ndarray | None,
-               found: Samples, summaries: bool, plain: bool) -> None:
-    """``_scan`` of pairs whose distances are ``raw``; ``plain``: every sample valid, every distance finite."""
+               found: Samples, summaries: bool, plain: bool, rule: tuple) -> None:
+    """``_scan`` of pairs whose distances are ``raw``; ``plain``: every sample valid, every distance finite;
+    ``rule``: the single values' rule of every pair (``rules.bounds``)."""
     base, other, valid, rows = block.base, block.other, block.valid, block.rows
     level = None if noise is None else noise[rows, None]
+    per_sample = _rule_rows(rule, rows, True)
     if plain:  # no nan or inf to compare by equality, no padding: diff is raw, and its ratio can be no nan
         usable = valid
         diff = raw
-        tol = tolerance(config, base, level, np.broadcast_to(True, base.shape))
+        tol = tolerance(config, base, level, np.broadcast_to(True, base.shape), per_sample)
         no_difference = diff == 0
         # ratio(diff, tol) in place of a new block: tol >= 0 (rtol, atol >= 0), so a zero tolerance gives inf,
         # and no difference (0 / 0 too) is set to -1: never the worst. The tolerance is taken back below.
@@ -149,7 +166,7 @@ def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise
             position_ratio = np.divide(diff, tol, out=tol)
         position_ratio[no_difference] = -1.0
     else:
-        tol = tolerance(config, base, level)
+        tol = tolerance(config, base, level, None, per_sample)
         usable = np.isfinite(raw.astype(np.float64)) & valid  # a nan or inf on either side: must be the same value
         diff = np.where(usable, raw, np.where(same(base, other), 0.0, np.inf))
         as_float = diff.astype(np.float64)
@@ -162,8 +179,8 @@ def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise
     found.base[rows], found.other[rows] = worst_base, worst_other
     found.diff[rows] = difference(worst_base, worst_other)
     # The tolerance is per value: that of the worst sample alone is the same number.
-    found.tolerance[rows] = tolerance(config, worst_base, None if level is None else level[:, 0]) if plain \
-        else tol[picked, at]
+    found.tolerance[rows] = tolerance(config, worst_base, None if level is None else level[:, 0], None,
+                                      _rule_rows(rule, rows, False)) if plain else tol[picked, at]
     if found.largest is not None:
         found.largest[rows] = diff.max(axis=1) if plain else _column_max(diff, valid).astype(np.float64)
     if not summaries:

@@ -1,7 +1,7 @@
 """Both sides of matched record pairs as arrays, what the rules (``rules``, ``vector``) are applied to.
 
     pairs, exact = from_columns(base, other, (base_rows, other_rows))   # float64 columns; ``exact``: the pairs
-    pairs = from_records(base_records, other_records)                  # they cannot hold, as Python values
+    pairs = from_records(base_records, other_records, context)         # they cannot hold, as Python values
 
 A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
 ``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them
@@ -19,14 +19,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import COUNTS, MOMENTS, STRUCTURE
+from .config import COUNTS, MOMENTS, STRUCTURE, precision_of
 from .reading import LoadedDump
 from .rules import pair_samples
 
-__all__ = ["SCALARS", "Pairs", "SampleBlock", "from_columns", "from_records"]
+__all__ = ["CONTEXT", "SCALARS", "Pairs", "SampleBlock", "context_of", "from_columns", "from_records"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
-_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int")
+CONTEXT = ("precision", "scale_floor")  # what a default tolerance depends on beyond the record (reading)
+_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int",
+             "phase", *CONTEXT)
 
 
 @dataclass
@@ -51,6 +53,9 @@ class Pairs:
     other: dict[str, tuple[np.ndarray, np.ndarray]]
     samples: list[SampleBlock]
     shifted: np.ndarray  # the index lists differ: only the common indices were paired (a note)
+    precision: np.ndarray  # the precision each pair is compared at (names: config.PRECISIONS, "exact")
+    floor: np.ndarray  # the scale floor of each pair's default tolerance (0: none)
+    phase: np.ndarray  # each pair's phase (its moments' tolerance depends on it)
 
 
 class _Columns:
@@ -66,6 +71,12 @@ class _Columns:
         column = self.table.column(name)
         values = column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
         return values, pc.is_null(column).to_numpy(zero_copy_only=False)
+
+    def labels(self, name: str) -> np.ndarray:
+        """A string column as an object array, through its dictionary (a few distinct values, many rows)."""
+        encoded = pc.dictionary_encode(self.table.column(name)).unify_dictionaries().combine_chunks()
+        return np.array(encoded.dictionary.to_pylist() + [None], dtype=object)[
+            encoded.indices.fill_null(-1).to_numpy(zero_copy_only=False)]
 
     def present(self, name: str) -> np.ndarray:
         return pc.is_valid(self.table.column(name)).to_numpy(zero_copy_only=False)
@@ -158,7 +169,8 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(samples_b, found, length),
                                   _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
-                  {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool))
+                  {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
+                  b.labels("precision"), b.floats("scale_floor")[0], b.labels("phase"))
     return pairs, exact
 
 
@@ -168,8 +180,11 @@ def _objects(items: Sequence[Any]) -> np.ndarray:
     return found
 
 
-def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]]) -> Pairs:
-    """The pairs of ``base[i]`` and ``other[i]``, every value as the record holds it (object arrays)."""
+def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]],
+                 context: tuple[Sequence[str], Sequence[float]] | None = None) -> Pairs:
+    """The pairs of ``base[i]`` and ``other[i]``, every value as the record holds it (object arrays);
+    ``context``: each pair's precision and scale floor (``CONTEXT``: the columns of its base row, ``context_of``;
+    None: of the base record alone: the precision of its dtype, no floor)."""
     count = len(base)
     unequal = {key: np.array([b.get(key) != o.get(key) for b, o in zip(base, other)], dtype=bool)
                for key in (*STRUCTURE, *COUNTS)}
@@ -193,5 +208,13 @@ def from_records(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
             for j, (index, b, o) in enumerate(paired[row][0]):
                 indices[i, j], base_values[i, j], other_values[i, j], valid[i, j] = index, b, o, True
         blocks.append(SampleBlock(rows, indices, base_values, other_values, valid))
+    if context is None:
+        context = ([precision_of(record.get("dtype")).name for record in base], [0.0] * count)
     return Pairs(count, unequal, side(base), side(other), blocks,
-                 np.array([shifted for _, shifted in paired], dtype=bool))
+                 np.array([shifted for _, shifted in paired], dtype=bool), _objects(list(context[0])),
+                 np.array(context[1], np.float64), _objects([record.get("phase") for record in base]))
+
+
+def context_of(loaded: LoadedDump, rows: np.ndarray) -> tuple[list[str], list[float]]:
+    """The ``context`` of ``from_records`` for the base rows ``rows``."""
+    return loaded.column("precision", rows), loaded.column("scale_floor", rows)

@@ -10,8 +10,9 @@
 Parsing, completeness (the order files) and waiting for live writers are the dump reader's
 (``probes.dump.DumpReader``); here only what comparing needs on top, done on whole columns: filters,
 the types of the key fields, no duplicate keys, which steps each rank finished, names rewritten by a
-name map (before the name filter; the original name is kept in the ``renamed_from`` column), and each
-row's execution-order sort key.
+name map (before the name filter; the original name is kept in the ``renamed_from`` column), each
+row's execution-order sort key, and what each record's default tolerance depends on beyond the record (the
+``precision`` and ``scale_floor`` columns).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from ..dump import DumpFormatError, DumpReader, Record
 from ..dump.reader import StepFile
 from ..dump.record import RecordKey
 from ..dump.columns import SCHEMA, table_to_records
-from ..utils.phases import phase_rank
+from ..utils.phases import PARAMETER_PHASES, phase_rank
 from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
 from .results import Damaged
+from .rules import precisions, rms, scale_floors
 
 __all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump"]
 
@@ -52,7 +54,7 @@ class LoadedDump:
     """The records of one dump after the config's filters: ``table`` (one row per record, file order)."""
 
     path: Path
-    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from"
+    table: pa.Table  # the columns of probes.dump.columns.SCHEMA, plus "renamed_from", "precision", "scale_floor"
     steps_by_rank: dict[int, list[int]]  # rank -> finished steps read
     unfinished: dict[int, list[int]]  # rank -> unfinished steps (not read)
     renamed: dict[str, str] = field(default_factory=dict)  # original name -> name after the map, those it changed
@@ -207,6 +209,7 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
                         line_of=np.arange(table.num_rows, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1)
     _check_keys(loaded)
     _fill_seq(loaded)
+    _add_context(loaded)
     keep = _wanted_steps(loaded, config)
     loaded.steps_by_rank = _steps_by_rank(loaded, files, keep)
     if name_map is not None:
@@ -275,6 +278,48 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
     for rank, step in steps:
         if rank in loaded.steps_by_rank and step in loaded.steps_by_rank[rank]:
             loaded.steps_by_rank[rank].remove(step)
+
+
+def _add_context(loaded: LoadedDump) -> None:
+    """What the default tolerance of each record depends on beyond the record itself (docs/compare.md, Tolerance),
+    from every record of its step before any filter, so that selecting records does not change it: ``precision``
+    (``rules.precisions``: the least precise floating-point dtype of its rank and step) and ``scale_floor``
+    (``rules.scale_floors``: for a parameter's grad, param or optim record, the largest root mean square of the
+    same records of its module: a bias gradient that is zero in exact arithmetic is rounding noise of the size
+    of its module's weight gradient). The dump's statistics columns are read as float64."""
+    codes, dtypes = loaded.codes("dtype")
+    names, index = precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
+    table = loaded.table
+    floats = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in ("numel", "mean", "std")]
+    phase_codes, phases = loaded.codes("phase")
+    phase_names = phases.to_pylist()
+    of_parameters = np.isin(phase_codes, [i for i, phase in enumerate(phase_names) if phase in PARAMETER_PHASES])
+    parameter_groups = np.full(len(loaded), -1, np.int64)
+    rows = np.flatnonzero(of_parameters)
+    if len(rows):
+        taken = pa.array(rows, pa.int64())
+        modules, record_names = (pc.dictionary_encode(table.column(name).take(taken)).combine_chunks()
+                                 for name in ("module", "name"))
+        # An optimizer state's records group by state (every exp_avg of a module), the others by module alone.
+        states = pc.dictionary_encode(pa.array([name.rsplit(".", 1)[-1] for name in
+                                                record_names.dictionary.to_pylist()], pa.string()))
+        state = states.indices.to_numpy(zero_copy_only=False)[record_names.indices.to_numpy(zero_copy_only=False)]
+        optim = phase_names.index("optim") if "optim" in phase_names else -1
+        state = np.where(phase_codes[rows] == optim, state + 1, 0)
+        parameter_groups[rows] = _groups([loaded.rank[rows], loaded.step[rows], phase_codes[rows],
+                                          modules.indices.fill_null(-1).to_numpy(zero_copy_only=False) + 1, state])
+    floors = scale_floors(rms(*floats), parameter_groups)
+    column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
+    loaded.table = table.append_column("precision", column).append_column(
+        "scale_floor", pa.array(np.where(of_parameters, floors, 0.0), pa.float64()))
+
+
+def _groups(columns: list[np.ndarray]) -> np.ndarray:
+    """Per row the number of its distinct combination of these integer columns (0 to n - 1)."""
+    key = one_key(columns)
+    if key is None:
+        return np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    return np.unique(key, return_inverse=True)[1].reshape(-1)
 
 
 def _rows_per_file(table: pa.Table, files: list[StepFile]) -> np.ndarray:

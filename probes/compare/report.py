@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
-from .config import CompareConfig
+from .config import PRECISIONS, CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
 from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
@@ -180,7 +180,7 @@ class Report:
             "base": self.base,
             "other": self.other,
             "noise": self.noise,
-            "tolerance": {"rtol": config.rtol, "atol": config.atol, "noise_factor": config.noise_factor},
+            "tolerance": tolerance_json(config),
             "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
                         "names": list(config.names)},
             "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy, "exact": config.exact,
@@ -212,6 +212,16 @@ class Report:
             "per_step": [summary.to_json() for summary in self.per_step()],
             "divergences": [record.to_json() for record in self.records.take(self.records.diverged_rows())],
         }
+
+
+def tolerance_json(config: CompareConfig) -> dict[str, Any]:
+    """The report's ``tolerance``: the fixed rule's rtol and atol when given, else null and the per-dtype defaults."""
+    found: dict[str, Any] = {"rtol": None, "atol": None, "noise_factor": config.noise_factor}
+    if config.fixed is not None:
+        found["rtol"], found["atol"] = config.fixed
+        return found
+    found["per_dtype"] = {name: {"rtol": p.rtol, "mtol": p.mtol, "tiny": p.tiny} for name, p in PRECISIONS.items()}
+    return found
 
 
 def _all_steps(steps: Mapping[int, list[int]]) -> set[int]:

@@ -317,7 +317,7 @@ class NoiseFloor:
     """With a calibration run: how the matched records stand against their noise floors (``RecordDiff.beyond_noise``).
 
     ``beyond``/``within``: records with / without a metric beyond its floor; ``silent``: records whose calibration
-    run is identical to the base (no noise measured: their tolerance is the fixed one); ``first_beyond``: the first
+    run is identical to the base (no noise measured: their tolerance is the default or given one alone); ``first_beyond``: the first
     record beyond it in execution order; ``largest``: the largest |diff| / noise floor. Records without a
     counterpart in the calibration run are in none of these (``Report.noise_unmatched``).
     """

@@ -1,6 +1,9 @@
 """The comparison rules, defined once, on whole arrays: tolerance, difference, ratio, noise bound, sample pairing.
 
-    tolerance(config, base, noise)          # per value: max(atol + rtol * |base|, noise_factor * noise)
+    tolerance(config, base, noise, rule=r)  # per value: max(atol + rtol * max(|base|, scale), noise_factor * noise)
+    bounds(config, precision, numel, mean, std, floor, phase)  # per pair the (rtol, atol, scale) of values, of moments
+    precisions(dtypes, codes, groups)       # per record the precision it is compared at (its step's dtypes)
+    scale_floors(rms(numel, mean, std), groups)  # per record the largest rms of its group (a module's parameters)
     difference(base, other)                 # |other - base|; a non-number or non-finite value must be the same
     relative(diff, base); ratio(diff, tol)  # rel_diff and |diff| / tolerance, as MetricDiff keeps them
     pair_samples(b_idx, b_val, o_idx, o_val)  # (index, base, other) at the positions both records sampled
@@ -18,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .config import CompareConfig
+from .config import EXACT, MOMENT_PASSES, PRECISIONS, CompareConfig, coarseness, precision_of
 from .values import is_finite_number
 
-__all__ = ["as_floats", "difference", "distance", "finite", "pair_samples", "ratio", "relative", "same", "tolerance"]
+__all__ = ["as_floats", "bounds", "difference", "distance", "finite", "pair_samples", "precisions", "ratio",
+           "relative", "rms", "same", "scale_floors", "tolerance"]
 
 
 def finite(values: np.ndarray) -> np.ndarray:
@@ -76,18 +80,84 @@ def relative(diff: np.ndarray, base: np.ndarray, numbers: np.ndarray) -> np.ndar
     return np.where(~numbers, diff, np.where(magnitude != 0, scaled, np.where(diff == 0, 0.0, np.inf)))
 
 
-def tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None, numbers: np.ndarray | None = None
-              ) -> np.ndarray:
-    """atol + rtol * |base| (atol where base is no finite number), raised to noise_factor * noise where that is
-    larger; ``noise``: per value the record's noise level, nan (or None for all) without one."""
+def precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(precision names, per row the index of its precision): a floating-point record is compared at the least
+    precise of its own dtype and every floating-point dtype of its group (its rank and step: a float32 tensor
+    computed from bfloat16 ones carries their rounding); an integer or bool one exactly.
+
+    ``dtypes``: the distinct dtype names; ``codes``: per row the index of its dtype in them; ``groups``: per
+    row its group, 0 to n - 1."""
+    names = [EXACT.name, *sorted(PRECISIONS, key=lambda name: coarseness(PRECISIONS[name]))]
+    level = np.array([names.index(precision_of(dtype).name) for dtype in dtypes] or [0], np.int64)[codes]
+    coarsest = np.zeros(int(groups.max(initial=-1)) + 1, np.int64)
+    np.maximum.at(coarsest, groups, level)
+    return names, np.where(level == 0, 0, np.maximum(level, coarsest[groups]))
+
+
+def rms(numel: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """A tensor's root mean square from its statistics (float64 arrays): sqrt(mean^2 + std^2 (numel - 1) / numel),
+    without overflow; a mean or std that is no finite number counts as 0, a numel that is none as 1."""
+    count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
+    mean, std = (np.where(np.isfinite(values), values, 0.0) for values in (mean, std))
+    return np.hypot(mean, std * np.sqrt((count - 1) / count))
+
+
+def scale_floors(scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Per row the largest of ``scales`` in its group (``groups``: 0 to n - 1; -1: a group of its own)."""
+    grouped = groups >= 0
+    largest = np.zeros(int(groups.max(initial=-1)) + 1)
+    np.maximum.at(largest, groups[grouped], scales[grouped])
+    return np.where(grouped, largest[np.maximum(groups, 0)] if len(largest) else 0.0, scales)
+
+
+def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
+           floor: np.ndarray | None = None, phase: np.ndarray | None = None
+           ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+    """The fixed tolerance's (rtol, atol, scale) per pair, of single values and of moments (``tolerance``'s
+    ``rule``): ``config.fixed``'s (rtol, atol, 0) for every pair when given; else of each pair's ``precision``
+    (names): rtol, and for moments max(passes * mtol, rtol / sqrt(numel)) (``PRECISIONS``; passes of the pair's
+    ``phase``, ``MOMENT_PASSES``, 1 when none), no atol, and the scale max(rms, floor, tiny), rms the base
+    tensor's (``rms``), ``floor`` its scale floor (``scale_floors``; nan or None: 0)."""
+    if config.fixed is not None:
+        rtol, atol = config.fixed
+        return (rtol, atol, 0.0), (rtol, atol, 0.0)
+    rtol, mtol, tiny = (np.zeros(len(precision)) for _ in range(3))
+    for name in set(precision.tolist()):  # a few precisions: one pass over the pairs each
+        which = precision == name
+        found = EXACT if name == EXACT.name else precision_of(name)
+        rtol[which], mtol[which], tiny[which] = found.rtol, found.mtol, found.tiny
+    scale = np.maximum(rms(numel, mean, std), tiny)
+    if floor is not None:
+        scale = np.maximum(scale, np.nan_to_num(floor, nan=0.0))
+    if phase is not None:
+        for name in set(phase.tolist()):
+            mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
+    count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
+    zero = np.zeros(len(precision))
+    return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)
+
+
+def tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None, numbers: np.ndarray | None = None,
+              rule: tuple[Any, Any, Any] | None = None) -> np.ndarray:
+    """atol + rtol * max(|base|, scale) (|base| taken as 0 where it is no finite number), raised to
+    noise_factor * noise where that is larger; ``rule``: (rtol, atol, scale), numbers or per value (``bounds``;
+    None: ``config.fixed``'s, scale 0, only when it has one); ``noise``: per value the record's noise level, nan
+    (or None for all) without one."""
     numbers = finite(base) if numbers is None else numbers
+    if rule is None:
+        if config.fixed is None:
+            raise ValueError("tolerance: the per-dtype defaults need each value's rule (rules.bounds)")
+        rule = (*config.fixed, 0.0)
+    rtol, atol, scale = rule
     every = bool(numbers.all())  # the common case: no value to set aside
     fixed = np.abs(base if every and base.dtype.kind == "f" else as_floats(base, numbers))
-    with np.errstate(invalid="ignore", over="ignore"):
-        fixed *= config.rtol
-        fixed += config.atol
     if not every:
-        fixed[~numbers] = config.atol
+        fixed[~numbers] = 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        if not np.isscalar(scale) or scale:
+            np.maximum(fixed, scale, out=fixed)
+        fixed *= rtol
+        fixed += atol
     if noise is None:
         return fixed
     with np.errstate(invalid="ignore", over="ignore"):

@@ -12,12 +12,14 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
+from .config import PRECISIONS, CompareConfig
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value
 
 __all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
-           "parse_steps", "plural", "rank_lines", "ranges", "verdict"]
+           "parse_steps", "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",
+           "tolerance_rule", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -48,7 +50,7 @@ def _floor_clause(report: Report) -> str:
         return ""
     if not floor.beyond:
         return ", none beyond the noise floor"
-    return f", {floor.beyond} beyond the noise floor but within the fixed tolerance"
+    return f", {floor.beyond} beyond the noise floor but within {tolerance_name(report.config)}"
 
 
 def noise_floor_line(report: Report) -> str | None:
@@ -65,7 +67,8 @@ def noise_floor_line(report: Report) -> str | None:
         text += ("; the calibration run is identical to the base, so it measures no noise: make it with "
                  "probes.testing.perturbed_rounding (docs/compare.md, Noise floor)")
     elif floor.silent:
-        text += f"; {floor.silent} {plural(floor.silent, 'record')} identical in the calibration run (fixed tolerance)"
+        text += (f"; {floor.silent} {plural(floor.silent, 'record')} identical in the calibration run "
+                 f"({tolerance_name(report.config)} alone)")
     return text
 
 
@@ -91,6 +94,38 @@ def counts_line(report: Report) -> str:
     """"N records matched, D diverged, B only in base, O only in other"."""
     return (f"{report.matched} records matched, {report.diverged_count} diverged, "
             f"{len(report.only_in_base)} only in base, {len(report.only_in_other)} only in other")
+
+
+def tolerance_name(config: CompareConfig) -> str:
+    """The tolerance a statistic has without a noise floor, named: the fixed rule given, or the per-dtype default."""
+    return "the per-dtype default tolerance" if config.fixed is None else "the fixed tolerance"
+
+
+def tolerance_rule(config: CompareConfig) -> str:
+    """The fixed part of the tolerance in words: the rule given, or the per-dtype defaults' rule."""
+    if config.fixed is not None:
+        rtol, atol = config.fixed
+        return f"atol + rtol*|base|  (rtol {rtol:g}, atol {atol:g})"
+    return ("rtol*max(|base|, rms) per value, max(passes*mtol, rtol/sqrt(numel))*max(|base|, rms) per mean, std, "
+            "norm; rtol, mtol of each record's precision (its dtype or its step's least precise), rms of its tensor")
+
+
+def rule_line(report: Report) -> str:
+    """The rule a statistic is judged by: the fixed part (``tolerance_rule``), raised to its noise floor with
+    calibration runs; or the hashes in exact mode."""
+    config = report.config
+    if config.exact:
+        return "bit-identical bytes (the records' hashes; tolerances not used)"
+    if report.noise is None:
+        return f"|diff| <= {tolerance_rule(config)}"
+    return (f"|diff| <= max({tolerance_rule(config)}, k*noise)  (k {config.noise_factor:g}; noise per statistic, "
+            "k*noise its noise floor)")
+
+
+def precision_table() -> str:
+    """The per-dtype default constants in one line (config.PRECISIONS)."""
+    shown = [f"{name} {p.rtol:.3g}/{p.mtol:.3g}" for name, p in PRECISIONS.items() if not name.endswith("fnuz")]
+    return f"rtol/mtol {', '.join(shown)}; integers exact (docs/compare.md, Tolerance)"
 
 
 def plural(count: int, note: str) -> str:
@@ -185,14 +220,11 @@ def _header(report: Report) -> list[str]:
     lines = ["probes compare",
              f"  base   {report.base}   {_steps_text(report.base_steps)}",
              f"  other  {report.other}   {_steps_text(report.other_steps)}"]
-    rule = f"|diff| <= atol + rtol*|base|  (rtol {config.rtol:g}, atol {config.atol:g})"
     if report.noise is not None:
         lines.append(f"  noise  {report.noise}   ({report.noise_unmatched} compared records had no noise counterpart)")
-        rule = (f"|diff| <= max(atol + rtol*|base|, k*noise)  (rtol {config.rtol:g}, atol {config.atol:g}, "
-                f"k {config.noise_factor:g}; noise per statistic, k*noise the noise floor)")
-    if config.exact:
-        rule = "bit-identical bytes (the records' hashes; tolerances not used)"
-    lines.append(f"  {'exact' if config.exact else 'tolerance'}  {rule}")
+    lines.append(f"  {'exact' if config.exact else 'tolerance'}  {rule_line(report)}")
+    if not config.exact and config.fixed is None:
+        lines.append(f"  defaults  {precision_table()}")
     if config.ranks:
         lines.append(f"  ranks  every rank of {report.base} against its rank 0; phases "
                      f"{', '.join(config.phases) if config.phases is not None else 'all'}")

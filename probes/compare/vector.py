@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from .config import MOMENTS, CompareConfig
 from .metrics import Evaluation, evaluate, noise_level
-from .pairs import from_columns, from_records
+from .pairs import context_of, from_columns, from_records
 from .reading import LoadedDump, one_key
 from .rules import as_floats, finite, ratio
 
@@ -174,7 +174,8 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     found = verdicts(evaluate(pairs, config, noise, summaries=False), config.noise_factor)
     odd = np.flatnonzero(exact)
     if len(odd):
-        part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd])), config,
+        part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd]),
+                                              context_of(base, rows[0][odd])), config,
                                  None if noise is None else noise[odd], summaries=False), config.noise_factor)
         part.worst[:] = WORST.index("structure")  # plots build these records to show them
         found.put(odd, part)

@@ -39,7 +39,7 @@ from ..dump.record import RecordKey
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import fuzzy_renames
-from .config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW, CompareConfig
+from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded, noise_label
 from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
@@ -298,7 +298,8 @@ def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]],
     return ()
 
 
-def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float | None = None,
+                  atol: float | None = None,
                   noise: str | Path | Sequence[str | Path] | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
                   progress: bool | TextIO = False, strict_zero_grads: bool = False,
@@ -308,6 +309,9 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: fl
     """Compares the dump ``other`` against the dump ``base``; ``noise``: the dump of a calibration run (the base run
     again under ``probes.testing.perturbed_rounding``), or several: each record's noise levels are the largest the
     runs give (docs/compare.md, Noise floor).
+
+    ``rtol``, ``atol``: one fixed rule ``atol + rtol * |x|`` for every record (the one not given: 1e-4, 1e-6);
+    neither: each record's per-dtype default (docs/compare.md, Tolerance).
 
     ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
     ``probes.compare.names``), before the ``names`` filter. ``fuzzy``: names still found in one run only

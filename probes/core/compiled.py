@@ -27,6 +27,15 @@ The stages:
    its forward (a ticket tensor passed between them is recomputed by torch 2.4's partitioner, and
    running a forward probe twice is wrong), so the backward finds its forward by slot, first in first out.
 
+The backward token is a forward input of the compiled graph that its backward mutates, so AOT autograd
+saves it for the backward. torch 2.4 checks the version counter of every tensor it saved (later
+versions skip the check for tensors a Function's backward reads without saving them, as eager autograd
+does), so a token shared by two compiled calls that are both waiting for their backward (two graphs
+of a model that breaks the graph, two forwards before one backward) is found "modified by an inplace
+operation" in the second backward. Hence each compiled call gets a token of its own (``observe`` hands
+the next call a fresh one), and a retained graph's token gets its version back when the backward pass
+that changed it ends, so that a second backward of that graph finds it unchanged.
+
 A subscription that has ended is no longer found: its ops do nothing until dynamo recompiles
 (removing the hooks changes what dynamo guards on, so the next call recompiles).
 """
@@ -41,7 +50,7 @@ import torch
 
 from exporters import _torch_compat
 
-from .functions import mark_frozen
+from .functions import differentiated, mark_frozen
 
 if TYPE_CHECKING:
     from .sites import ProbeSite
@@ -81,7 +90,12 @@ class CompiledOps:
         # the order they were traced, and a mutating op is never dead code. One per pass, so that no backward
         # op depends on a forward op's output (which would let a partitioner recompute the forward op).
         self.forward_token = torch.zeros(1)
+        # A new one for each compiled call that will run probe backwards (see the module docstring).
         self.backward_token = torch.zeros(1)
+        # The backward tokens the compiled calls took, as their graphs got them (AOT autograd passes an
+        # alias, which shares the token's version counter): weakly, they live as long as a graph saved them.
+        self._taken: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._restoring: int | None = None  # the backward pass at whose end the taken tokens' versions go back
 
     def register(self, owner: SiteOwner) -> int:
         """A new key under which the compiled graphs find ``owner`` (held weakly)."""
@@ -98,6 +112,28 @@ class CompiledOps:
     def new_slot(self) -> int:
         return next(self._slots)
 
+    def backward_token_taken(self, token: torch.Tensor) -> None:
+        """A running compiled call took ``token`` (saved for its backward, which changes it): the next
+        call gets a new one."""
+        if self._taken.get(id(token)) is not token:  # its first probe op in this call
+            self._taken[id(token)] = token
+            self.backward_token = torch.zeros(1)
+
+    def backward_changed_tokens(self) -> None:
+        """A probe backward ran, changing its call's token: the taken tokens get their version back when
+        this backward pass ends, so that a retained graph finds its token unchanged on its next backward."""
+        task = _torch_compat.current_backward()
+        if task is None or task == self._restoring:
+            return
+        self._restoring = task
+        _torch_compat.call_when_backward_ends(self._restore_versions)
+
+    def _restore_versions(self) -> None:
+        self._restoring = None
+        for token in list(self._taken.values()):
+            if token._version:  # a token is saved at version 0: only the probe backwards change it
+                _torch_compat.set_version(token, 0)
+
     def define(self) -> None:
         """Define ``probes::observe`` and ``probes::observe_grad`` (once)."""
         if self._library is not None:
@@ -105,8 +141,9 @@ class CompiledOps:
         # torch.library's low-level API: a call costs about 5 us, against 60-130 us for a
         # ``torch.library.custom_op`` (its Python autograd and default-filling layers run on every call).
         library = torch.library.Library("probes", "DEF")
-        library.define("observe(Tensor(a!) token, Tensor[] tensors, int owner, int module, int slot, int what, "
-                       "str name, bool queued) -> ()")
+        # ``backward_token``: the one the call's backward ops change, or None where no backward will come.
+        library.define("observe(Tensor(a!) token, Tensor? backward_token, Tensor[] tensors, int owner, int module, "
+                       "int slot, int what, str name) -> ()")
         library.define("observe_grad(Tensor(a!) token, Tensor?[] grads, int owner, int module, int slot, int what, "
                        "str name) -> ()")
         for name, body in (("observe", _observe), ("observe_grad", _observe_grad)):
@@ -131,6 +168,14 @@ def _defined() -> bool:
     return True
 
 
+@_torch_compat.constant_while_tracing
+def flattening(active: bool) -> bool:
+    """Called while dynamo traces, around a hook's flattening of a module's inputs or outputs: dynamo can
+    then type each value in them (``_torch_compat.AbsentFieldTyping``)."""
+    _torch_compat.ABSENT_FIELDS.set(active)
+    return active
+
+
 def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int | None, what: int, name: str, *,
             backward: bool) -> None:
     """What the ops do at run time: tell the subscription's step tracker (nothing once it has ended)."""
@@ -153,13 +198,16 @@ def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int
         tracker.failures.switch_off(site, None, None, error)
 
 
-def _observe(token: torch.Tensor, tensors: list[torch.Tensor], key: int, module: int, slot: int, what: int,
-             name: str, queued: bool) -> None:
-    _report(tensors, key, module, slot if queued else None, what, name, backward=False)
+def _observe(token: torch.Tensor, backward_token: torch.Tensor | None, tensors: list[torch.Tensor], key: int,
+             module: int, slot: int, what: int, name: str) -> None:
+    if backward_token is not None:
+        OPS.backward_token_taken(backward_token)
+    _report(tensors, key, module, None if backward_token is None else slot, what, name, backward=False)
 
 
 def _observe_grad(token: torch.Tensor, grads: list[torch.Tensor | None], key: int, module: int, slot: int,
                   what: int, name: str) -> None:
+    OPS.backward_changed_tokens()
     _report(grads, key, module, slot, what, name, backward=True)
 
 
@@ -171,9 +219,9 @@ class CompiledProbe(torch.autograd.Function):
     """Identity whose forward and backward call the probe ops (the compiled counterpart of TensorProbe)."""
 
     @staticmethod
-    def forward(ctx: Any, key: int, module: int, slot: int, what: int, name: str, queued: bool,
+    def forward(ctx: Any, key: int, module: int, slot: int, what: int, name: str,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        torch.ops.probes.observe(OPS.forward_token, list(tensors), key, module, slot, what, name, queued)
+        torch.ops.probes.observe(OPS.forward_token, OPS.backward_token, list(tensors), key, module, slot, what, name)
         ctx.key, ctx.module, ctx.slot, ctx.what, ctx.name = key, module, slot, what, name
         outputs = tuple(_torch_compat.compiled_alias(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
@@ -181,9 +229,11 @@ class CompiledProbe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        torch.ops.probes.observe_grad(OPS.backward_token, list(grads), ctx.key, ctx.module, ctx.slot, ctx.what,
-                                      ctx.name)
-        return (None, None, None, None, None, None, *grads)
+        # torch 2.4's traced Function (``autograd_function_apply``) keeps no ``mark_non_differentiable``: AOT autograd
+        # differentiates a tensor that needed no gradient, which eager never does; it is reported as None.
+        torch.ops.probes.observe_grad(OPS.backward_token, list(differentiated(ctx, grads)), ctx.key, ctx.module,
+                                      ctx.slot, ctx.what, ctx.name)
+        return (None, None, None, None, None, *grads)
 
 
 def _pass(key: int, module: int, what: int, tensors: Sequence[torch.Tensor], name: str = "") -> tuple[torch.Tensor, ...]:
@@ -191,9 +241,9 @@ def _pass(key: int, module: int, what: int, tensors: Sequence[torch.Tensor], nam
     if not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)):
         # No backward will come: the forward op alone, no autograd Function. (Dynamo also binds a Function's
         # arguments wrongly when it inlines one under no_grad, as around a rotary embedding's (cos, sin).)
-        torch.ops.probes.observe(OPS.forward_token, list(tensors), key, module, 0, what, name, False)
+        torch.ops.probes.observe(OPS.forward_token, None, list(tensors), key, module, 0, what, name)
         return tuple(tensors)
-    return CompiledProbe.apply(key, module, _new_slot(), what, name, True, *tensors)
+    return CompiledProbe.apply(key, module, _new_slot(), what, name, *tensors)
 
 
 def probe(key: int, site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -211,6 +261,6 @@ def boundary(key: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, .
     """Pass the root's outputs through the step boundary of subscription ``key`` (``tensors`` may be empty)."""
     if not tensors:
         _defined()
-        torch.ops.probes.observe(OPS.forward_token, [], key, -1, 0, _BOUNDARY, "", False)
+        torch.ops.probes.observe(OPS.forward_token, None, [], key, -1, 0, _BOUNDARY, "")
         return ()
     return _pass(key, -1, _BOUNDARY, tensors)

@@ -108,6 +108,8 @@ class TensorProbe(torch.autograd.Function):
         if not _ort_compat.is_exporting():
             ctx.tracker = probe.tracker
             ctx.event = probe.tracker.probe_forward(probe.site, tensors)
+        elif isinstance(probe, SiteProbe):  # ORT's eager schema run: which tensors eager differentiates
+            probe.tracker.differentiable.learn(probe.site, tensors)  # (probes.core.differentiable)
         outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
         return outputs

@@ -29,18 +29,18 @@ import functools
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 import exporters
-from exporters import _ort_compat
+from exporters import _ort_compat, _torch_compat
 from exporters.handles import Handle
 
 from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
-from . import compiled, rootcall, wrappers
+from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteProbe, StepBoundary, TensorProbe, can_probe
 from .steps import StepTracker
 from .interface import SubscriberBase
@@ -287,7 +287,7 @@ class SubscriberManager:
                 continue  # nobody wants this module: no hook, no cost
             pre, post = self._module_hooks(inputs, outputs, index == 0, probe_inputs, probe_outputs)
             if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
-                self._handles.append(rootcall.wrap_forward(module, pre, post))
+                self._handles.append(rootcall.wrap_forward(module, pre, post, around=self._schema_run_scope))
             else:
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(post))
@@ -300,14 +300,34 @@ class SubscriberManager:
         exporting, and ``copy.deepcopy`` copies no function. The copy's hooks are therefore these very
         closures, reporting to this manager and its sites; a bound method would copy the manager, a
         partial its sites.
-        """
-        def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
 
+        Under torch.compile they are traced inline, in the frame dynamo compiles. A module that runs
+        eagerly there (its forward broke the graph) calls them eagerly, and so they run eagerly, as
+        in eager PyTorch: dynamo compiles none of their frames (each would be a graph of its own, one
+        more per module, recompiled for each site).
+        """
+        @_torch_compat.not_compiled_as_frame
+        def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if torch.compiler.is_compiling():
+                return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+            return _torch_compat.call_uncompiled(self._pre_forward_hook, inputs, is_root, probe_inputs, module,
+                                                 args, kwargs)
+
+        @_torch_compat.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
-            return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+            if torch.compiler.is_compiling():
+                return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+            return _torch_compat.call_uncompiled(self._post_forward_hook, outputs, is_root, probe_outputs, module,
+                                                 args, result)
 
         return pre_forward, post_forward
+
+    def _schema_run_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
+        """ORTModule's eager run of the model before a training export runs with grad enabled, so the probes
+        learn which of their tensors eager differentiates (``probes.core.differentiable``)."""
+        if torch.compiler.is_compiling() or not root.training or not _ort_compat.is_ort_schema_run():
+            return None
+        return self.tracker.differentiable.learning()
 
     def _pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -357,17 +377,28 @@ class SubscriberManager:
     def _apply_to_tensors(self, site: ProbeSite, structure: Any, *, boundary: bool = False) -> Any:
         """Pass the tensors of a nested structure through ``site``'s probe (``boundary``: through the step
         boundary of the root's outputs); everything else is kept as is."""
-        if isinstance(structure, torch.Tensor) and can_probe(structure):  # the common case, no pytree round trip
+        # A TorchScript trace (ORTModule's export) gives sizes as tensors: they stay out of the probes, as in eager.
+        select = _is_probeable_traced if not torch.compiler.is_compiling() and torch.jit.is_tracing() else _is_probeable
+        if isinstance(structure, torch.Tensor) and select(structure):  # the common case, no pytree round trip
             return self._pass(site, (structure,), boundary)[0]
-        leaves = TensorLeaves.of(structure, select=_is_probeable)
-        if not boundary:
-            unobservable = [leaf for leaf in leaves.leaves if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
-            if unobservable and site not in self._unobserved_warned:
-                self._unobserved_warned.add(site)
-                _warn_unobserved(site, unobservable)
+        tracing = torch.compiler.is_compiling() and compiled.flattening(True)
+        leaves = TensorLeaves.of(structure, select=select)
+        unobservable = [] if boundary else [leaf for leaf in leaves.leaves
+                                            if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
+        if tracing:
+            compiled.flattening(False)
+        if unobservable and site not in self._unobserved_warned:
+            self._unobserved_warned.add(site)
+            _warn_unobserved(site, unobservable)
         if not leaves.positions and not boundary:
             return structure
-        return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
+        shared = aliases.find(leaves.tensors)  # tensors sharing memory: see aliases
+        if shared is None:
+            return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
+        if shared.refused and not boundary:
+            aliases.warn_refused(self._compiled_key, site.name, site.kind, shared.refused)
+            return structure
+        return leaves.rebuild(shared.apply(leaves.tensors, lambda tensors: self._pass(site, tensors, boundary)))
 
     def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool) -> Sequence[torch.Tensor]:
         if torch.compiler.is_compiling():  # dynamo is tracing: the graph gets the probe ops
@@ -404,6 +435,11 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def _is_probeable(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and can_probe(leaf)
+
+
+def _is_probeable_traced(leaf: Any) -> bool:
+    """Inside a TorchScript trace: not the tracer's stand-in for a number the code holds as an int in eager."""
+    return _is_probeable(leaf) and not _torch_compat.is_traced_number(leaf)
 
 
 def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:

@@ -10,6 +10,8 @@ forward for mixed precision; the other modules keep plain hooks, which dynamo tr
     handle = wrap_forward(root, before, after)   # before(module, args, kwargs) -> (args, kwargs)
     ...                                          # after(module, args, outputs) -> outputs
     handle.remove()                              # the root's forward is what it was
+    wrap_forward(root, before, after, around=scope)   # scope(module) -> a context manager for the whole
+                                                      # call (before, forward, after), or None
 
 The wrapper is a function bound to the module, like a class's forward: it keeps the wrapped forward's
 signature (``inspect.signature`` follows ``__wrapped__``; ORTModule and Hugging Face read it), has the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -29,10 +31,12 @@ from exporters.handles import Handle
 
 Before = Callable[[torch.nn.Module, tuple, dict], "tuple[tuple, dict]"]
 After = Callable[[torch.nn.Module, tuple, Any], Any]
+Around = Callable[[torch.nn.Module], "ContextManager[Any] | None"]
 
 
-def wrap_forward(module: torch.nn.Module, before: Before, after: After) -> Handle:
-    """Run ``before`` and ``after`` around ``module``'s forward, inside it (see the module docstring)."""
+def wrap_forward(module: torch.nn.Module, before: Before, after: After, around: Around | None = None) -> Handle:
+    """Run ``before`` and ``after`` around ``module``'s forward, inside it (see the module docstring); the whole
+    call inside the context ``around(module)`` returns, when it returns one."""
     inner = module.__dict__.get("forward")  # someone else's instance forward (a wrapper of theirs), kept
     state = {"active": True}
 
@@ -46,6 +50,13 @@ def wrap_forward(module: torch.nn.Module, before: Before, after: After) -> Handl
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not state["active"]:
             return call_forward(self, *args, **kwargs)
+        scope = around(self) if around is not None else None
+        if scope is None:
+            return probed_forward(self, args, kwargs)
+        with scope:
+            return probed_forward(self, args, kwargs)
+
+    def probed_forward(self: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         args, kwargs = before(self, args, kwargs)
         return after(self, args, call_forward(self, *args, **kwargs))
 

@@ -39,6 +39,7 @@ import torch
 
 from exporters import _torch_compat
 
+from .differentiable import EagerDifferentiable
 from .failures import SiteFailures
 from .interface import SubscriberBase
 from .sites import ProbeEvent, ProbeSite
@@ -108,6 +109,7 @@ class StepTracker:
         self._queued: dict[int, collections.deque[ProbeEvent | Recomputed]] = {}
         self._taken: dict[int, ProbeEvent | Recomputed] = {}
         self.failures = SiteFailures()  # sites whose probe code raised: switched off, training goes on
+        self.differentiable = EagerDifferentiable()  # what eager differentiates, for probes in ORT's graph
         self.paused = False
 
     def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
@@ -119,6 +121,7 @@ class StepTracker:
         self._observers = tuple(s for s in subscribers if s.observes_tensors)
         self._wanting.clear()
         self.failures.clear()
+        self.differentiable.clear()
         self.paused = False
 
     def pause(self) -> None:
@@ -207,6 +210,9 @@ class StepTracker:
         if forward is None:
             return
         self._watch_backward()
+        grads = self.differentiable.reported(forward, grads)
+        if grads is None:  # ORT differentiated a probe call eager does not differentiate at all
+            return
         state = self.state
         step = self._open()
         site = forward.site

@@ -498,6 +498,20 @@ def test_ort_runs_the_same_probes_as_eager(subscribe_after_wrapping):
 
 @pytest.mark.ort
 @pytest.mark.slow
+def test_subscribing_an_ortmodule_that_already_trained_exports_it_again_with_probes():
+    torch.manual_seed(0)
+    model = ortmodule(TinyTransformer(CONFIG))
+    train_ort(model, 1)  # exported without probes; ORT then skips its checks on later steps
+    recorder, manager = Recorder(), SubscriberManager()
+    manager.subscribe(model, [recorder])
+    train_ort(model, 1)
+    manager.unsubscribe()
+    assert recorder.names(0, "forward") and recorder.names(0, "backward")
+    assert all(call.by_ort for call in recorder.calls), "a probe call did not come from ORT"
+
+
+@pytest.mark.ort
+@pytest.mark.slow
 def test_unsubscribing_an_ortmodule_reexports_without_probes():
     torch.manual_seed(0)
     inner = TinyTransformer(CONFIG)
@@ -511,6 +525,76 @@ def test_unsubscribing_an_ortmodule_reexports_without_probes():
     manager.unsubscribe()
     train_ort(model, 1)
     assert len(recorder.calls) == calls, "probes still ran after unsubscribe"
+
+
+class Branches(nn.Module):
+    """One activation called three times per forward: on a trainable branch, on a frozen one, and on a constant
+    another module returns beside its hidden state. Eager differentiates only the first; ORT's graph takes
+    every parameter for trainable and every output of a probe for differentiable when one is, so it
+    differentiates all three."""
+
+    def __init__(self):
+        super().__init__()
+        self.trainable = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.pair = HiddenAndConstant()
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        hidden, constant = self.pair(x)
+        return (self.act(self.trainable(hidden)) * self.act(self.frozen(x)) + self.act(constant)).sum()
+
+
+class HiddenAndConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, x):
+        return self.linear(x), self.offset * 2.0
+
+
+def train_branches(model, runner, steps, unfrozen_at):
+    """SGD steps of ``Branches``; its frozen branch is trainable at step ``unfrozen_at`` only."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        model.frozen.requires_grad_(step == unfrozen_at)
+        optimizer.zero_grad()
+        loss = runner(torch.randn(2, 4, generator=torch.Generator().manual_seed(step)))
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return losses, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ort_records_the_gradients_eager_computes_call_by_call():
+    runs = {}
+    for backend in ("eager", "ort", "ort without probes"):
+        torch.manual_seed(0)
+        model, recorder, manager = Branches(), Recorder(), SubscriberManager()
+        if backend != "ort without probes":
+            manager.subscribe(model, [recorder])
+        runs[backend] = (recorder, *train_branches(model, model if backend == "eager" else ortmodule(model), 4, 2))
+        manager.unsubscribe()
+    (eager, _, _), (ort, ort_losses, ort_grads) = runs["eager"], runs["ort"]
+    assert ort.calls and all(call.by_ort for call in ort.calls), "a probe call did not come from ORT"
+    frozen = {"frozen.output.0", "act#1.output.0"}  # the frozen branch, and the activation's call on it
+    for step in range(4):
+        assert ort.records(step, "forward") == eager.records(step, "forward"), step
+        assert ort.records(step, "backward") == eager.records(step, "backward"), step
+        # Step 2 makes the frozen branch trainable: ORT exports again and records its gradients, as eager does.
+        assert frozen <= set(eager.records(step, "backward")) if step == 2 else \
+            not frozen & set(eager.records(step, "backward")), step
+        assert {"pair.output.0", "act.output.0"} <= set(eager.records(step, "backward"))
+        assert not {"pair.output.1", "act#2.output.0"} & set(eager.records(step, "backward"))
+    # Training with probes is training without them.
+    assert ort_losses == runs["ort without probes"][1]
+    assert ort_grads.keys() == runs["ort without probes"][2].keys()
+    assert all(torch.equal(grad, runs["ort without probes"][2][name]) for name, grad in ort_grads.items())
 
 
 def test_forwards_while_paused_are_not_steps_and_leave_no_record():

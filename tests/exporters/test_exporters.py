@@ -171,6 +171,33 @@ class EmbeddingModel(torch.nn.Module):
 INDICES = torch.tensor([[1, 2, 3], [4, 5, 6]])
 
 
+class SizesBeside(torch.nn.Module):
+    """Returns sizes beside its tensors, as Swin's embeddings do (ints in eager, 0-dim tensors in a trace), and
+    two integer tensors it computes on purpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):  # (batch, height, width, 4)
+        hidden = self.linear(x)
+        height, width = x.shape[1:3]
+        return hidden, (height, width), (height + 1) // 2, hidden.argmax(-1), torch.arange(width)
+
+
+class WithSizes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = SizesBeside()
+
+    def forward(self, x):
+        hidden, (height, width), half, index, positions = self.block(x)
+        return hidden.sum() * half + index.sum() + positions.sum() + width
+
+
+PIXELS = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0))
+
+
 # Standalone export (both lanes) --------------------------------------------------------------------
 
 
@@ -338,6 +365,42 @@ def test_ordinary_embedding_export_is_unchanged_by_the_partitioned_exporter():
     after = exporters.export_onnx(model, (INDICES,)).SerializeToString()
     assert before == inside == after
     assert compat.active_symbolic("aten::embedding", 17) is symbolic_before
+
+
+def test_the_tracer_stands_in_for_sizes_with_tensors_told_apart_from_computed_ones():
+    seen = {}
+
+    class Numbers(torch.nn.Module):
+        def forward(self, x):
+            height, width = x.shape[1], x.size(2)
+            candidates = {"height": height, "arithmetic": (height + 1) // 2 * width, "arange": torch.arange(width),
+                          "sum": x.sum(), "count": (x > 0).sum(), "literal": torch.tensor(3), "mixed": x.sum() * height}
+            seen.update({name: compat.is_traced_number(value) for name, value in candidates.items()})
+            return x * width
+
+    assert compat.is_traced_number(torch.tensor(3)) is False  # outside a trace
+    torch.jit.trace(Numbers(), (PIXELS,), check_trace=False)
+    assert seen == {"height": True, "arithmetic": True, "arange": False, "sum": False, "count": False,
+                    "literal": False, "mixed": False}
+
+
+def test_export_leaves_traced_sizes_out_of_the_probes_and_keeps_computed_int_tensors():
+    torch.manual_seed(0)
+    model, recorder, manager = WithSizes(), Recorder(), SubscriberManager()
+    manager.subscribe(model, [recorder])
+    model(PIXELS)
+    eager = recorder.records(0, "forward")
+    assert {"block.output.0", "block.output.1", "block.output.2"} <= set(eager) and "block.output.3" not in eager
+    proto = exporters.export_onnx(model, (PIXELS,), training=True, input_names=["x"])
+    node = next(n for n in python_ops(proto) if attr(n, "comment") == "block.output")
+    int64, float32 = onnx.TensorProto.INT64, onnx.TensorProto.FLOAT
+    assert attr(node, "input_tensor_types") == [float32, int64, int64]  # hidden, argmax, arange: no size
+    if _ort.is_onnxruntime_installed():  # the exported graph runs, and its probes see what eager's saw
+        (loss,) = exporters.inference_session(proto).run(None, {"x": PIXELS.numpy()})
+        with torch.no_grad():
+            assert torch.allclose(torch.from_numpy(loss), model(PIXELS))
+        assert recorder.records(1, "forward") == eager
+    manager.unsubscribe()
 
 
 # ORT (onnxruntime-training 1.19.2, torch 2.4.1) ---------------------------------------------------
@@ -535,3 +598,22 @@ def test_install_waits_for_the_ortmodule_import():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ortmodule_records_what_eager_records_of_a_module_returning_sizes():
+    records = {}
+    for backend in ("eager", "ort"):
+        torch.manual_seed(0)
+        model, recorder, manager = WithSizes(), Recorder(), SubscriberManager()
+        manager.subscribe(model, [recorder])
+        runner = ortmodule(model) if backend == "ort" else model
+        for step in range(2):
+            runner(PIXELS + step).backward()
+        manager.unsubscribe()
+        records[backend] = [recorder.records(step, phase) for step in range(2) for phase in ("forward", "backward")]
+        if backend == "ort":
+            assert recorder.calls and all(call.by_ort for call in recorder.calls), "a probe call did not come from ORT"
+    assert records["ort"] == records["eager"]
+    assert {"block.output.1", "block.output.2"} <= set(records["ort"][0])  # argmax and arange: int tensors
