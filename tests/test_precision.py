@@ -25,13 +25,11 @@ from probes.testing import assert_parity
 pytest.importorskip("transformers")
 
 LANE = os.environ.get("PROBES_LANE", "unknown")
-TORCH_24 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
 # The zoo's attention per lane: ORT 1.19 exports only eager attention.
 ATTENTION = "eager" if LANE == "ort" else "sdpa"
 SHARPEN = 4.0  # query and key weights x4: attention attends, as in a trained model, so a softmax bug shows
 BUGS = {"output": Bug("output", "model.layers.1.mlp", step=1, factor=1.01),
         "softmax": Bug("softmax", "model.layers.1.self_attn", step=1, factor=(32 // 4) ** -0.5)}
-KNOWN_TORCH_24 = "torch 2.4's compiled backward finds the probes' token tensor modified in place (issue 34, point 5)"
 
 _BASES: dict[tuple[str, float], Path] = {}
 
@@ -54,8 +52,6 @@ def _compiled(out: Path, backend: str, sharpen: float = SHARPEN, **options):
     try:
         run = train(out, backend="compile", compile_backend=backend, attention=ATTENTION, sharpen=sharpen, **options)
     except RuntimeError as error:
-        if TORCH_24 and "modified by an inplace operation" in str(error):
-            pytest.xfail(KNOWN_TORCH_24)
         try:
             train(None, backend="compile", compile_backend=backend, attention=ATTENTION, sharpen=sharpen,
                   **{key: value for key, value in options.items() if key != "bug"})

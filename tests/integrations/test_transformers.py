@@ -245,7 +245,7 @@ def test_two_ranks_under_ddp_or_deepspeed_zero3_record_each_rank(tmp_path, backe
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), *sys.path]),
            "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(29531 + (backend == "deepspeed")), str(here / "hf_run.py"),
+                          "--standalone", str(here / "hf_run.py"),  # a free port: the lanes' suites run at once
                           str(tmp_path / "out"), *(["deepspeed"] if backend == "deepspeed" else [])],
                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
