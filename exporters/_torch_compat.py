@@ -10,6 +10,9 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
 - Tracing state (pausing a TorchScript trace, the tracer's stand-ins for Python numbers), ONNX element types, the C++ extension build directory,
   whether a tensor dispatches to Python (a ``__torch_dispatch__`` subclass), and torch's pytree
   (``torch.utils._pytree``), which probes uses to flatten module outputs.
+- Python dispatch modes (``torch.utils._python_dispatch``): a mode that sees every aten operation of one
+  thread, and what an operator's schema says (its name, whether an output aliases an input); the
+  calibration run of ``probes.rounding`` uses them.
 
     from exporters import _torch_compat as compat
     with compat.override_symbolic("prim::PythonOp", 17, my_symbolic): ...   # or keep the Handle, .remove()
@@ -349,3 +352,60 @@ def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
 def has_python_dispatch(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` dispatches to Python: a ``__torch_dispatch__`` subclass (FakeTensor, DTensor, ...)."""
     return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
+
+
+# Python dispatch modes ------------------------------------------------------------------------------
+
+@functools.cache
+def _dispatch_api() -> tuple[type, Callable[[], Any]]:
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+    except ImportError as error:
+        raise _missing("torch.utils._python_dispatch.TorchDispatchMode") from error
+    return TorchDispatchMode, _get_current_dispatch_mode
+
+
+def dispatch_mode_class() -> type:
+    """torch's ``TorchDispatchMode``: subclass it and define ``__torch_dispatch__(func, types, args, kwargs)``."""
+    return _dispatch_api()[0]
+
+
+class _EnteredMode(Handle):
+    """A dispatch mode entered on one thread; removing it checks first, so a refused removal changes nothing."""
+
+    def __init__(self, mode: Any) -> None:
+        import threading
+
+        self._owner = threading.get_ident()
+        self._mode = mode
+        mode.__enter__()
+        super().__init__(lambda: mode.__exit__(None, None, None))
+
+    def remove(self) -> None:
+        import threading
+
+        if self.active:
+            if threading.get_ident() != self._owner:
+                raise RuntimeError("a dispatch mode must be removed on the thread that entered it")
+            if _dispatch_api()[1]() is not self._mode:
+                raise RuntimeError("another dispatch mode was entered after this one and is still active: "
+                                   "leave it first (modes are a stack)")
+        super().remove()
+
+
+def enter_dispatch_mode(mode: Any) -> Handle:
+    """Makes ``mode`` (a ``dispatch_mode_class()`` instance) see every operation of this thread (and of the
+    backward passes it starts) until the handle is removed; the handle refuses (and stays active) when removed
+    from another thread or while a mode entered after it is still active (modes are a stack)."""
+    return _EnteredMode(mode)
+
+
+def operator_name(func: Any) -> str:
+    """The name of an aten operator overload without its overload (``aten.mm.default`` -> ``mm``)."""
+    return func.overloadpacket.__name__
+
+
+def writes_or_aliases(func: Any) -> bool:
+    """Whether an operator writes into an argument or returns a view of one (its schema's alias annotations)."""
+    schema = func._schema
+    return schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns)

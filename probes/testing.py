@@ -1,7 +1,9 @@
 """Test helpers: assert that two dumped runs agree, and inject a known bug into one run.
 
-    from probes.testing import assert_parity, inject_bug
+    from probes.testing import assert_parity, inject_bug, perturbed_rounding
     assert_parity("eager_out", "ort_out")                            # AssertionError names the first divergence
+    with perturbed_rounding(seed=1): train("eager_noise")            # a calibration run: the base again, perturbed
+    assert_parity("eager_out", "compiled_out", noise="eager_noise")  # tolerances at least the noise floor
 
     bug = inject_bug(model, "blocks.0.mlp.0", step=2, factor=1.01)   # before the first step (ORT: before export)
     for step in range(steps):
@@ -27,9 +29,10 @@ from .compare import Report, compare_dumps
 from .compare.config import DEFAULT_NOISE_FACTOR
 from .compare.results import ZERO_GRAD_NOTE
 from .compare.names import NameMapLike
-from .compare.terminal import counts_line, verdict
+from .compare.terminal import counts_line, noise_floor_line, verdict
+from .rounding import perturbed_rounding
 
-__all__ = ["assert_parity", "inject_bug"]
+__all__ = ["assert_parity", "inject_bug", "perturbed_rounding"]
 
 
 def parity_message(report: Report, limit: int = 5) -> str:
@@ -38,6 +41,9 @@ def parity_message(report: Report, limit: int = 5) -> str:
     if report.first_divergence is not None:
         lines.append(f"first divergence: {report.first_divergence}")
     lines.append(counts_line(report))
+    floor = noise_floor_line(report)
+    if floor is not None:
+        lines.append(f"noise floor: {floor}")
     for label, steps in (("only in base", report.steps_only_in_base), ("only in other", report.steps_only_in_other)):
         if steps:
             lines.append(f"steps {label}: {steps}")
@@ -55,7 +61,7 @@ def parity_message(report: Report, limit: int = 5) -> str:
 
 
 def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float | None = None,
-                  atol: float | None = None, noise: str | Path | None = None,
+                  atol: float | None = None, noise: str | Path | Sequence[str | Path] | None = None,
                   noise_factor: float = DEFAULT_NOISE_FACTOR, steps: Sequence[int] | None = None,
                   names: Sequence[str] = (), html: str | Path | None = None,
                   strict_zero_grads: bool = False, name_map: NameMapLike | None = None,
@@ -65,8 +71,10 @@ def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float | 
         assert_parity("eager_out", "refactored_out", name_map={r"\\.ffn\\.": ".mlp."})
 
     Tolerances, filters and ``strict_zero_grads`` are those of ``probes.compare.compare_dumps`` (without
-    ``rtol``/``atol``, each record's per-dtype default tolerance; by default a gradient exactly zero in one run and absent in the other is only noted in
-    ``report.zero_grads``). ``html``: where to write the HTML report when the runs diverge (its path
+    ``rtol``/``atol``, each record's per-dtype default tolerance; by default a gradient exactly zero in one run
+    and absent in the other is only noted in ``report.zero_grads``). ``noise``: calibration runs (the base run
+    again under ``perturbed_rounding``, one or several): each statistic's tolerance is then at least its noise
+    floor (docs/compare.md, Noise floor). ``html``: where to write the HTML report when the runs diverge (its path
     is then part of the message). ``name_map`` (a NameMap, its rules or a YAML/JSON file) and ``fuzzy``
     compare runs whose names differ (docs/names.md). Dumps this process is still writing are waited for first.
     """

@@ -30,6 +30,7 @@ FLOORS: dict[str, int] = {
     "probes.stats": 5,
     "probes.compare": 5,
     "probes.sinks": 5,
+    "probes.rounding": 5,
     "probes.zero3": 6,
     "probes.testing": 6,
     "probes.config": 6,

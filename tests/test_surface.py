@@ -29,7 +29,7 @@ SURFACE: dict[str, list[str]] = {
     "probes.sinks": ["ExportSummary", "LiveTensorBoard", "export_dump", "write_tensorboard"],
     "probes.zero3": ["DeepCopiedModuleError", "ZeROOffloadSubscriber", "configure_ort_compatible_zero_stage3",
                      "restore_zero_stage3_hooks"],
-    "probes.testing": ["assert_parity", "inject_bug"],
+    "probes.testing": ["assert_parity", "inject_bug", "perturbed_rounding"],
     "probes.integrations": [],
     "probes.integrations.transformers": ["ProbesCallback"],
     "probes.integrations.lightning": ["ProbesCallback"],
@@ -53,7 +53,8 @@ def test_the_public_names_are_exactly_these(package: str) -> None:
 
 def test_the_public_surface_is_about_forty_names() -> None:
     distinct = {name for names in SURFACE.values() for name in names}
-    assert len(distinct) <= 50, sorted(distinct)
+    # 51: probes.testing.perturbed_rounding (issue 34), the one way to make a calibration run for the noise floor.
+    assert len(distinct) <= 51, sorted(distinct)
 
 
 def test_the_original_names_keep_working_from_probes() -> None:

@@ -104,10 +104,12 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     return run
 
 
-def _record(arch: str, backend: str, status: str, reason: str = "", seconds: float = 0.0) -> None:
+def _record(arch: str, backend: str, status: str, reason: str = "", seconds: float = 0.0, family: str | None = None
+            ) -> None:
     path = os.environ.get("PROBES_ZOO_MATRIX")
     if path:
-        row = {"lane": LANE, "torch": torch.__version__.split("+")[0], "arch": arch, "family": ARCHITECTURES[arch].family,
+        row = {"lane": LANE, "torch": torch.__version__.split("+")[0], "arch": arch,
+               "family": family or ARCHITECTURES[arch].family,
                "backend": backend, "status": status, "reason": reason[:300], "seconds": round(seconds, 1)}
         with open(path, "a", encoding="utf-8") as file:
             file.write(json.dumps(row) + "\n")

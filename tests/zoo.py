@@ -6,8 +6,8 @@
             loss = arch.loss(model, arch.batch(step))  # a scalar through the model's own loss
 
 Each entry names the family it stands for (decoder with learned or rotary positions, grouped-query attention,
-sliding window, mixture of experts, encoder, encoder-decoder, vision, tied embeddings, a frozen base with
-adapters, constant position embeddings, modules returning sizes beside tensors). Configs use the
+sliding window, mixture of experts, encoder, encoder-decoder, vision, speech with a CTC loss, tied embeddings, a
+frozen base with adapters, constant position embeddings, modules returning sizes beside tensors). Configs use the
 arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on the modern one) accept.
 """
 
@@ -22,6 +22,7 @@ import torch
 VOCAB = 96
 SEQ = 12
 BATCH = 2
+AUDIO = 400
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +32,7 @@ class Architecture:
     name: str
     family: str
     make: Callable[[Any], torch.nn.Module]  # transformers module -> model
-    inputs: str = "causal"  # causal | masked | seq2seq | image
+    inputs: str = "causal"  # causal | masked | seq2seq | image | audio
     # An attention mask of ones, as a tokenizer gives: where the model's program without one differs between
     # eager and torch.compile (transformers 4.46's T5 makes one only when not compiling).
     attention_mask: bool = False
@@ -58,6 +59,9 @@ class Architecture:
             pixels = torch.randn(BATCH, 3, 16, 16, generator=generator)
             labels = torch.randint(0, 4, (BATCH,), generator=generator)
             batch = {"pixel_values": pixels, "labels": labels}
+        elif self.inputs == "audio":  # 400 samples: 39 frames after the feature encoder; 8 characters each
+            audio = torch.randn(BATCH, AUDIO, generator=generator)
+            batch = {"input_values": audio, "labels": torch.randint(1, VOCAB // 3, (BATCH, 8), generator=generator)}
         else:
             tokens = torch.randint(4, VOCAB, (BATCH, SEQ), generator=generator)
             batch = {"input_ids": tokens, "labels": tokens.clone()}
@@ -171,6 +175,17 @@ def _gemma(t: Any) -> torch.nn.Module:
     return t.GemmaForCausalLM(t.GemmaConfig(**_DECODER, num_key_value_heads=1, head_dim=8))
 
 
+def _wav2vec2(t: Any) -> torch.nn.Module:
+    # CTC speech recognition: a convolutional feature encoder, a convolutional position embedding (weight norm) and
+    # a transformer encoder; the loss is CTC summed over the batch (transformers' default): about 200 here.
+    return t.Wav2Vec2ForCTC(t.Wav2Vec2Config(
+        vocab_size=VOCAB // 3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
+        pad_token_id=0, ctc_loss_reduction="sum"))
+
+
 def _llama_lora(t: Any) -> torch.nn.Module:
     import peft
 
@@ -223,3 +238,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="swin", family="vision, shifted windows; modules return sizes beside tensors", make=_swin,
                  inputs="image"),
 )}
+
+# Trained long enough for rounding noise to grow (tests/test_zoo_noise.py): a loss of about 200 and SGD at 1e-2.
+LONG_TRAINED = Architecture(name="wav2vec2", family="speech, CTC loss (summed: about 200)", make=_wav2vec2,
+                            inputs="audio")

@@ -25,7 +25,7 @@ from .common import (EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_
 EXAMPLES = [
     "probes compare eager_out ort_out",
     "probes compare eager_out ort_out --rtol 1e-3 --atol 1e-5 --json r.json --html r.html",
-    "probes compare eager_out ort_out --noise eager_out2      # tolerance from a second baseline run",
+    "probes compare eager_out ort_out --noise noise_1 noise_2   # tolerance at least the noise floor of calibration runs",
     "probes compare eager_out ort_out --step 3-5 --name 'blocks.1.*'",
     "probes compare eager_out refactored_out --map names.yaml   # names.yaml: {'\\.ffn\\.': '.mlp.'}",
     "probes compare eager_out refactored_out --fuzzy            # pair renamed modules by class, shape, order",
@@ -47,10 +47,12 @@ def parser() -> argparse.ArgumentParser:
                              f"tolerance, docs/compare.md; with --atol alone rtol is {DEFAULT_RTOL:g})")
     parser.add_argument("--atol", type=float, default=None,
                         help=f"absolute tolerance of the fixed rule (with --rtol alone: {DEFAULT_ATOL:g})")
-    parser.add_argument("--noise", metavar="BASE2",
-                        help="a second run of the baseline: per-record tolerance max(the fixed tolerance, k*noise)")
+    parser.add_argument("--noise", action="extend", nargs="+", metavar="CALIBRATION",
+                        help="calibration runs: BASE again under probes.testing.perturbed_rounding (repeatable); each "
+                             "statistic's tolerance is then max(its default or fixed tolerance, k*noise), k*noise its "
+                             "noise floor (docs/compare.md, Noise floor)")
     parser.add_argument("--noise-factor", type=float, default=DEFAULT_NOISE_FACTOR, metavar="K",
-                        help=f"k of the noise tolerance (default {DEFAULT_NOISE_FACTOR:g})")
+                        help=f"k of the noise floor (default {DEFAULT_NOISE_FACTOR:g})")
     parser.add_argument("--step", action="append", type=parse_steps, metavar="STEPS",
                         help="only these steps: N, A-B or a comma list (repeatable)")
     parser.add_argument("--name", action="append", default=[], metavar="GLOB",
@@ -109,7 +111,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise CommandError("--ranks compares the ranks of one dump: --noise, --map and --fuzzy do not apply")
     if not args.ranks and args.other is None:
         raise CommandError("give the dump OTHER to compare with BASE, or --ranks to compare the ranks of BASE")
-    for path in (args.base, args.other, args.noise):
+    for path in (args.base, args.other, *(args.noise or ())):
         if path is not None:
             open_dump(path)  # a path that is not a dump, empty, or still being written: one clear line
     name_map = load_name_map(args.map) if args.map is not None else None  # a bad map: one line, before reading

@@ -110,8 +110,8 @@ class CompareConfig:
     """Tolerances and filters of a comparison.
 
     A statistic ``x`` of the base run and ``y`` of the other run agree when ``|x - y| <= max(fixed,
-    noise_factor * noise)``, where ``noise`` is the record's noise level measured from a second baseline run
-    (0 without one) and ``fixed`` the default of the record's precision (``PRECISIONS``: its dtype, or a less
+    noise_factor * noise)``, where ``noise`` is the statistic's noise level measured from calibration runs
+    (``probes.rounding``; 0 without one), ``noise_factor * noise`` its noise floor, and ``fixed`` the default of the record's precision (``PRECISIONS``: its dtype, or a less
     precise one its step computed in) unless ``rtol`` or ``atol`` is given: then ``atol + rtol * |x|`` for
     every record (the one not given: ``DEFAULT_RTOL``, ``DEFAULT_ATOL``). See docs/compare.md.
     ``steps``: only these steps (None: all). ``names``: only record names matching one of these patterns (globs, or ``"re:<regex>"``).

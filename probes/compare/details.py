@@ -1,6 +1,6 @@
 """The RecordDiff objects of matched pairs: every metric of each, from ``metrics``.
 
-    diffs = record_diffs(base_records, other_records, config, noise=[None, 0.01])   # one RecordDiff per pair
+    diffs = record_diffs(base_records, other_records, config, noise=levels)   # one RecordDiff per pair
 
 Used for the records a report shows (``RecordDiffs`` builds them on demand) and by
 ``engine.compare_records`` for records at hand; the records become columns of Python values
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dump.hashes import HASH, hex_hash
 from .config import COUNTS, MOMENTS, STRUCTURE, CompareConfig
-from .metrics import evaluate
+from .metrics import NOISED, evaluate
 from .pairs import from_records
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 from .rules import difference, finite, relative
@@ -26,15 +26,17 @@ __all__ = ["record_diffs"]
 
 
 def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]], config: CompareConfig,
-                 noise: Sequence[float | None] | None = None,
+                 noise: np.ndarray | None = None,
                  context: tuple[Sequence[str], Sequence[float]] | None = None) -> list[RecordDiff]:
-    """One RecordDiff per pair ``base[i]``, ``other[i]`` (same rank, step, phase and name); ``noise``: each
-    pair's noise level (None: none); ``context``: each pair's precision and scale floor (``pairs.from_records``;
-    None: of the base record alone). With ``config.exact`` the one metric is the hash."""
+    """One RecordDiff per pair ``base[i]``, ``other[i]`` (same rank, step, phase and name); ``noise``: per pair
+    and statistic (``metrics.NOISED``, a column each) the noise level, nan where there is none (None: no
+    calibration run); ``context``: each pair's precision and scale floor (``pairs.from_records``; None: of the
+    base record alone). With ``config.exact`` the one metric is the hash."""
+    levels = None if noise is None else np.asarray(noise, np.float64).reshape(len(base), len(NOISED))
     if config.exact:
-        return [_hash_diff(b, o, None if noise is None else noise[row]) for row, (b, o) in enumerate(zip(base, other))]
+        return [_hash_diff(b, o, None if levels is None else _levels(levels[row]))
+                for row, (b, o) in enumerate(zip(base, other))]
     pairs = from_records(base, other, context)
-    levels = None if noise is None else np.array([math.nan if level is None else level for level in noise])
     evaluated = evaluate(pairs, config, levels)
     found = []
     for row, (b, o) in enumerate(zip(base, other)):
@@ -51,8 +53,9 @@ def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
                 values_b = pairs.base[name][0][row:row + 1]
                 rel = relative(moment.diff[row:row + 1], values_b, moment.numbers[row:row + 1])[0]
                 metrics.append(MetricDiff(name, b.get(name), o.get(name), float(moment.diff[row]), float(rel),
-                                          float(moment.tolerance[row])))
-        level = None if noise is None else noise[row]
+                                          float(moment.tolerance[row]),
+                                          floor=_floor(config, moment.noise, row)))
+        level = None if levels is None else _levels(levels[row])
         record = RecordDiff(b["rank"], b["step"], b["phase"], b["name"], b.get("seq", 0), metrics, noise=level)
         samples = evaluated.samples
         if samples.has[row]:
@@ -60,7 +63,8 @@ def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
             numbers = finite(values_b)
             rel = relative(samples.diff[row:row + 1], values_b, numbers)[0]
             metrics.append(MetricDiff("samples", samples.base[row], samples.other[row], float(samples.diff[row]),
-                                      float(rel), float(samples.tolerance[row]), samples.index[row]))
+                                      float(rel), float(samples.tolerance[row]), samples.index[row],
+                                      floor=_floor(config, samples.noise, row)))
             record.samples_compared = int(samples.compared[row])
             record.samples_max_abs = samples.max_abs[row]
             record.samples_cosine = float(samples.cosine[row])
@@ -72,7 +76,20 @@ def record_diffs(base: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str,
 
 
 
-def _hash_diff(base: Mapping[str, Any], other: Mapping[str, Any], noise: float | None) -> RecordDiff:
+def _levels(row: np.ndarray) -> dict[str, float] | None:
+    """A record's noise levels by statistic (those it has), None when it has none."""
+    found = {name: float(level) for name, level in zip(NOISED, row.tolist()) if not math.isnan(level)}
+    return found or None
+
+
+def _floor(config: CompareConfig, levels: np.ndarray | None, row: int) -> float | None:
+    """A metric's noise floor: noise_factor x its noise level (None: no level)."""
+    if levels is None or math.isnan(levels[row]):
+        return None
+    return config.noise_factor * float(levels[row])  # Python floats: an overflow is inf, no warning
+
+
+def _hash_diff(base: Mapping[str, Any], other: Mapping[str, Any], noise: dict[str, float] | None) -> RecordDiff:
     """The exact comparison of one pair: its hashes (hex), equal or not; no tolerance."""
     hashes = [record.get(HASH) for record in (base, other)]
     same = hashes[0] == hashes[1]

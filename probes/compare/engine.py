@@ -2,7 +2,7 @@
 
     report = compare_loaded(read_dump("pt_out"), read_dump("ort_out"), CompareConfig())
     if not report.agrees: print(report.first_divergence)
-    python -m probes compare pt_out ort_out [--noise pt_out2] [--json r.json] [--html r.html]
+    python -m probes compare pt_out ort_out [--noise pt_noise1 pt_noise2] [--json r.json] [--html r.html]
 
 ``compare_dumps`` (``windows``) reads the dumps a window of steps at a time and runs this on each window.
 
@@ -10,10 +10,11 @@ Records are matched by (rank, step, phase, name); records present on one side on
 never dropped. A gradient that is exactly zero everywhere in one run and absent in the other (one
 backend materialises the zeros another leaves out) is a note, not a divergence, unless
 ``strict_zero_grads``. Every matched record is checked statistic by statistic against a tolerance that is
-fixed (``atol + rtol * |base|``) or, given a second baseline run, derived from how much the two
-baselines differ. The first divergence is searched in execution order: earliest step, then its phases in
-the order they run (forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase
-the base run's order (``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
+fixed (``atol + rtol * |base|``) or, given calibration runs (the base run again with its rounding perturbed,
+``probes.rounding``), at least the statistic's noise floor: noise_factor times how much calibration moved it.
+The first divergence is searched in execution order: earliest step, then its phases in the order they run
+(forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase the base run's order
+(``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
 The rules are ``rules``, applied to every pair at once by ``vector`` (verdicts) and ``details`` (the
 RecordDiff objects a report shows; ``compare_records`` is the same for records at hand). The result model is
@@ -23,7 +24,7 @@ RecordDiff objects a report shows; ``compare_records`` is the same for records a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 import numpy as np
@@ -39,27 +40,30 @@ from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
 from .details import record_diffs
-from .pairs import context_of
 from .matched import RecordDiffs
+from .metrics import NOISED, noise_level
+from .pairs import context_of, from_records
 from .reading import LoadedDump, check_hashes
 from .report import Report
-from .results import Divergence, RecordDiff, Rename
+from .results import Divergence, NoiseFloor, RecordDiff, Rename
 from .vector import WORST, match, measure, noise_levels
 
-__all__ = ["compare_loaded", "compare_records", "is_zero_gradient"]
+__all__ = ["compare_loaded", "compare_records", "is_zero_gradient", "noise_label"]
 
 
 def compare_records(base: Record, other: Record, config: CompareConfig = CompareConfig(),
-                    noise: float | None = None) -> RecordDiff:
-    """Compares one matched pair of records (same rank, step, phase and name); ``noise``: its noise level."""
-    return record_diffs([base], [other], config, [noise])[0]
+                    noise: Record | None = None) -> RecordDiff:
+    """Compares one matched pair of records (same rank, step, phase and name); ``noise``: the base record's
+    counterpart in a calibration run, whose difference from ``base`` gives the noise levels."""
+    levels = None if noise is None else noise_level(from_records([base], [noise]))
+    return record_diffs([base], [other], config, levels)[0]
 
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
-                   noise: LoadedDump | None = None, *, progress: bool | TextIO = False,
+                   noise: LoadedDump | Sequence[LoadedDump] | None = None, *, progress: bool | TextIO = False,
                    fuzzy: Sequence[Rename] | None = None) -> Report:
-    """Compares two loaded dumps (see ``compare_dumps``); with ``config.fuzzy``, renames ``other``'s records
-    (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
+    """Compares two loaded dumps (see ``compare_dumps``); ``noise``: the calibration runs; with ``config.fuzzy``,
+    renames ``other``'s records (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
 
     The checks run on whole columns (``vector``); only the records a report shows become RecordDiff objects.
     With ``config.exact`` the verdict of a pair is whether its hashes are equal; MissingHashes when a record
@@ -78,7 +82,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     natural = match(base, other)  # in base row order: both sides' columns are read in the order they are stored
     if meter:
         meter.update(1)
-    levels, noise_unmatched = _noise(base, noise, natural[0]) if noise is not None else (None, 0)
+    runs = [] if noise is None else [noise] if isinstance(noise, LoadedDump) else list(noise)
+    levels, noise_unmatched = _noise(base, runs, natural[0]) if runs else (None, 0)
     measured = measure(base, other, natural, config, levels)
     position = np.empty(len(base), np.int64)
     position[base.order] = np.arange(len(base))
@@ -86,13 +91,14 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     pairs = (natural[0][in_order], natural[1][in_order])
     measured = measured.take(in_order)
     levels = None if levels is None else levels[in_order]
+    noise_floor = None if levels is None or measured.noise_ratio is None else \
+        _noise_floor(levels, measured.noise_ratio, lambda row: base.key(int(pairs[0][row])))
     if meter:
         meter.update(2)
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
-        noise_of = None if levels is None else [None if math.isnan(level) else float(level) for level in levels[rows]]
-        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config, noise_of,
-                            context_of(base, pairs[0][rows]))
+        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config,
+                            None if levels is None else levels[rows], context_of(base, pairs[0][rows]))
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")
@@ -113,11 +119,12 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                                      base, other)
     if meter:
         meter.update(3)
-    report = Report(str(base.path), str(other.path), str(noise.path) if noise else None, config, records,
+    report = Report(str(base.path), str(other.path), noise_label([str(run.path) for run in runs]), config, records,
                     base.keys(only_in_base), other.keys(only_in_other), base.steps_by_rank, other.steps_by_rank,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
                     zero_grads=zero_grads, renamed=renamed,
                     grad_norms={"base": _grad_norms(base), "other": _grad_norms(other)})
+    report.noise_floor = noise_floor
     report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
     report.first_nonfinite = {"base": _first_nonfinite(base), "other": _first_nonfinite(other)}
     if meter:
@@ -126,15 +133,32 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     return report
 
 
-def _noise(base: LoadedDump, noise: LoadedDump, rows: np.ndarray) -> tuple[np.ndarray, int]:
-    """Each matched base row's noise level (nan: none, no counterpart or another structure), and how many have none."""
-    base_rows, noise_rows = match(base, noise)
-    counterpart = np.full(len(base), -1, np.int64)
-    counterpart[base_rows] = noise_rows
-    levels = np.full(len(rows), np.nan)
-    has = np.flatnonzero(counterpart[rows] >= 0)
-    levels[has] = noise_levels(base, noise, (rows[has], counterpart[rows[has]]))
-    return levels, int(np.isnan(levels).sum())
+def noise_label(paths: Sequence[str]) -> str | None:
+    """What a report names as its noise: the calibration run, several joined by ", ", or None."""
+    return ", ".join(paths) if paths else None
+
+
+def _noise(base: LoadedDump, runs: Sequence[LoadedDump], rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each matched base row's noise levels (``metrics.NOISED``, a column each): per statistic the largest the
+    calibration runs give (nan: none gives one: no counterpart, or another structure), and how many rows have none."""
+    levels = np.full((len(rows), len(NOISED)), np.nan)
+    for run in runs:
+        base_rows, noise_rows = match(base, run)
+        counterpart = np.full(len(base), -1, np.int64)
+        counterpart[base_rows] = noise_rows
+        has = np.flatnonzero(counterpart[rows] >= 0)
+        levels[has] = np.fmax(levels[has], noise_levels(base, run, (rows[has], counterpart[rows[has]])))
+    return levels, int(np.isnan(levels).all(axis=1).sum())
+
+
+def _noise_floor(levels: np.ndarray, ratios: np.ndarray, key_of: Callable[[int], RecordKey]) -> NoiseFloor:
+    """What the report says of the noise floor, from each pair's levels and noise ratio (in execution order)."""
+    measured = ~np.isnan(ratios)
+    beyond = np.flatnonzero(measured & (ratios > 1))
+    silent = (levels == 0).all(axis=1)  # a counterpart identical to the base: nothing measured
+    return NoiseFloor(beyond=int(len(beyond)), within=int((measured & (ratios <= 1)).sum()), silent=int(silent.sum()),
+                      first_beyond=key_of(int(beyond[0])) if len(beyond) else None,
+                      largest=float(ratios[measured].max()) if measured.any() else None)
 
 
 def _grad_norms(loaded: LoadedDump) -> dict[tuple[int, int], float]:

@@ -22,7 +22,8 @@ from .report import Report
 from .results import ZERO_GRAD_NOTE, StepSummary
 from .values import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
-from .terminal import GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, precision_table, tolerance_rule, verdict
+from .terminal import (GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, noise_floor_line, precision_table,
+                       rule_line, verdict)
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "HtmlConfig", "render_html", "write_html"]
 
@@ -96,13 +97,12 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     cfg = report.config
     first = report.first_divergence
     verdict_class = "agree" if report.agrees else "diverged"
-    rule = f"|diff| <= {tolerance_rule(cfg)}"
-    if report.noise is not None:
-        rule = f"|diff| <= max({tolerance_rule(cfg)}, k*noise)  (k {cfg.noise_factor:g})"
+    floor = noise_floor_line(report)
     summary = _table(None, [
-        ("base", report.base), ("other", report.other), ("noise (second baseline)", report.noise or "-"),
-        ("tolerance", rule),
-        *((("per-dtype defaults", precision_table()),) if cfg.fixed is None else ()),
+        ("base", report.base), ("other", report.other), ("noise (calibration run)", report.noise or "-"),
+        *((("noise floor", floor),) if floor is not None else ()),
+        ("tolerance", rule_line(report)),
+        *((("per-dtype defaults", precision_table()),) if cfg.fixed is None and not cfg.exact else ()),
         ("records matched / diverged", f"{report.matched} / {report.diverged_count}"),
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
@@ -121,7 +121,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         "<h1>probes compare</h1>",
         f'<p class="verdict {verdict_class}">{escape(verdict(report))}</p>',
         summary,
-        f'<p class="note">Tolerance per statistic: {escape(rule)}. Structure (shape, dtype, numel) and nan/inf counts '
+        f'<p class="note">Tolerance per statistic: {escape(rule_line(report))}. Structure (shape, dtype, numel) and nan/inf counts '
         "must be equal. See docs/compare.md.</p>" if not cfg.exact else
         '<p class="note">Exact: a record agrees when it is bit-identical (its hash); one that differs in its '
         "bytes diverges, whatever the tolerances. See docs/compare.md.</p>",
@@ -137,6 +137,9 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                              "tolerance"],
                             [(first.rank, first.step, first.phase, first.name, first.seq, first.metric, first.base,
                               first.other, first.abs_diff, first.rel_diff, first.tolerance)], {0, 1, 4, 6, 7, 8, 9, 10}))
+        if first.noise_floor is not None:
+            parts.append(f'<p class="kind">Against the calibration run: {escape(first.noise_floor)} the noise '
+                         "floor.</p>")
         parts.append(f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>')
     parts.append("<h2>Relative error, step &times; layer</h2>")
     if not grid.rows:

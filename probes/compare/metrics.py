@@ -1,8 +1,8 @@
 """Every metric of every matched pair at once: the rules of ``rules`` applied to ``pairs``.
 
-    evaluated = evaluate(pairs, config, noise)     # noise: per pair the noise level (nan: none), or None
+    evaluated = evaluate(pairs, config, noise)     # noise: per pair and statistic (NOISED) the level, or None
     evaluated.moments["mean"].diff; evaluated.samples.cosine
-    levels = noise_level(pairs)                    # pairs of the base run and a second baseline run
+    levels = noise_level(pairs)                    # pairs of the base run and a calibration run: (pairs, NOISED)
 
 ``vector`` reduces an evaluation to verdicts (ratio, diverged, the worst metric), ``details`` turns the one of
 a few pairs into RecordDiff objects: both read what is computed here, nothing else decides a metric.
@@ -18,7 +18,10 @@ from .config import AGGREGATES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareCon
 from .pairs import Pairs, SampleBlock
 from .rules import as_floats, bounds, difference, distance, finite, ratio, same, tolerance
 
-__all__ = ["Evaluation", "Moment", "Samples", "evaluate", "noise_level"]
+__all__ = ["NOISED", "Evaluation", "Moment", "Samples", "evaluate", "noise_level"]
+
+# The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
+NOISED = (*MOMENTS, "samples")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Moment:
     diff: np.ndarray
     tolerance: np.ndarray
     numbers: np.ndarray
+    noise: np.ndarray | None = None  # the noise level (nan: none); None without a calibration run
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Samples:
     compared: np.ndarray
     max_abs: np.ndarray
     cosine: np.ndarray
+    noise: np.ndarray | None = None  # the noise level of every sample (nan: none); None without a calibration run
+    largest: np.ndarray | None = None  # with a noise level: the largest |diff| of the paired samples
 
 
 @dataclass
@@ -57,7 +63,8 @@ class Evaluation:
 
 def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = None, *,
              summaries: bool = True) -> Evaluation:
-    """Every metric of ``pairs`` under ``config`` (see docs/compare.md); ``noise``: per pair the noise level.
+    """Every metric of ``pairs`` under ``config`` (see docs/compare.md); ``noise``: per pair and statistic
+    (``NOISED``, a column each) the noise level, nan where there is none (``noise_level``).
 
     ``summaries=False``: the samples' worst index, count, largest |diff| and cosine, which only a RecordDiff
     shows, are left at their defaults (None, 0, 0, 1); the verdicts (``vector``) do not read them.
@@ -72,10 +79,13 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
         (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
         compared = ~(null_b | null_o) if name in OPTIONAL_MOMENTS else ~(null_b & null_o)
         numbers = finite(values_b) & ~null_b
+        level = None if noise is None else noise[:, NOISED.index(name)]
         moments[name] = Moment(compared, difference(values_b, values_o, null_b, null_o),
-                               tolerance(config, values_b, noise, numbers, aggregate if name in AGGREGATES else single),
-                               numbers)
-    return Evaluation(pairs, unequal, moments, _samples(pairs, config, noise, summaries, single))
+                               tolerance(config, values_b, level, numbers, aggregate if name in AGGREGATES else single),
+                               numbers, level)
+    return Evaluation(pairs, unequal, moments,
+                      _samples(pairs, config, None if noise is None else noise[:, NOISED.index("samples")], summaries,
+                               single))
 
 
 def _base_floats(pairs: Pairs, name: str) -> np.ndarray:
@@ -94,7 +104,7 @@ def _samples(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None, summ
     kind = object if any(block.base.dtype == object for block in pairs.samples) else np.float64
     found = Samples(np.zeros(count, dtype=bool), np.full(count, None, dtype=object), np.zeros(count, dtype=kind),
                     np.zeros(count, dtype=kind), np.zeros(count), np.zeros(count), np.zeros(count, np.int64),
-                    np.zeros(count, dtype=kind), np.ones(count))
+                    np.zeros(count, dtype=kind), np.ones(count), noise, None if noise is None else np.zeros(count))
     for block in pairs.samples:
         _scan(block, config, noise, found, summaries, rule)
     return found
@@ -171,6 +181,8 @@ def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise
     # The tolerance is per value: that of the worst sample alone is the same number.
     found.tolerance[rows] = tolerance(config, worst_base, None if level is None else level[:, 0], None,
                                       _rule_rows(rule, rows, False)) if plain else tol[picked, at]
+    if found.largest is not None:
+        found.largest[rows] = diff.max(axis=1) if plain else _column_max(diff, valid).astype(np.float64)
     if not summaries:
         return
     found.index[rows] = block.indices[picked, at]
@@ -192,18 +204,67 @@ def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise
 
 
 def noise_level(pairs: Pairs) -> np.ndarray:
-    """Per pair of the base run and a second baseline run: the largest |base - base2| over the moments and
-    samples both hold as finite numbers; nan where shape, dtype or numel differ (nothing to calibrate from)."""
-    level = np.zeros(pairs.count)
+    """Per pair of the base run and a calibration run (``perturbed_rounding``) and per statistic of ``NOISED``
+    (a column each): the noise level, how much calibration says the statistic moves (docs/compare.md, Noise floor).
+
+    With ``d`` the change of a statistic from the base record to its calibration counterpart and ``n`` the base
+    record's finite values:
+
+    - ``mean``: max(|d mean|, F), ``std``: max(|d std|, F), ``norm``: max(|d norm|, F * sqrt(n)), where
+      ``F = rms(d samples) / sqrt(n)`` is what independent changes of the values give a mean: an average moves
+      far less than its values, so a scaled output moves it beyond its level where rounding moves single
+      values as much, and a statistic that agrees by chance still gets the floor its values give it;
+    - ``min``, ``max``, ``samples`` (single values): ``V``, the largest of |d min|, |d max|, |d sample| and
+      the least some value must have moved for the averages to move as they did (|d mean|, |d norm| / sqrt(n)).
+
+    Only values both records hold as finite numbers count. nan in the whole row where shape, dtype or numel
+    differ (nothing to calibrate from).
+    """
+    count = pairs.count
+    changes = {}
     for name in MOMENTS:
         (values_b, null_b), (values_n, null_n) = pairs.base[name], pairs.other[name]
         numbers = finite(values_b) & finite(values_n) & ~null_b & ~null_n
-        level = np.where(numbers, np.maximum(level, np.where(numbers, difference(values_b, values_n), 0.0)), level)
+        changes[name] = np.where(numbers, difference(values_b, values_n), 0.0)
+    root = np.sqrt(_finite_count(pairs))
+    per_value = np.where(root > 0, 1.0 / np.where(root > 0, root, 1.0), 0.0)
+    values = np.maximum.reduce([changes["min"], changes["max"], changes["mean"], changes["norm"] * per_value])  # V
+    floor = np.zeros(count)  # F
     for block in pairs.samples:
         numbers = finite(block.base) & finite(block.other) & block.valid
         diffs = np.where(numbers, difference(block.base, block.other), 0.0)
-        level[block.rows] = np.maximum(level[block.rows], diffs.max(axis=1, initial=0.0))
-    structure = np.zeros(pairs.count, dtype=bool)
+        values[block.rows] = np.maximum(values[block.rows], diffs.max(axis=1, initial=0.0))
+        floor[block.rows] = np.where(root[block.rows] > 0, _rms(diffs, numbers) * per_value[block.rows], 0.0)
+    levels = np.empty((count, len(NOISED)))
+    with np.errstate(over="ignore"):
+        for column, name in enumerate(NOISED):
+            levels[:, column] = (values if name in ("min", "max", "samples") else
+                                 np.maximum(changes[name], floor * root if name == "norm" else floor))
+    structure = np.zeros(count, dtype=bool)
     for name in STRUCTURE:
         structure |= pairs.unequal[name]
-    return np.where(structure, np.nan, level)
+    levels[structure] = np.nan
+    return levels
+
+
+def _rms(diffs: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """Per row the root mean square of the ``numbers`` entries of ``diffs`` (0 where none): the squares of
+    ``diffs / largest`` (no overflow) summed in position order, as one loop over the samples adds them."""
+    largest = diffs.max(axis=1, initial=0.0)
+    scale = np.where((largest > 0) & np.isfinite(largest), largest, 1.0)
+    total = np.zeros(len(diffs))
+    for j in range(diffs.shape[1]):
+        take = numbers[:, j]
+        total[take] += np.square(diffs[take, j] / scale[take])
+    found = scale * np.sqrt(total / np.maximum(numbers.sum(axis=1), 1))
+    return np.where(np.isfinite(largest), found, np.inf)
+
+
+def _finite_count(pairs: Pairs) -> np.ndarray:
+    """Per pair the base record's finite values: numel - nan - inf (0 where numel is no number)."""
+    total = np.zeros(pairs.count)
+    for name, sign in (("numel", 1.0), ("nan", -1.0), ("inf", -1.0)):
+        values, null = pairs.base[name]
+        numbers = finite(values) & ~null
+        total += sign * np.where(numbers, as_floats(values, numbers), 0.0)
+    return np.maximum(total, 0.0)

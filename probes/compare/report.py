@@ -20,7 +20,8 @@ from ..dump.record import RecordKey
 from .config import PRECISIONS, CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
-from .results import BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, Rename, StepSummary
+from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
+                      StepSummary)
 from .values import key_json
 
 __all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]
@@ -58,6 +59,8 @@ class Report:
     # "base"/"other" -> (rank, step) -> the step's global gradient norm (probes.dump.statistics.global_grad_norms
     # of the grad records compared, in file order); only the (rank, step)s with grad records.
     grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
+    # With a calibration run (``noise``): the records beyond and within their noise floors; None without one.
+    noise_floor: NoiseFloor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.records, RecordDiffs):
@@ -188,6 +191,7 @@ class Report:
             **({"bytes": BIT_IDENTICAL if self.agrees else BYTES_DIFFER} if config.exact else {}),
             **({"per_rank": {str(rank): None if first is None else first.to_json()
                              for rank, first in self.per_rank().items()}} if config.ranks else {}),
+            "noise_floor": None if self.noise_floor is None else self.noise_floor.to_json(),
             "counts": {"matched": self.matched, "diverged": self.diverged_count,
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
                        "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},

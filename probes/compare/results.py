@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from ..dump.record import RecordKey
@@ -20,7 +21,8 @@ from .values import format_value, is_finite_number, json_value
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts
 
-__all__ = ["BIT_IDENTICAL", "BYTES_DIFFER", "ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "GradNorm", "MetricDiff", "RecordDiff", "Rename", "StepSummary"]
+__all__ = ["BIT_IDENTICAL", "BYTES_DIFFER", "ZERO_GRAD_NOTE", "CellView", "Damaged", "Divergence", "GradNorm", "MetricDiff",
+           "NoiseFloor", "RecordDiff", "Rename", "StepSummary"]
 
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 
@@ -31,6 +33,8 @@ class MetricDiff:
 
     Structural fields and counts must be equal (tolerance 0). For "samples" the values are those of
     the worst sample (largest |diff| / tolerance) and ``index`` is its flat index in the tensor.
+    ``floor``: with a calibration run, the metric's noise floor (noise_factor x its noise level; the
+    tolerance is at least this), None without one.
     """
 
     metric: str
@@ -40,6 +44,7 @@ class MetricDiff:
     rel_diff: float
     tolerance: float
     index: int | None = None
+    floor: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -58,7 +63,7 @@ class Divergence:
     """Where two runs first differ: a record and the metric that broke, with both values.
 
     ``metric`` "record" means the record exists in one run only (``base``/``other`` say "present"
-    or "missing").
+    or "missing"). ``noise_floor``: with a calibration run, "beyond" or "within" (``RecordDiff.beyond_noise``).
     """
 
     rank: int
@@ -72,6 +77,7 @@ class Divergence:
     abs_diff: float | None = None
     rel_diff: float | None = None
     tolerance: float | None = None
+    noise_floor: str | None = None
 
     def __str__(self) -> str:
         if self.metric == "hash":
@@ -81,11 +87,16 @@ class Divergence:
                 f"{self.metric} {format_value(self.base)} (base) vs {format_value(self.other)} (other)")
         if self.abs_diff is not None and self.tolerance is not None and math.isfinite(self.abs_diff):
             text += f", |diff| {format_value(self.abs_diff)} > tolerance {format_value(self.tolerance)}"
+        if self.noise_floor is not None:
+            text += f", {self.noise_floor} the noise floor"
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return {key: json_value(getattr(self, key)) for key in (
+        found = {key: json_value(getattr(self, key)) for key in (
             "rank", "step", "phase", "name", "seq", "metric", "base", "other", "abs_diff", "rel_diff", "tolerance")}
+        if self.noise_floor is not None:
+            found["noise_floor"] = self.noise_floor
+        return found
 
 
 @dataclass
@@ -101,7 +112,8 @@ class RecordDiff:
     samples_compared: int = 0
     samples_max_abs: float | None = None
     samples_cosine: float | None = None
-    noise: float | None = None  # this record's noise level (None: no noise run, or no counterpart in it)
+    # this record's noise level per statistic (metrics.NOISED; None: no calibration run, or no counterpart in it)
+    noise: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -151,11 +163,38 @@ class RecordDiff:
                 return item.base if run == "base" else item.other
         return None
 
+    @property
+    def noise_ratio(self) -> float | None:
+        """|diff| / noise floor, the largest over the metrics with a floor (the samples: their largest |diff|; 0
+        when none differs); inf when a structure field or count differs; None when calibration measured nothing
+        here (no calibration run, no counterpart in it, or a counterpart identical to the base)."""
+        if self.noise is None or not any(level > 0 for level in self.noise.values()):
+            return None
+        found = 0.0
+        for metric in self.metrics:
+            if metric.floor is None:
+                if not metric.ok:  # a structure or count: no noise explains it
+                    return math.inf
+                continue
+            diff = metric.abs_diff
+            if metric.metric == "samples" and self.samples_max_abs is not None:
+                diff = max(diff, float(self.samples_max_abs))
+            found = max(found, 0.0 if diff == 0 else diff / metric.floor if metric.floor > 0 else math.inf)
+        return found
+
+    @property
+    def beyond_noise(self) -> bool | None:
+        """Whether some metric differs by more than its noise floor (None: calibration measured nothing here)."""
+        ratio = self.noise_ratio
+        return None if ratio is None else ratio > 1
+
     def divergence(self) -> Divergence:
         worst = self.worst
         assert worst is not None
+        beyond = self.beyond_noise
         return Divergence(self.rank, self.step, self.phase, self.name, worst.metric, worst.base, worst.other,
-                          self.seq, worst.abs_diff, worst.rel_diff, worst.tolerance)
+                          self.seq, worst.abs_diff, worst.rel_diff, worst.tolerance,
+                          None if beyond is None else "beyond" if beyond else "within")
 
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
@@ -167,11 +206,14 @@ class RecordDiff:
             "metrics": {m.metric: {"base": json_value(m.base), "other": json_value(m.other),
                                    "abs_diff": json_value(m.abs_diff), "rel_diff": json_value(m.rel_diff),
                                    "tolerance": json_value(m.tolerance), "ok": m.ok,
-                                   **({"index": m.index} if m.index is not None else {})}
+                                   **({"index": m.index} if m.index is not None else {}),
+                                   **({"noise_floor": json_value(m.floor)} if m.floor is not None else {})}
                         for m in self.metrics},
             "samples": {"compared": self.samples_compared, "max_abs_diff": json_value(self.samples_max_abs),
                         "cosine": json_value(self.samples_cosine)},
-            "noise": json_value(self.noise),
+            "noise": None if self.noise is None else {name: json_value(level) for name, level in self.noise.items()},
+            "noise_ratio": json_value(self.noise_ratio),
+            "noise_floor": None if (beyond := self.beyond_noise) is None else "beyond" if beyond else "within",
             "notes": self.notes,
         }
 
@@ -267,3 +309,36 @@ class Damaged:
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "rank": self.rank, "step": self.step, "line": self.line, "problem": self.problem}
+
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """With a calibration run: how the matched records stand against their noise floors (``RecordDiff.beyond_noise``).
+
+    ``beyond``/``within``: records with / without a metric beyond its floor; ``silent``: records whose calibration
+    run is identical to the base (no noise measured: their tolerance is the default or given one alone); ``first_beyond``: the first
+    record beyond it in execution order; ``largest``: the largest |diff| / noise floor. Records without a
+    counterpart in the calibration run are in none of these (``Report.noise_unmatched``).
+    """
+
+    beyond: int
+    within: int
+    silent: int
+    first_beyond: RecordKey | None
+    largest: float | None
+
+    @classmethod
+    def merged(cls, parts: "Sequence[NoiseFloor]") -> "NoiseFloor":
+        """The floor of records compared in parts (windows, in execution order)."""
+        largest = [part.largest for part in parts if part.largest is not None]
+        return cls(sum(part.beyond for part in parts), sum(part.within for part in parts),
+                   sum(part.silent for part in parts),
+                   next((part.first_beyond for part in parts if part.first_beyond is not None), None),
+                   max(largest) if largest else None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"beyond": self.beyond, "within": self.within, "silent": self.silent,
+                "first_beyond": None if self.first_beyond is None else dict(zip(("rank", "step", "phase", "name"),
+                                                                                 self.first_beyond)),
+                "largest_ratio": json_value(self.largest)}

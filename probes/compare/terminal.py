@@ -17,8 +17,9 @@ from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value
 
-__all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "nonfinite_lines", "parse_steps",
-           "plural", "precision_table", "rank_lines", "ranges", "tolerance_rule", "verdict"]
+__all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
+           "parse_steps", "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",
+           "tolerance_rule", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -31,13 +32,44 @@ def verdict(report: Report) -> str:
         noted = f"; {len(report.zero_grads)} {plural(len(report.zero_grads), 'materialised zero gradient')} noted" \
             if report.zero_grads else ""
         within = "bit-identical" if report.config.exact else "within tolerance"
-        return f"AGREE ({report.matched} records {within}{noted})"
+        return f"AGREE ({report.matched} records {within}{_floor_clause(report)}{noted})"
     if first is not None:
         what = "differs in its bytes" if first.metric == "hash" else first.metric
+        if first.noise_floor is not None:
+            what += f", {first.noise_floor} the noise floor"
         return (f"DIVERGED at rank {first.rank}, step {first.step}, {first.phase}, {format_value(first.name)} "
                 f"({what})")
     return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
             f"{len(report.only_in_other)} only in other; matched records agree)")
+
+
+def _floor_clause(report: Report) -> str:
+    """For an agreeing report with a calibration run: whether every record is within its noise floor."""
+    floor = report.noise_floor
+    if floor is None or report.config.exact:
+        return ""
+    if not floor.beyond:
+        return ", none beyond the noise floor"
+    return f", {floor.beyond} beyond the noise floor but within {tolerance_name(report.config)}"
+
+
+def noise_floor_line(report: Report) -> str | None:
+    """With a calibration run: how many records are beyond their noise floor, and the first of them."""
+    floor = report.noise_floor
+    if floor is None or report.config.exact:
+        return None
+    text = (f"{floor.beyond} {plural(floor.beyond, 'record')} beyond the noise floor, {floor.within} within it"
+            + (f" (largest |diff| / noise floor {format_value(floor.largest)})" if floor.largest is not None else ""))
+    if floor.first_beyond is not None:
+        rank, step, phase, name = floor.first_beyond
+        text += f"; the first beyond it: rank {rank} step {step} {phase} {format_value(name)}"
+    if floor.silent and not floor.beyond + floor.within:
+        text += ("; the calibration run is identical to the base, so it measures no noise: make it with "
+                 "probes.testing.perturbed_rounding (docs/compare.md, Noise floor)")
+    elif floor.silent:
+        text += (f"; {floor.silent} {plural(floor.silent, 'record')} identical in the calibration run "
+                 f"({tolerance_name(report.config)} alone)")
+    return text
 
 
 def kind_line(report: Report) -> str | None:
@@ -64,6 +96,11 @@ def counts_line(report: Report) -> str:
             f"{len(report.only_in_base)} only in base, {len(report.only_in_other)} only in other")
 
 
+def tolerance_name(config: CompareConfig) -> str:
+    """The tolerance a statistic has without a noise floor, named: the fixed rule given, or the per-dtype default."""
+    return "the per-dtype default tolerance" if config.fixed is None else "the fixed tolerance"
+
+
 def tolerance_rule(config: CompareConfig) -> str:
     """The fixed part of the tolerance in words: the rule given, or the per-dtype defaults' rule."""
     if config.fixed is not None:
@@ -71,6 +108,18 @@ def tolerance_rule(config: CompareConfig) -> str:
         return f"atol + rtol*|base|  (rtol {rtol:g}, atol {atol:g})"
     return ("rtol*max(|base|, rms) per value, max(passes*mtol, rtol/sqrt(numel))*max(|base|, rms) per mean, std, "
             "norm; rtol, mtol of each record's precision (its dtype or its step's least precise), rms of its tensor")
+
+
+def rule_line(report: Report) -> str:
+    """The rule a statistic is judged by: the fixed part (``tolerance_rule``), raised to its noise floor with
+    calibration runs; or the hashes in exact mode."""
+    config = report.config
+    if config.exact:
+        return "bit-identical bytes (the records' hashes; tolerances not used)"
+    if report.noise is None:
+        return f"|diff| <= {tolerance_rule(config)}"
+    return (f"|diff| <= max({tolerance_rule(config)}, k*noise)  (k {config.noise_factor:g}; noise per statistic, "
+            "k*noise its noise floor)")
 
 
 def precision_table() -> str:
@@ -171,13 +220,9 @@ def _header(report: Report) -> list[str]:
     lines = ["probes compare",
              f"  base   {report.base}   {_steps_text(report.base_steps)}",
              f"  other  {report.other}   {_steps_text(report.other_steps)}"]
-    rule = f"|diff| <= {tolerance_rule(config)}"
     if report.noise is not None:
         lines.append(f"  noise  {report.noise}   ({report.noise_unmatched} compared records had no noise counterpart)")
-        rule = f"|diff| <= max({tolerance_rule(config)}, k*noise)  (k {config.noise_factor:g})"
-    if config.exact:
-        rule = "bit-identical bytes (the records' hashes; tolerances not used)"
-    lines.append(f"  {'exact' if config.exact else 'tolerance'}  {rule}")
+    lines.append(f"  {'exact' if config.exact else 'tolerance'}  {rule_line(report)}")
     if not config.exact and config.fixed is None:
         lines.append(f"  defaults  {precision_table()}")
     if config.ranks:
@@ -192,6 +237,9 @@ def _header(report: Report) -> list[str]:
         for rank, steps in ranks.items():
             lines.append(f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)")
     lines.append(f"  {counts_line(report)}")
+    floor = noise_floor_line(report)
+    if floor is not None:
+        lines.append(f"  noise floor: {floor}")
     if report.steps_only_in_base or report.steps_only_in_other:
         lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
                      f"only in other {ranges(report.steps_only_in_other)}")
@@ -225,7 +273,8 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
              f"  {first.metric}: base {format_value(first.base)}  other {format_value(first.other)}"
              + ("  (differs in its bytes)" if first.metric == "hash" else
                 f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
-                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else ""),
+                f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")
+             + (f"  ({first.noise_floor} the noise floor)" if first.noise_floor is not None else ""),
              f"  kind: {kind_line(report)}"]
     neighbours = report.records.take(report.records.rows_where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)

@@ -3,7 +3,7 @@
     rows = match(base, other)                           # (base rows, other rows) with the same key
     measured = measure(base, other, rows, config)       # per pair: ratio, diverged, rel_error, the worst metric
     measured = measure(base, other, rows, CompareConfig(exact=True))   # the verdicts of the hashes instead
-    levels = noise_levels(base, noise_run, rows)        # per pair: the noise level (nan: none)
+    levels = noise_levels(base, noise_run, rows)        # per pair and statistic: the noise level (nan: none)
 
 Pairs are read from their float64 columns (``pairs.from_columns``); those a column cannot hold exactly go
 through ``pairs.from_records``: the same rules either way (``rules``), so the verdicts are the RecordDiffs'.
@@ -74,17 +74,24 @@ class Measured:
     worst_other: np.ndarray
     worst_null: np.ndarray  # (count, 2) bool: the worst metric's base / other value is None
     moments: dict[tuple[str, str], np.ndarray]  # ("base" | "other", moment) -> values (nan where absent)
+    # |diff| / noise floor (k * the noise level), the largest over the metrics with a level, inf for a structure or
+    # count that differs; nan where nothing was measured (no calibration run, no counterpart in it, or a counterpart
+    # identical to the base: every level 0)
+    noise_ratio: np.ndarray | None = None
+
+    _PER_PAIR = ("ratio", "diverged", "rel_error", "worst", "worst_base", "worst_other", "worst_null", "noise_ratio")
 
     def take(self, order: np.ndarray) -> "Measured":
         """The same, pairs reordered."""
-        return Measured(*(getattr(self, name)[order] for name in ("ratio", "diverged", "rel_error", "worst",
-                                                                    "worst_base", "worst_other", "worst_null")),
-                        {key: values[order] for key, values in self.moments.items()})
+        return Measured(*(getattr(self, name)[order] for name in self._PER_PAIR[:-1]),
+                        {key: values[order] for key, values in self.moments.items()},
+                        None if self.noise_ratio is None else self.noise_ratio[order])
 
     def put(self, rows: np.ndarray, part: "Measured") -> None:
         """Sets the pairs ``rows`` to those of ``part``."""
-        for name in ("ratio", "diverged", "rel_error", "worst", "worst_base", "worst_other", "worst_null"):
-            getattr(self, name)[rows] = getattr(part, name)
+        for name in self._PER_PAIR:
+            if getattr(self, name) is not None:
+                getattr(self, name)[rows] = getattr(part, name)
         for key, values in part.moments.items():
             self.moments[key][rows] = values
 
@@ -94,8 +101,9 @@ def _floats(values: np.ndarray, null: np.ndarray) -> np.ndarray:
     return np.where(null, np.nan, values) if values.dtype.kind == "f" else as_floats(values, finite(values))
 
 
-def verdicts(evaluated: Evaluation) -> Measured:
-    """The RecordDiff verdicts (ratio, diverged, rel_error, worst) of every evaluated pair."""
+def verdicts(evaluated: Evaluation, config_factor: float = 0.0) -> Measured:
+    """The RecordDiff verdicts (ratio, diverged, rel_error, worst) of every evaluated pair; with noise levels,
+    also each pair's ratio to its noise floor (``config_factor``: the config's noise_factor)."""
     pairs = evaluated.pairs
     count = pairs.count
     unequal = evaluated.unequal
@@ -137,19 +145,38 @@ def verdicts(evaluated: Evaluation) -> Measured:
         no_nulls = np.zeros(count, dtype=bool)
         broke("samples", samples.diff, samples.tolerance, samples.has & ~unequal,
               _floats(samples.base, no_nulls), _floats(samples.other, no_nulls), np.zeros((count, 2), dtype=bool))
+    if samples.noise is not None:
+        found.noise_ratio = _noise_ratio(evaluated, config_factor)
     return found
+
+
+def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
+    """``Measured.noise_ratio`` of every pair: each metric's |diff| against its noise floor, the largest."""
+    samples = evaluated.samples
+    metrics = [(moment.diff, moment.noise, moment.compared) for moment in evaluated.moments.values()]
+    metrics.append((samples.largest, samples.noise, samples.has))
+    has_level = np.zeros(evaluated.pairs.count, dtype=bool)  # a level above 0: calibration measured something
+    for _, level, _ in metrics:
+        has_level |= level > 0
+    found = np.where(has_level, 0.0, np.nan)
+    for diff, level, where in metrics:
+        usable = where & ~np.isnan(level)
+        with np.errstate(over="ignore"):
+            new = ratio(np.where(usable, diff, 0.0), factor * np.where(usable, level, 0.0))
+        found = np.where(usable, np.maximum(found, new), found)
+    return np.where(has_level & evaluated.unequal, np.inf, found)
 
 
 def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray], config: CompareConfig,
             noise: np.ndarray | None = None) -> Measured:
     """The verdicts of every pair ``rows``; ``noise``: each pair's noise level (nan: none)."""
     pairs, exact = from_columns(base, other, rows)
-    found = verdicts(evaluate(pairs, config, noise, summaries=False))
+    found = verdicts(evaluate(pairs, config, noise, summaries=False), config.noise_factor)
     odd = np.flatnonzero(exact)
     if len(odd):
         part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd]),
                                               context_of(base, rows[0][odd])), config,
-                                 None if noise is None else noise[odd], summaries=False))
+                                 None if noise is None else noise[odd], summaries=False), config.noise_factor)
         part.worst[:] = WORST.index("structure")  # plots build these records to show them
         found.put(odd, part)
     if config.exact:
@@ -173,10 +200,12 @@ def _hash_verdicts(found: Measured, base: LoadedDump, other: LoadedDump, rows: t
     found.worst_base = np.full(len(differs), np.nan)
     found.worst_other = np.full(len(differs), np.nan)
     found.worst_null = np.zeros((len(differs), 2), dtype=bool)
+    found.noise_ratio = None
 
 
 def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Per pair of the base run and a second baseline run (``rows``): the noise level, nan where there is none."""
+    """Per pair of the base run and a calibration run (``rows``) and per statistic (``metrics.NOISED``, a
+    column each): the noise level, nan where there is none."""
     pairs, exact = from_columns(base, noise, rows)
     levels = noise_level(pairs)
     odd = np.flatnonzero(exact)

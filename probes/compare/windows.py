@@ -40,12 +40,12 @@ from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import fuzzy_renames
 from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
-from .engine import compare_loaded
+from .engine import compare_loaded, noise_label
 from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
-from .results import Damaged, Divergence, RecordDiff, Rename
+from .results import Damaged, Divergence, NoiseFloor, RecordDiff, Rename
 
 __all__ = ["compare_dumps", "compare_windows", "windows_of"]
 
@@ -54,8 +54,8 @@ __all__ = ["compare_dumps", "compare_windows", "windows_of"]
 class _Window:
     """What one window compares; plain data, so it goes to another process."""
 
-    paths: tuple[str, str, str | None]  # base, other, noise
-    readers: tuple[DumpReader, DumpReader, DumpReader | None]  # the same, listed once, narrowed to the steps
+    paths: tuple[str, str, tuple[str, ...]]  # base, other, the calibration runs (noise)
+    readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]]  # the same, listed once, narrowed to the steps
     config: Mapping[str, Any]  # CompareConfig.fields(), the user's
     steps: frozenset[int] | None  # this window's steps (None: every step the config wants)
     name_map: NameMap | None
@@ -85,23 +85,25 @@ class _Part:
     renamed: list[Rename]
     damaged: dict[str, list[Damaged]] = field(default_factory=dict)
     grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
+    noise_floor: NoiseFloor | None = None
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     """The window's report: its steps of each dump read (damaged files left out, of both runs), compared."""
     config = CompareConfig(**window.config)  # type: ignore[arg-type]
     reading = config if window.steps is None else CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
-    base_reader, other_reader, noise_reader = window.readers
+    base_reader, other_reader, noise_readers = window.readers
     if config.ranks:
         base, other = rank_pairs(read_dump(base_reader, reading, progress=progress, skip_damaged=True))
     else:
         base = read_dump(base_reader, reading, progress=progress, skip_damaged=True)
         other = read_dump(other_reader, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
-    noise = None if noise_reader is None else read_dump(noise_reader, reading, progress=progress, skip_damaged=True)
+    noise = [read_dump(reader, reading, progress=progress, skip_damaged=True) for reader in noise_readers]
     _drop_damaged(base, other)
-    report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy)
-    report.damaged = {side: loaded.damaged for side, loaded in (("base", base), ("other", other), ("noise", noise))
-                      if loaded is not None and loaded.damaged}
+    report = compare_loaded(base, other, config, noise or None, progress=progress, fuzzy=window.fuzzy)
+    report.damaged = {side: damaged for side, damaged in (("base", base.damaged), ("other", other.damaged),
+                                                         ("noise", [item for run in noise for item in run.damaged]))
+                      if damaged}
     return report
 
 
@@ -130,15 +132,16 @@ def _reduced(window: _Window, directory: str, index: int) -> _Part:
                  records.built(np.concatenate(rows)), summary, report.only_in_base, report.only_in_other, report.base_steps,
                  report.other_steps, report.unfinished, report.noise_unmatched, report.zero_grads, first,
                  report.first_nonfinite, [rename for rename in report.renamed if rename.how == "map"], report.damaged,
-                 report.grad_norms)
+                 report.grad_norms, report.noise_floor)
 
 
-def windows_of(base: str | Path | DumpReader, other: str | Path | DumpReader, noise: str | Path | DumpReader | None,
+def windows_of(base: str | Path | DumpReader, other: str | Path | DumpReader,
+               noise: str | Path | DumpReader | Sequence[str | Path | DumpReader] | None,
                config: CompareConfig, window: int | None) -> list[frozenset[int] | None]:
     """The steps of each window, in order: about ``window`` records of a dump each, whole steps (None: one window
-    of every step, also for a lone step file)."""
+    of every step, also for a lone step file); ``noise``: the calibration runs (one, several or None)."""
     readers = [path if isinstance(path, DumpReader) else DumpReader(path)
-               for path in (base, other, noise) if path is not None]
+               for path in (base, other, *_runs(noise))]
     if window is None or any(reader.path.is_file() for reader in readers):
         return [None]
     if window < 1:
@@ -230,7 +233,7 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
         for side, items in part.damaged.items():
             damaged.setdefault(side, []).extend(items)
     base, other, noise = windows[0].paths
-    report = Report(base, other, noise, CompareConfig(**windows[0].config),  # type: ignore[arg-type]
+    report = Report(base, other, noise_label(noise), CompareConfig(**windows[0].config),  # type: ignore[arg-type]
                     records, [key for part in parts for key in part.only_in_base],
                     [key for part in parts for key in part.only_in_other],
                     _union(part.base_steps for part in parts), _union(part.other_steps for part in parts),
@@ -240,6 +243,8 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
                     grad_norms={side: {key: value for part in parts for key, value in part.grad_norms.get(side, {}).items()}
                                 for side in ("base", "other")})
     report.first_divergence = next((part.first_divergence for part in parts if part.first_divergence), None)
+    floors = [part.noise_floor for part in parts if part.noise_floor is not None]
+    report.noise_floor = NoiseFloor.merged(floors) if floors else None
     report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
                                           if part.first_nonfinite.get(side)), None) for side in ("base", "other")}
     return report
@@ -253,15 +258,24 @@ def _union(found: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:
     return {rank: sorted(listed) for rank, listed in sorted(steps.items())}
 
 
-def _narrowed(readers: tuple[DumpReader, DumpReader, DumpReader | None], steps: frozenset[int] | None
-              ) -> tuple[DumpReader, DumpReader, DumpReader | None]:
+def _narrowed(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]], steps: frozenset[int] | None
+              ) -> tuple[DumpReader, DumpReader, tuple[DumpReader, ...]]:
     if steps is None:
         return readers
-    base, other, noise = (None if reader is None else reader.only(steps) for reader in readers)
-    return base, other, noise  # type: ignore[return-value]
+    base, other, noise = readers
+    return base.only(steps), other.only(steps), tuple(reader.only(steps) for reader in noise)
 
 
-def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, DumpReader | None], config: CompareConfig,
+def _runs(noise: Any) -> tuple[Any, ...]:
+    """The calibration runs given as ``noise``: None, one path (or reader), or a sequence of them."""
+    if noise is None:
+        return ()
+    if isinstance(noise, (str, Path, DumpReader)):
+        return (noise,)
+    return tuple(noise)
+
+
+def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]], config: CompareConfig,
                  name_map: NameMap | None) -> tuple[Rename, ...]:
     """Fuzzy alignment's pairs, found as on the whole dumps: on the lowest common rank's first common step."""
     base, other = readers[0], readers[1]
@@ -286,13 +300,15 @@ def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, DumpReader | None], conf
 
 def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float | None = None,
                   atol: float | None = None,
-                  noise: str | Path | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
+                  noise: str | Path | Sequence[str | Path] | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
                   steps: Iterable[int] | None = None, names: Sequence[str] = (),
                   progress: bool | TextIO = False, strict_zero_grads: bool = False,
                   name_map: NameMapLike | None = None, fuzzy: bool = False, window: int | None = DEFAULT_WINDOW,
                   jobs: int = 1, skip_damaged: bool = False, exact: bool = False, ranks: bool = False,
                   phases: Iterable[str] | None = None) -> Report:
-    """Compares the dump ``other`` against the dump ``base``; ``noise``: a second baseline run's dump.
+    """Compares the dump ``other`` against the dump ``base``; ``noise``: the dump of a calibration run (the base run
+    again under ``probes.testing.perturbed_rounding``), or several: each record's noise levels are the largest the
+    runs give (docs/compare.md, Noise floor).
 
     ``rtol``, ``atol``: one fixed rule ``atol + rtol * |x|`` for every record (the one not given: 1e-4, 1e-6);
     neither: each record's per-dtype default (docs/compare.md, Tolerance).
@@ -317,7 +333,7 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: fl
     rank, step and record that differ (ValueError for a dump with one rank).
     """
     if ranks:
-        if other is not None or noise is not None or name_map is not None or fuzzy:
+        if other is not None or _runs(noise) or name_map is not None or fuzzy:
             raise ValueError("ranks=True compares the ranks of one dump: give no other dump, noise, name_map or fuzzy")
         other = base
         found = sorted(rank for rank in DumpReader(base).steps() if rank is not None)
@@ -335,11 +351,11 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: fl
                            phases=None if phases is None else (phases,) if isinstance(phases, str) else tuple(phases),
                            ranks=bool(ranks))
     mapping = as_name_map(name_map)
-    paths = (str(base), str(other), None if noise is None else str(noise))
+    paths = (str(base), str(other), tuple(str(path) for path in _runs(noise)))
     # Each dump is listed once, here: a window's reader is narrowed to its steps (listing a dump of ten thousand
     # step files in every window would cost more than comparing them).
-    opened = {path: DumpReader(path) for path in paths if path is not None}
-    readers = (opened[paths[0]], opened[paths[1]], None if paths[2] is None else opened[paths[2]])
+    opened = {path: DumpReader(path) for path in (*paths[:2], *paths[2])}
+    readers = (opened[paths[0]], opened[paths[1]], tuple(opened[path] for path in paths[2]))
     chosen = windows_of(*readers, config, window)
     pairs = _fuzzy_pairs(readers, config, mapping) if fuzzy and len(chosen) > 1 else None
     report = compare_windows([_Window(paths, _narrowed(readers, steps_of), config.fields(), steps_of, mapping, pairs)

@@ -116,8 +116,9 @@ def rms_of(record: dict) -> float:
     return float(np.hypot(mean, std * np.sqrt((numel - 1) / numel)))
 
 
-def tolerance_of(config: CompareConfig, value, noise, record: dict, moment: bool, step: list):
-    """``step``: the base records of the record's step."""
+def tolerance_of(config: CompareConfig, value, noise, statistic: str, record: dict, step: list):
+    """``noise``: the record's levels per statistic (None: none); ``step``: the base records of the record's step."""
+    moment = statistic in ("mean", "std", "norm")
     if config.rtol is None and config.atol is None:
         rtol, mtol, tiny = DEFAULTS[precision_of(record, {r["dtype"] for r in step})]
         numel = record["numel"] if number(record.get("numel")) and record["numel"] > 0 else 1
@@ -131,15 +132,20 @@ def tolerance_of(config: CompareConfig, value, noise, record: dict, moment: bool
         rtol = 1e-4 if config.rtol is None else config.rtol
         atol = 1e-6 if config.atol is None else config.atol
         fixed = atol + rtol * abs(value) if number(value) else atol
-    return max(fixed, config.noise_factor * noise) if noise else fixed
+    return max(fixed, config.noise_factor * noise[statistic]) if noise else fixed
 
 
-def metric(name, b, o, tolerance, index=None) -> MetricDiff:
+def floor_of(config: CompareConfig, noise, statistic):
+    return config.noise_factor * noise[statistic] if noise is not None else None
+
+
+def metric(name, b, o, tolerance, index=None, floor=None) -> MetricDiff:
     if not (number(b) and number(o)):
         size = 0.0 if same_value(b, o) else math.inf
-        return MetricDiff(name, b, o, size, size, tolerance, index)
+        return MetricDiff(name, b, o, size, size, tolerance, index, floor)
     size = float(abs(o - b))
-    return MetricDiff(name, b, o, size, size / abs(b) if b != 0 else (0.0 if size == 0 else math.inf), tolerance, index)
+    return MetricDiff(name, b, o, size, size / abs(b) if b != 0 else (0.0 if size == 0 else math.inf), tolerance, index,
+                      floor)
 
 
 def sample_pairs(base: dict, other: dict, notes: list | None = None) -> list:
@@ -157,11 +163,26 @@ def sample_pairs(base: dict, other: dict, notes: list | None = None) -> list:
 
 
 def expected_noise(base: dict, base2: dict):
+    """The noise levels of docs/compare.md (Noise floor), per statistic."""
     if any(base.get(key) != base2.get(key) for key in STRUCTURE):
         return None
-    diffs = [abs(base2[k] - base[k]) for k in MOMENTS if number(base.get(k)) and number(base2.get(k))]
-    diffs += [abs(y - x) for _, x, y in sample_pairs(base, base2) if number(x) and number(y)]
-    return float(max(diffs, default=0.0))
+    change = {k: float(abs(base2[k] - base[k])) if number(base.get(k)) and number(base2.get(k)) else 0.0
+              for k in MOMENTS}
+    samples = [float(abs(y - x)) for _, x, y in sample_pairs(base, base2) if number(x) and number(y)]
+    count = sum(sign * base[k] for k, sign in (("numel", 1), ("nan", -1), ("inf", -1)) if number(base.get(k)))
+    root = math.sqrt(max(count, 0))
+    per_value = 1 / root if root else 0.0
+    largest = max(samples, default=0.0)
+    scale = largest if largest > 0 and math.isfinite(largest) else 1.0
+    total = 0.0
+    for diff in samples:  # the squares of diff / largest, in position order
+        part = diff / scale
+        total += part * part  # correctly rounded: ``part ** 2`` (C pow) can be an ulp off
+    rms = scale * math.sqrt(total / max(len(samples), 1)) if math.isfinite(largest) else math.inf
+    floor = rms * per_value if root else 0.0
+    value = max(change["min"], change["max"], change["mean"], change["norm"] * per_value, largest)
+    return {"min": value, "max": value, "mean": max(change["mean"], floor), "std": max(change["std"], floor),
+            "norm": max(change["norm"], floor * root), "samples": value}
 
 
 def expected_record(base: dict, other: dict, config: CompareConfig, noise, step: list) -> RecordDiff:
@@ -174,8 +195,8 @@ def expected_record(base: dict, other: dict, config: CompareConfig, noise, step:
     for key in MOMENTS:
         b, o = base.get(key), other.get(key)
         if not ((b is None and o is None) or (key == "norm" and (b is None or o is None))):
-            metrics.append(metric(key, b, o, tolerance_of(config, b, noise, base, key in ("mean", "std", "norm"),
-                                                          step)))
+            metrics.append(metric(key, b, o, tolerance_of(config, b, noise, key, base, step),
+                                  floor=floor_of(config, noise, key)))
     record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0), metrics,
                         noise=noise, notes=notes)
     pairs = sample_pairs(base, other, notes) if base.get("shape") == other.get("shape") else []
@@ -191,13 +212,14 @@ def expected_record(base: dict, other: dict, config: CompareConfig, noise, step:
             else:
                 diff = 0.0 if same_value(b, o) else math.inf
             if diff:
-                tolerance = tolerance_of(config, b, noise, base, False, step)
+                tolerance = tolerance_of(config, b, noise, "samples", base, step)
                 ratio = diff / tolerance if tolerance > 0 else math.inf
                 if ratio > worst_ratio:
                     worst, worst_ratio = position, ratio
             largest = max(largest, diff)
         index, b, o = pairs[worst]
-        metrics.append(metric("samples", b, o, tolerance_of(config, b, noise, base, False, step), index))
+        metrics.append(metric("samples", b, o, tolerance_of(config, b, noise, "samples", base, step), index,
+                              floor_of(config, noise, "samples")))
         record.samples_compared, record.samples_max_abs = len(pairs), largest
         record.samples_cosine = (1.0 if norm_b == 0 and norm_o == 0 else 0.0 if norm_b == 0 or norm_o == 0
                                  else dot / math.sqrt(norm_b * norm_o))
@@ -216,10 +238,15 @@ def assert_same_record(got: RecordDiff, want: RecordDiff) -> None:
         (want.rank, want.step, want.phase, want.name, want.seq, want.notes)
     assert [m.metric for m in got.metrics] == [m.metric for m in want.metrics], want.name
     for mine, theirs in zip(got.metrics, want.metrics):
-        for field in ("base", "other", "abs_diff", "rel_diff", "tolerance", "index"):
+        for field in ("base", "other", "abs_diff", "rel_diff", "tolerance", "index", "floor"):
             assert same_fields(getattr(mine, field), getattr(theirs, field)), (want.name, mine, theirs, field)
-    for field in ("samples_compared", "samples_max_abs", "samples_cosine", "noise"):
+    for field in ("samples_compared", "samples_max_abs", "samples_cosine"):
         assert same_fields(getattr(got, field), getattr(want, field)), (want.name, field)
+    assert (got.noise is None) == (want.noise is None), want.name
+    if want.noise is not None:
+        assert got.noise.keys() == want.noise.keys(), want.name
+        for key in want.noise:
+            assert same_fields(got.noise[key], want.noise[key]), (want.name, key, got.noise, want.noise)
     assert got.to_json() == want.to_json()
 
 

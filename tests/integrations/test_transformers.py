@@ -281,3 +281,22 @@ def test_a_model_in_ortmodule_records_what_eager_records(tmp_path, monkeypatch):
     assert callers and all(callers)
     report = compare_dumps(tmp_path / "eager", tmp_path / "ort")
     assert report.agrees, report.first_divergence
+
+
+def test_a_calibration_run_is_the_trainer_inside_perturbed_rounding(tmp_path):
+    """The noise floor's calibration run with a Trainer: ``trainer.train()`` inside ``perturbed_rounding``, no model or
+    loop change (docs/compare.md, Noise floor); it differs from the base by rounding only, and nothing of it leaks
+    into a run made afterwards."""
+    from probes.testing import perturbed_rounding
+
+    train(tmp_path / "a", ProbesCallback(tmp_path / "base"))
+    with perturbed_rounding(seed=1) as noise:
+        train(tmp_path / "b", ProbesCallback(tmp_path / "noise"))
+    train(tmp_path / "c", ProbesCallback(tmp_path / "rerun"))
+    assert noise.perturbed > 100
+    assert compare_dumps(tmp_path / "base", tmp_path / "rerun", rtol=0.0, atol=0.0).agrees  # bit-identical
+    tight = compare_dumps(tmp_path / "base", tmp_path / "noise", rtol=1e-9, atol=0.0)
+    assert tight.diverged_count > 0.5 * tight.matched and not tight.only_in_base and not tight.only_in_other
+    assert compare_dumps(tmp_path / "base", tmp_path / "noise", rtol=1e-3, atol=1e-6).agrees  # rounding, nothing more
+    report = compare_dumps(tmp_path / "base", tmp_path / "rerun", noise=tmp_path / "noise")
+    assert report.noise_floor.silent < 0.1 * report.matched
