@@ -338,6 +338,26 @@ def call_uncompiled(fn: Callable[..., Any], *args: Any) -> Any:
         torch._C._dynamo.eval_frame.set_eval_frame(prior)
 
 
+def compiler_runs_module() -> bool:
+    """True while torch.compile runs a module's Python code on stand-in tensors outside dynamo's symbolic
+    trace: dynamo computing the example value of a module call it keeps whole as one graph node (torch
+    2.4 keeps a parametrized ``torch.nn`` module's ``forward`` so; the parametrization runs on
+    FakeTensors), or AOT autograd tracing that node (FunctionalTensors). Nothing of that call is a step
+    the model takes: the compiled graph runs the node's operations without calling the module.
+
+        if not torch.compiler.is_compiling() and compiler_runs_module(): ...   # a hook: observe nothing
+
+    Dynamo holds a ``TracingContext`` from its trace through the backend's compilation; a graph break's
+    eager code, the compiled graph at run time and user code under a ``FakeTensorMode`` run outside it.
+    """
+    from torch import _guards
+
+    context = getattr(_guards, "TracingContext", None)
+    if context is None or not hasattr(context, "try_get"):
+        raise _missing("torch._guards.TracingContext.try_get")
+    return context.try_get() is not None
+
+
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compiler.assume_constant_result`` without importing torch._dynamo.
 

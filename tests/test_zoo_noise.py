@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ STEPS, LR = 10, 1e-2
 FIXED = {"rtol": 1e-4, "atol": 1e-6}
 ARCH = f"{LONG_TRAINED.name}, {STEPS} steps"
 FAMILY = f"{LONG_TRAINED.family}, SGD {LR:g}: trained until rounding noise grows"
-TRACED_24 = "open: torch 2.4 compile: probes record the weight-norm parametrization's tracing calls"
+PARAMETRIZATION = "wav2vec2.encoder.pos_conv_embed.conv.parametrizations.weight"
 
 
 def train(backend: str, out: Path | None) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -115,13 +116,20 @@ def _check(backend: str, eager: dict[str, Path], tmp_path: Path, started: float)
             _record(ARCH, backend, "fails without probes", reason, family=FAMILY)
             pytest.skip(f"ORTModule fails on {LONG_TRAINED.name} without probes too: {reason[:200]}")
         pytest.fail("ORTModule exported ctc_loss: give this row a real check")
-    train("compile", tmp_path / "compiled")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train("compile", tmp_path / "compiled")
     noise = [eager["noise_1"], eager["noise_2"]]
-    traced = sorted({r["name"] for r in load_dump(tmp_path / "compiled") if str(r.get("unsupported")).startswith(
-        ("FakeTensor", "tensor subclass FunctionalTensor"))})
+    records = load_dump(tmp_path / "compiled")
+    assert not [r for r in records if str(r.get("unsupported")).startswith(("FakeTensor", "tensor subclass"))], \
+        "a record of the compiler's tracing (FakeTensor / FunctionalTensor)"
     names: tuple[str, ...] = ()
-    if traced and TORCH_24:  # the noise floor is still checked, on every other record
-        names = ("re:(?!.*parametrizations).*",)
+    if TORCH_24:  # the parametrized conv is one graph node: its parametrization's hooks run only while tracing
+        warned = {str(w.message).split("'")[1] for w in caught if "keeps whole in its graph" in str(w.message)}
+        assert warned == {PARAMETRIZATION, f"{PARAMETRIZATION}.0"}, warned
+        names = ("re:(?!.*parametrizations).*",)  # the noise floor is still checked, on every other record
+        absent = compare_dumps(eager["base"], tmp_path / "compiled", **FIXED).only_in_base
+        assert absent and all("parametrizations" in str(key) for key in absent), absent
     fixed = compare_dumps(eager["base"], tmp_path / "compiled", names=names, **FIXED)
     first = fixed.first_divergence
     assert first is not None and first.step > 0, ("at a fixed tolerance, the grown noise should look like a "
@@ -143,9 +151,7 @@ def _check(backend: str, eager: dict[str, Path], tmp_path: Path, started: float)
     note = (f"at rtol {FIXED['rtol']:g} {fixed.diverged_count} of {fixed.matched} records 'diverge' (the first at "
             f"step {first.step} {first.phase}); with the noise floor (2 calibration runs) none (largest |diff| / noise "
             f"level {max(largest.values()):.2g})")
+    if TORCH_24:
+        note += "; the weight-norm parametrization inside the conv torch 2.4 keeps whole: no record (a warning)"
     assert math.isfinite(max(largest.values()))
-    if names:
-        reason = f"{TRACED_24} ({len(traced)} FakeTensor/FunctionalTensor records); the others: {note}"
-        _record(ARCH, backend, "failed", reason, family=FAMILY)
-        pytest.xfail(reason)
     _record(ARCH, backend, "ok, note", note, seconds=time.perf_counter() - started, family=FAMILY)

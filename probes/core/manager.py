@@ -118,6 +118,7 @@ class SubscriberManager:
         self._inspect_sites: dict[str, ProbeSite] = {}
         self._probes: dict[ProbeSite, SiteProbe] = {}  # each site's TensorProbe argument
         self._unobserved_warned: set[ProbeSite] = set()
+        self._uncompilable_warned: set[str] = set()  # module names
         self._subscription: Subscription | None = None
         self._compiled_key: int | None = None  # how torch.compile graphs find this subscription (compiled.OPS)
         self._wrapper_ref: weakref.ref | None = None
@@ -191,6 +192,7 @@ class SubscriberManager:
         self._inspect_sites.clear()
         self._probes.clear()
         self._unobserved_warned.clear()
+        self._uncompilable_warned.clear()
         for subscriber in subscribers:
             subscriber.close()
 
@@ -310,6 +312,8 @@ class SubscriberManager:
         def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if torch.compiler.is_compiling():
                 return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+            if self._run_by_compiler(inputs):
+                return args, kwargs
             return _torch_compat.call_uncompiled(self._pre_forward_hook, inputs, is_root, probe_inputs, module,
                                                  args, kwargs)
 
@@ -317,10 +321,28 @@ class SubscriberManager:
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
             if torch.compiler.is_compiling():
                 return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+            if self._run_by_compiler(outputs):
+                return result
             return _torch_compat.call_uncompiled(self._post_forward_hook, outputs, is_root, probe_outputs, module,
                                                  args, result)
 
         return pre_forward, post_forward
+
+    def _run_by_compiler(self, site: ProbeSite) -> bool:
+        """Whether torch.compile, not the model, runs ``site``'s module now: the module is inside a call the
+        compiler keeps whole as one graph node, and runs on its stand-in tensors while the compiler traces
+        (``_torch_compat.compiler_runs_module``). The hook then observes nothing, since that call is no step
+        the model takes, and the compiled graph runs the module's operations without it: the site has no
+        record under torch.compile (one warning per module)."""
+        if not _torch_compat.compiler_runs_module():
+            return False
+        if site.name not in self._uncompilable_warned:
+            self._uncompilable_warned.add(site.name)
+            warnings.warn(f"probes: {site.name!r} runs inside a module call that torch.compile keeps "
+                          "whole in its graph (as torch 2.4 does with a parametrized torch.nn module): its hooks "
+                          "run only while the compiler traces, so it has no record under torch.compile. This "
+                          "warning is not repeated.", stacklevel=3)
+        return True
 
     def _schema_run_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
         """ORTModule's eager run of the model before a training export runs with grad enabled, so the probes
