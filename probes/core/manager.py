@@ -312,21 +312,30 @@ class SubscriberManager:
         def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if torch.compiler.is_compiling():
                 return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
-            if self._run_by_compiler(inputs):
-                return args, kwargs
-            return _torch_compat.call_uncompiled(self._pre_forward_hook, inputs, is_root, probe_inputs, module,
-                                                 args, kwargs)
+            return _torch_compat.call_uncompiled(self._eager_pre_forward_hook, inputs, is_root, probe_inputs,
+                                                 module, args, kwargs)
 
         @_torch_compat.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
             if torch.compiler.is_compiling():
                 return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
-            if self._run_by_compiler(outputs):
-                return result
-            return _torch_compat.call_uncompiled(self._post_forward_hook, outputs, is_root, probe_outputs, module,
-                                                 args, result)
+            return _torch_compat.call_uncompiled(self._eager_post_forward_hook, outputs, is_root, probe_outputs,
+                                                 module, args, result)
 
         return pre_forward, post_forward
+
+    def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
+                                args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
+        if self._run_by_compiler(site):
+            return args, kwargs
+        return self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
+
+    def _eager_post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
+                                 args: tuple, outputs: Any) -> Any:
+        if self._run_by_compiler(site):
+            return outputs
+        return self._post_forward_hook(site, is_root, probe, module, args, outputs)
 
     def _run_by_compiler(self, site: ProbeSite) -> bool:
         """Whether torch.compile, not the model, runs ``site``'s module now: the module is inside a call the
