@@ -115,12 +115,13 @@ def reference(model: Model, step: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return values[0], values[1], returned.grad
 
 
-CASES = [(view, change, where) for where in ("outputs", "inputs") for view in VIEWS for change in ("base", "alias")]
-BACKENDS = ["eager", "compile", pytest.param("ort", marks=pytest.mark.ort)]
+# Every case in eager mode; on the other backends "view" (refused, as "select" is) is left out, to keep the suite short.
+CASES = [pytest.param(view, change, where, backend, marks=[pytest.mark.ort] if backend == "ort" else [])
+         for backend in ("eager", "compile", "ort") for where in ("outputs", "inputs") for view in VIEWS
+         for change in ("base", "alias") if backend == "eager" or view != "view"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("view,change,where", CASES)
+@pytest.mark.parametrize("view,change,where,backend", CASES)
 def test_a_change_through_one_alias_reaches_the_other_as_without_probes(view, change, where, backend, tmp_path):
     plain = run(view, change, where, backend)
     with warnings.catch_warnings(record=True) as caught:
