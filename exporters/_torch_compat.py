@@ -135,6 +135,7 @@ def onnx_export(model: torch.nn.Module, args: tuple, f: Any, **kwargs: Any) -> N
 # is a recomputation (activation checkpointing), not a step of training.
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
 def _engine_api() -> tuple[Callable[[], int], Callable[[Callable[[], None]], None]]:
     current = getattr(torch._C, "_current_graph_task_id", None)
     queue = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
@@ -350,12 +351,18 @@ def compiler_runs_module() -> bool:
     Dynamo holds a ``TracingContext`` from its trace through the backend's compilation; a graph break's
     eager code, the compiled graph at run time and user code under a ``FakeTensorMode`` run outside it.
     """
+    return _tracing_context()() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _tracing_context() -> Callable[[], Any]:
+    """``torch._guards.TracingContext.try_get``, looked up once (it is called on every eager hook)."""
     from torch import _guards
 
     context = getattr(_guards, "TracingContext", None)
     if context is None or not hasattr(context, "try_get"):
         raise _missing("torch._guards.TracingContext.try_get")
-    return context.try_get() is not None
+    return context.try_get
 
 
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -54,6 +54,10 @@ class SiteFailures:
         self._off.clear()
         self._phase_warned.clear()
 
+    def any(self) -> bool:
+        """Whether any site is switched off."""
+        return bool(self._off)
+
     def is_off(self, site: "ProbeSite", subscriber: "SubscriberBase | None" = _ALL) -> bool:
         off = self._off.get(site)
         return off is not None and (_ALL in off or subscriber in off)

@@ -122,6 +122,7 @@ class SubscriberManager:
         self._subscription: Subscription | None = None
         self._compiled_key: int | None = None  # how torch.compile graphs find this subscription (compiled.OPS)
         self._wrapper_ref: weakref.ref | None = None
+        self._builders: tuple[SubscriberBase, ...] = ()  # the subscribers overriding a graph-building call
 
     # Public API -----------------------------------------------------------------------------
 
@@ -193,6 +194,7 @@ class SubscriberManager:
         self._probes.clear()
         self._unobserved_warned.clear()
         self._uncompilable_warned.clear()
+        self._builders = ()
         for subscriber in subscribers:
             subscriber.close()
 
@@ -275,7 +277,8 @@ class SubscriberManager:
     def _register_hooks(self, root: torch.nn.Module) -> None:
         # Which sites get a probe is fixed here, at subscribe time: under ORTModule the exported graph
         # then holds exactly the wanted probes, and step cadences are decided per call, never by a re-export.
-        builders = any(s.builds_graph for s in self.tracker.subscribers)
+        self._builders = tuple(s for s in self.tracker.subscribers if s.builds_graph)
+        builders = bool(self._builders)
         for index, (name, module) in enumerate(wrappers.user_named_modules(root)):
             qualified = name or ROOT_NAME
             depth = 0 if not name else name.count(".") + 1
@@ -290,9 +293,10 @@ class SubscriberManager:
             pre, post = self._module_hooks(inputs, outputs, index == 0, probe_inputs, probe_outputs)
             if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
                 self._handles.append(rootcall.wrap_forward(module, pre, post, around=self._schema_run_scope))
-            else:
+                continue
+            if builders or probe_inputs:  # a pre-hook with nothing to do would still cost every call
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                self._handles.append(module.register_forward_hook(post))
+            self._handles.append(module.register_forward_hook(post))
 
     def _module_hooks(self, inputs: ProbeSite, outputs: ProbeSite, is_root: bool, probe_inputs: bool,
                       probe_outputs: bool) -> tuple[Callable, Callable]:
@@ -329,13 +333,19 @@ class SubscriberManager:
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
         if self._run_by_compiler(site):
             return args, kwargs
-        return self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
+        return self._pre_forward_hook(site, is_root, probe and self._probes_now(), module, args, kwargs)
 
     def _eager_post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                  args: tuple, outputs: Any) -> Any:
         if self._run_by_compiler(site):
             return outputs
-        return self._post_forward_hook(site, is_root, probe, module, args, outputs)
+        return self._post_forward_hook(site, is_root, probe and self._probes_now(), module, args, outputs)
+
+    def _probes_now(self) -> bool:
+        """Whether an eager call inserts its probe: some observer records the step it belongs to. A left-out
+        step's probes would only pass their tensors, so its modules run as without probes. Exports always
+        insert them: an exported graph (ORTModule's, a trace) serves every later step."""
+        return self.tracker.observed_now() or _ort_compat.is_exporting()
 
     def _run_by_compiler(self, site: ProbeSite) -> bool:
         """Whether torch.compile, not the model, runs ``site``'s module now: the module is inside a call the
@@ -362,7 +372,7 @@ class SubscriberManager:
 
     def _pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                           args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        subscribers = self.tracker.subscribers
+        subscribers = self._builders
         if is_root:
             running = REGISTRY.running
             if self in running:  # a forward that raised never reached the post-hook
@@ -378,7 +388,7 @@ class SubscriberManager:
 
     def _post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                            args: tuple, outputs: Any) -> Any:
-        subscribers = self.tracker.subscribers
+        subscribers = self._builders
         for subscriber in subscribers:
             outputs = subscriber.post_forward_module_apply(site, module, args, outputs)
         if probe:
@@ -408,15 +418,17 @@ class SubscriberManager:
     def _apply_to_tensors(self, site: ProbeSite, structure: Any, *, boundary: bool = False) -> Any:
         """Pass the tensors of a nested structure through ``site``'s probe (``boundary``: through the step
         boundary of the root's outputs); everything else is kept as is."""
+        compiling = torch.compiler.is_compiling()
         # A TorchScript trace (ORTModule's export) gives sizes as tensors: they stay out of the probes, as in eager.
-        select = _is_probeable_traced if not torch.compiler.is_compiling() and torch.jit.is_tracing() else _is_probeable
+        select = _is_probeable_traced if not compiling and torch.jit.is_tracing() else _is_probeable
         if isinstance(structure, torch.Tensor) and select(structure):  # the common case, no pytree round trip
-            return self._pass(site, (structure,), boundary)[0]
-        tracing = torch.compiler.is_compiling() and compiled.flattening(True)
-        leaves = TensorLeaves.of(structure, select=select)
+            return self._pass(site, (structure,), boundary, compiling)[0]
+        if compiling:
+            compiled.flattening(True)
+        leaves = (None if compiling else _FlatTuple.of(structure, select)) or TensorLeaves.of(structure, select=select)
         unobservable = [] if boundary else [leaf for leaf in leaves.leaves
                                             if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
-        if tracing:
+        if compiling:
             compiled.flattening(False)
         if unobservable and site not in self._unobserved_warned:
             self._unobserved_warned.add(site)
@@ -425,14 +437,16 @@ class SubscriberManager:
             return structure
         shared = aliases.find(leaves.tensors)  # tensors sharing memory: see aliases
         if shared is None:
-            return leaves.rebuild(self._pass(site, leaves.tensors, boundary))
+            return leaves.rebuild(self._pass(site, leaves.tensors, boundary, compiling))
         if shared.refused and not boundary:
             aliases.warn_refused(self._compiled_key, site.name, site.kind, shared.refused)
             return structure
-        return leaves.rebuild(shared.apply(leaves.tensors, lambda tensors: self._pass(site, tensors, boundary)))
+        return leaves.rebuild(shared.apply(leaves.tensors,
+                                           lambda tensors: self._pass(site, tensors, boundary, compiling)))
 
-    def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool) -> Sequence[torch.Tensor]:
-        if torch.compiler.is_compiling():  # dynamo is tracing: the graph gets the probe ops
+    def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool,
+              compiling: bool) -> Sequence[torch.Tensor]:
+        if compiling:  # dynamo is tracing: the graph gets the probe ops
             key = self._compiled_key
             return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
@@ -442,6 +456,37 @@ class SubscriberManager:
         if not _ort_compat.is_exporting():
             self.tracker.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
         return ()
+
+
+class _FlatTuple:
+    """``TensorLeaves`` of a plain tuple of tensors and non-container values (a module's ``(hidden, None)``):
+    the same leaves and positions, without pytree's flatten and unflatten."""
+
+    __slots__ = ("leaves", "positions")
+
+    def __init__(self, leaves: tuple, positions: list[int]) -> None:
+        self.leaves = leaves
+        self.positions = positions
+
+    @classmethod
+    def of(cls, structure: Any, select: Callable[[Any], bool]) -> "_FlatTuple | None":
+        if type(structure) is not tuple or not all(type(leaf) in _FLAT_LEAF_TYPES or isinstance(leaf, torch.Tensor)
+                                                   for leaf in structure):
+            return None
+        return cls(structure, [position for position, leaf in enumerate(structure) if select(leaf)])
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[position] for position in self.positions]
+
+    def rebuild(self, replacements: Sequence[Any]) -> tuple:
+        leaves = list(self.leaves)
+        for position, value in zip(self.positions, replacements):
+            leaves[position] = value
+        return tuple(leaves)
+
+
+_FLAT_LEAF_TYPES = (type(None), bool, int, float, str)
 
 
 GlobalSubscriberManager = SubscriberManager()

@@ -103,6 +103,8 @@ class StepTracker:
         self._observers: tuple[SubscriberBase, ...] = ()
         # Per site and phase, the observers whose selection wants it (steps are asked per call).
         self._wanting: dict[ProbeSite, dict[str, tuple[SubscriberBase, ...]]] = {}
+        # The observers active in one step (``_receivers``): (step, them, whether they are all the observers).
+        self._active_in: tuple[int | None, tuple[SubscriberBase, ...], bool] = (None, (), True)
         self._forward_running = forward_running
         # torch.compile: forward events waiting for their backward, per compiled probe call (slot), and the
         # last one each slot's backward took (what a second backward of the same forward differentiates).
@@ -120,6 +122,7 @@ class StepTracker:
         self._subscribers = tuple(subscribers)
         self._observers = tuple(s for s in subscribers if s.observes_tensors)
         self._wanting.clear()
+        self._active_in = (None, (), True)
         self.failures.clear()
         self.differentiable.clear()
         self.paused = False
@@ -139,6 +142,7 @@ class StepTracker:
         self.close_open_step()
         self._subscribers = self._observers = ()
         self._wanting.clear()
+        self._active_in = (None, (), True)
         self._queued.clear()
         self._taken.clear()
 
@@ -160,6 +164,17 @@ class StepTracker:
         """Whether some observer wants ``site`` in some phase (if not, the manager inserts no probe there)."""
         wanting = self._wanting_at(site)
         return bool(wanting["forward"] or wanting["backward"])
+
+    def observed_now(self) -> bool:
+        """Whether a probe firing now would reach an observer: one of them records the step it would belong to
+        (the open step, or the next one when the open step's forward is over and no backward runs)."""
+        if self.paused:
+            return False
+        state = self.state
+        step = state.open_step
+        if step is None or (state.forward_done and _torch_compat.current_backward() is None):
+            step = state.step
+        return bool(self._active_observers(step)[1])
 
     # Called by the probe Functions ------------------------------------------------------------
 
@@ -312,11 +327,22 @@ class StepTracker:
         state.backward_tasks.clear()
         return self._open()
 
-    def _receivers(self, site: ProbeSite, step: int | None, phase: str) -> list[SubscriberBase]:
+    def _receivers(self, site: ProbeSite, step: int | None, phase: str) -> tuple[SubscriberBase, ...]:
         """The observers that get this site's ``phase`` call in ``step``."""
         if step is None:
-            return []
-        return [s for s in self._wanting_at(site)[phase] if s.is_active(step) and not self.failures.is_off(site, s)]
+            return ()
+        wanting = self._wanting_at(site)[phase]
+        _, active, all_active = self._active_observers(step)
+        if all_active and not self.failures.any():  # the common case: nothing to filter
+            return wanting
+        return tuple(s for s in wanting if s in active and not self.failures.is_off(site, s))
+
+    def _active_observers(self, step: int) -> tuple[int | None, tuple[SubscriberBase, ...], bool]:
+        """(step, the observers active in it, whether those are all the observers), worked out once per step."""
+        if self._active_in[0] != step:
+            active = tuple(s for s in self._observers if s.is_active(step))
+            self._active_in = (step, active, len(active) == len(self._observers))
+        return self._active_in
 
     def _deliver(self, subscriber: SubscriberBase, call: Callable, event: ProbeEvent, tensors: Sequence) -> None:
         """One per-step call; a subscriber that raises loses this site, and training goes on."""

@@ -96,6 +96,23 @@ def test_left_out_steps_get_no_call_and_keep_their_numbers():
     assert recorder.step_ends == [1, 4]  # no on_step_end for a left-out step either
 
 
+def test_a_left_out_step_runs_its_modules_without_probes():
+    """Eager: a step no observer records gets no probe Function at all (its cost is the hooks' check), while
+    the step boundary still numbers it; losses and gradients equal those without probes."""
+    model, plain = sequential(), sequential()
+    recorder = Recorder(every_n_steps=2)
+    manager = SubscriberManager()
+    seen: list[str] = []
+    with manager.subscribe(model, [recorder]):  # a hook registered after the probes' sees what they return
+        model[2].register_forward_hook(lambda module, args, output: seen.append(type(output.grad_fn).__name__))
+        losses = train(model, 5)
+        assert manager.step == 5
+    assert seen == ["TensorProbeBackward", "AddmmBackward0"] * 2 + ["TensorProbeBackward"]
+    assert {c.step for c in recorder.calls} == {0, 2, 4} and recorder.step_ends == [0, 2, 4]
+    assert all(torch.equal(a, b) for a, b in zip(losses, train(plain, 5)))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 def test_positional_start_and_end_still_work(tmp_path):
     model = transformer()
     with SubscriberManager().subscribe(model, [StatisticsSubscriber(tmp_path / "d", 1, 3, True)]):
@@ -152,7 +169,9 @@ def test_left_out_sites_get_no_probe_and_no_hook():
     before = hook_count(model)
     recorder = Recorder(modules=["0", "4"])
     with SubscriberManager().subscribe(model, [recorder]):
-        assert hook_count(model) - before == 3 * 2  # the root (its step boundary) and the two selected modules
+        # the root (its two calls and the step boundary) and a forward hook on each selected module: output probes need
+        # no pre-hook
+        assert hook_count(model) - before == 2 + 2
         train(model, 1)
         assert {c.name for c in recorder.calls} == {"0.output.0", "4.output.0"}
         out = model[1](model[0](torch.randn(2, 6)))
