@@ -10,7 +10,7 @@ Imports nothing of probes.core, so that any core module may name a site, even fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ..utils.phases import Phase
 
@@ -48,9 +48,9 @@ class ProbeSite:
         return f"{self.module_class}_{self.module_index}_{tensor_index}th_{self.kind}"
 
 
-@dataclass(frozen=True)
-class ProbeEvent:
-    """One probe firing: a site, in a step, in a phase."""
+class ProbeEvent(NamedTuple):
+    """One probe firing: a site, in a step, in a phase. (A named tuple: one is made per probe call, and a
+    tuple is the cheapest immutable record Python makes.)"""
 
     site: ProbeSite
     step: int
