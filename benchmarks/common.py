@@ -33,6 +33,16 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def ratio_spread(case: list[float], base: list[float]) -> str:
+    """The median of per-round ratios ``case / base`` (rounds of ``interleaved``: the same moment of the
+    machine), with their interquartile range: ``"1.05x (1.02-1.09)"``."""
+    ratios = sorted(c / b for c, b in zip(case, base))
+    if len(ratios) < 4:
+        return f"{statistics.median(ratios):.2f}x"
+    quartiles = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.2f}x ({quartiles[0]:.2f}-{quartiles[2]:.2f})"
+
+
 def environment() -> str:
     versions = [f"torch {torch.__version__}"]
     for package in ("onnxruntime", "deepspeed", "numpy"):

@@ -3,7 +3,8 @@
     python -m benchmarks.gpt2_overhead [--quick]
 
 Stages: build ``transformers.GPT2LMHeadModel`` from a config in code (no download, dropout off), one copy
-per case (no probes, probes' StatisticsSubscriber, the original onnxruntime StatisticsSubscriber where
+per case (no probes; probes with a no-op observing subscriber, the manager's own cost; probes' StatisticsSubscriber
+in a step it leaves out, and recording every step; the original onnxruntime StatisticsSubscriber where
 onnxruntime-training is installed), time eager training steps round-robin, report each median against
 the unprobed step of the same run.
 """
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, table
+from benchmarks.common import environment, interleaved, median, ratio_spread, table
+from benchmarks.probe_overhead import NoOp
 from benchmarks.step_overhead import _original_subscribe
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
@@ -50,6 +52,13 @@ def run(quick: bool = False) -> str:
     cases: dict[str, torch.nn.Module] = {"no probes": base}
     managers = []
     ours = copy.deepcopy(base)
+    # The manager's own cost (hooks, probe Functions, step tracking), and a step the statistics leave out.
+    for name, subscriber in (("probes, no-op subscriber", NoOp()),
+                             ("probes StatisticsSubscriber, a left-out step (steps=[never])",
+                              StatisticsSubscriber(work / "left_out", steps=[10**12]))):
+        cases[name] = copy.deepcopy(base)
+        managers.append(SubscriberManager())
+        managers[-1].subscribe(cases[name], [subscriber])
     managers.append(SubscriberManager())
     managers[-1].subscribe(ours, [StatisticsSubscriber(work / "ours")])
     cases["probes StatisticsSubscriber"] = ours
@@ -73,18 +82,19 @@ def run(quick: bool = False) -> str:
         return run_step
 
     times = {name: [value / STEPS_PER_TIMING for value in values] for name, values in
-             interleaved({name: step(name, model) for name, model in cases.items()}, repeats=3 if quick else 9).items()}
+             interleaved({name: step(name, model) for name, model in cases.items()}, repeats=3 if quick else 15).items()}
     for manager in managers:
         manager.unsubscribe()
     modules = len(list(base.modules()))
     records = len(list((work / "ours").rglob("*.parquet")))
     plain = median(times["no probes"])
     rows = [[name, "failed: " + failed[name] if name in failed else f"{median(samples) * 1e3:.1f}",
-             "" if name in failed else f"{median(samples) / plain:.2f}x"] for name, samples in times.items()]
+             "" if name in failed else f"{median(samples) / plain:.2f}x",
+             "" if name in failed else ratio_spread(samples, times["no probes"])] for name, samples in times.items()]
     return (f"### GPT-2 (Hugging Face) training step, eager ({'quick' if quick else 'full'}: {shape['n_layer']} "
             f"layers, n_embd {shape['n_embd']}, seq {shape['seq']}, batch {shape['batch']}, {modules} modules, "
             f"{records} steps dumped)\n\n{environment()}\n\n"
-            + table(["case", "median ms", "/ no probes"], rows))
+            + table(["case", "median ms", "/ no probes", "per-round ratio: median (quartiles)"], rows))
 
 
 if __name__ == "__main__":

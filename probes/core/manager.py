@@ -330,16 +330,22 @@ class SubscriberManager:
 
     def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                 args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        probe = probe and self._probes_now()
+        if not (probe or is_root or self._builders):  # a left-out step: nothing to do
+            return args, kwargs
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
         if self._run_by_compiler(site):
             return args, kwargs
-        return self._pre_forward_hook(site, is_root, probe and self._probes_now(), module, args, kwargs)
+        return self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
 
     def _eager_post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                  args: tuple, outputs: Any) -> Any:
+        probe = probe and self._probes_now()
+        if not (probe or is_root or self._builders):
+            return outputs
         if self._run_by_compiler(site):
             return outputs
-        return self._post_forward_hook(site, is_root, probe and self._probes_now(), module, args, outputs)
+        return self._post_forward_hook(site, is_root, probe, module, args, outputs)
 
     def _probes_now(self) -> bool:
         """Whether an eager call inserts its probe: some observer records the step it belongs to. A left-out
