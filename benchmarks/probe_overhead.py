@@ -131,15 +131,16 @@ def run_selection(quick: bool = False) -> str:
     def row(name: str) -> list[object]:
         extra = per_step[name] - base
         left_out = f"{extra / noop:.2f}" if name.startswith("left-out") else ""
-        return [name, f"{per_step[name] * 1e3:.2f}", f"{extra / probes_count * 1e6:.1f}", left_out]
+        return [name, f"{per_step[name] * 1e3:.2f}", f"{per_step[name] / base:.3f}x", f"{extra / probes_count * 1e6:.1f}",
+                left_out]
 
     return (f"### Selection ({'quick' if quick else 'full'}; chain of {SELECTION_MODULES} Linear(8, 8), batch 4, "
             f"per-step averages over {EVERY} steps)\n\n"
             "`python -m benchmarks.probe_overhead --selection` (the µs are per module of the chain and per step; "
             "the last column is the left-out cost over the no-op subscriber's)\n\n"
             f"{environment()}\n\n"
-            + table(["case", "step ms", "µs / module", "left-out cost / no-op cost"],
-                    [["plain", f"{base * 1e3:.2f}", "0", ""]] + [row(name) for name in cases]))
+            + table(["case", "step ms", "/ plain", "µs / module", "left-out cost / no-op cost"],
+                    [["plain", f"{base * 1e3:.2f}", "1.000x", "0", ""]] + [row(name) for name in cases]))
 
 
 if __name__ == "__main__":

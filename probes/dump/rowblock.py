@@ -117,11 +117,20 @@ class RowBlock:
                 arrays[schema_field.name] = pa.array(values, type=schema_field.type)
         return pa.table(arrays, schema=SCHEMA)
 
+    def _sample_indices(self, numels: np.ndarray) -> np.ndarray:
+        """The sample indices of records of these sizes, one after the other (each size's made once)."""
+        sizes, which = np.unique(numels, return_inverse=True)
+        runs = [np.asarray(self.indices(size), dtype=np.int64) for size in sizes.tolist()]
+        lengths = np.array([len(run) for run in runs], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        pool = np.concatenate(runs) if runs else np.empty(0, np.int64)
+        return _gather_runs(pool, starts[which], lengths[which])
+
     def _statistics(self, columns: dict[str, Any], nulls: list[list[str] | None]) -> None:
         """The statistics and samples columns of the records that have rows."""
         entries = self.entries
         count = len(entries)
-        with_rows = np.array([entry[4] is not None for entry in entries], dtype=bool)
+        with_rows = np.fromiter((entry[4] is not None for entry in entries), dtype=bool, count=count)
         if not with_rows.any():
             return
         parts = [np.asarray(part, dtype=np.float64) for part in self.parts]
@@ -132,7 +141,7 @@ class RowBlock:
             if picked:
                 at, row = zip(*picked)
                 rows[list(at)] = part[list(row), :width]
-        integer = np.array([entry[3].integer for entry in entries], dtype=bool) & with_rows
+        integer = np.fromiter((entry[3].integer for entry in entries), dtype=bool, count=count) & with_rows
         stats = rows[:, :ACCUMULATED_WIDTH]
         finite = stats[:, [stat.name for stat in ACCUMULATED].index("finite")]
         merged: dict[str, np.ndarray] = {}
@@ -159,7 +168,7 @@ class RowBlock:
             for row in np.flatnonzero(with_rows & ~valid):
                 _add_null(nulls, row, stat.name)
         # Samples as list columns built from one flat array each (no list per record).
-        numel = np.array([entry[3].numel for entry in entries], dtype=np.int64)
+        numel = np.fromiter((entry[3].numel for entry in entries), dtype=np.int64, count=count)
         taken = np.where(with_rows, np.minimum(numel, self.sample_count), 0)
         kept = np.arange(self.sample_count)[None, :] < taken[:, None]
         values = rows[:, ACCUMULATED_WIDTH:]
@@ -168,11 +177,7 @@ class RowBlock:
         columns["samples"] = _lists(taken, pa.array(as_float[kept]), ~with_rows)
         taken_int = np.where(integer, taken, 0)
         columns["samples_int"] = _lists(taken_int, pa.array(exact[kept & integer[:, None]]), ~integer)
-        by_size: dict[int, np.ndarray] = {}
-        for size in np.unique(numel[with_rows]).tolist():
-            by_size[size] = np.asarray(self.indices(size), dtype=np.int64)
-        flat = np.concatenate([by_size[size] for size in numel[with_rows].tolist()] or [np.empty(0, np.int64)])
-        columns["sample_indices"] = _lists(taken, pa.array(flat), ~with_rows)
+        columns["sample_indices"] = _lists(taken, pa.array(self._sample_indices(numel[with_rows])), ~with_rows)
         if self.hashed:
             hashes = np.zeros(count, dtype=np.float64)
             for part_index, part in enumerate(parts):
@@ -182,6 +187,17 @@ class RowBlock:
                     hashes[list(at)] = part[list(row), width]
             unhashed = np.array([not entry[3].hashed for entry in entries], dtype=bool)
             columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | unhashed)
+
+
+def _gather_runs(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``pool[starts[0]:starts[0] + lengths[0]]``, then the next run, ... as one array (no loop per run)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=pool.dtype)
+    ends = np.cumsum(lengths)
+    # Position k of the output belongs to run r: pool index starts[r] + (k - first output position of r).
+    offsets = np.repeat(starts - (ends - lengths), lengths)
+    return pool[offsets + np.arange(total)]
 
 
 def _lists(lengths: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.ListArray:
