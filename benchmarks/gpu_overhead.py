@@ -8,7 +8,8 @@ vocab 50257, n_positions 1024; dropout off, no download) on the GPU, a copy with
 (zero_grad, forward under bf16 autocast (``--fp32``: none), ``loss.backward()``, ``torch.cuda.synchronize()``)
 of the two round-robin (``benchmarks.common.interleaved``); then per case the peak device memory of one
 step above the memory held before it (``torch.cuda.max_memory_allocated``, reset between), and the host
-syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``, each sync one warning). Not in the default
+syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``, each sync one warning). A third copy has a StatisticsSubscriber whose
+selection leaves every step out: what an unrecorded step costs. Not in the default
 ``python -m benchmarks`` list (like ``benchmarks.gpu_step``): without CUDA it says so and measures nothing.
 """
 
@@ -77,6 +78,9 @@ def run(quick: bool = False, bf16: bool = True) -> str:
     probed = copy.deepcopy(plain)
     manager = SubscriberManager()
     manager.subscribe(probed, [StatisticsSubscriber(work / "dump", override_output_dir=True)])
+    left_out = copy.deepcopy(plain)  # a step the statistics leave out: should cost nothing measurable
+    left_out_manager = SubscriberManager()
+    left_out_manager.subscribe(left_out, [StatisticsSubscriber(work / "left_out", steps=[10**12])])
 
     def step_of(model: torch.nn.Module, sync: bool = True) -> Callable[[], None]:
         def step() -> None:
@@ -89,15 +93,17 @@ def run(quick: bool = False, bf16: bool = True) -> str:
                 torch.cuda.synchronize()
         return step
 
-    steps = {"no probes": step_of(plain), "probes (StatisticsSubscriber, every module)": step_of(probed)}
+    steps = {"no probes": step_of(plain), "probes (StatisticsSubscriber, every module)": step_of(probed),
+             "probes, a left-out step (StatisticsSubscriber(steps=[never]))": step_of(left_out)}
     try:
         times = interleaved(steps, repeats=shape["repeats"], warmup=3)
         peaks = {name: _peak_mib(step) for name, step in steps.items()}
         # without the step's own torch.cuda.synchronize(), so that only the model's and the probes' syncs count
-        syncs = {"no probes": _syncs(step_of(plain, sync=False)),
-                 "probes (StatisticsSubscriber, every module)": _syncs(step_of(probed, sync=False))}
+        syncs = {name: _syncs(step_of(model, sync=False))
+                 for name, model in zip(steps, (plain, probed, left_out))}
     finally:
         manager.unsubscribe()
+        left_out_manager.unsubscribe()
     records = load_dump(work / "dump")
     per_step = len(records) / max(1, len({record["step"] for record in records}))
     base = median(times["no probes"])
@@ -107,7 +113,7 @@ def run(quick: bool = False, bf16: bool = True) -> str:
             f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {shape['n_layer']} layers, n_embd "
             f"{shape['n_embd']}, {shape['n_head']} heads, vocab 50257, seq {shape['seq']}, batch {shape['batch']}, "
             f"{'bf16 autocast' if bf16 else 'fp32'}; medians of {shape['repeats']} steps (each ending in "
-            f"torch.cuda.synchronize()) after 3 warm-up steps, the two cases interleaved; {per_step:.0f} records per "
+            f"torch.cuda.synchronize()) after 3 warm-up steps, the cases interleaved; {per_step:.0f} records per "
             "probed step; peak = max_memory_allocated of one step above the memory held before it; host syncs "
             "counted over one step (without its final synchronize) with torch.cuda.set_sync_debug_mode('warn').\n\n"
             + table(["case", "median ms", "/ no probes", "step peak MiB", "host syncs / step"], rows))
