@@ -1,12 +1,18 @@
 """ZeRO-3 training-step time with probes' parameter hooks vs DeepSpeed's own hooks, in the same run.
 
-    python -m benchmarks.zero3_bench [--quick] [--world-size N] [--repeats R]
+    python -m benchmarks.zero3_bench [--quick] [--world-size N] [--repeats R] [--ort-defaults]
 
-Each rank (spawned processes, gloo over loopback, CPU, one thread each) builds two ZeRO-3 engines
-from the same initial model: one with DeepSpeed's hooks and one created after
-``configure_ort_compatible_zero_stage3()`` (plus, where ORTModule imports, one whose model is wrapped
-in ORTModule). Their training steps (forward, backward, optimizer step) are timed round-robin, and
-the median step time of each is reported relative to DeepSpeed's hooks.
+Each rank (spawned processes, gloo over loopback, CPU) builds two ZeRO-3 engines from the same
+initial model: one with DeepSpeed's hooks and one created after ``configure_ort_compatible_zero_stage3()``
+(plus, where ORTModule imports, one whose model is wrapped in ORTModule). Their training steps
+(forward, backward, optimizer step) are timed round-robin, and the median step time of each is
+reported relative to DeepSpeed's hooks, with the quartiles of the per-round ratios.
+
+Every case gets the same thread budget per rank: the cores this process may use divided by the
+ranks, for PyTorch (``torch.set_num_threads``) and for ORT's intra-op pool, whose workers sleep
+instead of spinning (they share the cores with PyTorch's pool, which runs the PythonOps and the
+optimizer). ``--ort-defaults`` leaves ORT's session as ORTModule builds it (one spinning worker per
+physical core in every rank) to show what that costs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -67,8 +74,15 @@ def _step(engine, batch: dict[str, torch.Tensor]):
     return run
 
 
-def _worker(rank: int, world_size: int, port: int, config: TransformerConfig, repeats: int, out: str) -> None:
-    torch.set_num_threads(1)
+def threads_per_rank(world_size: int) -> int:
+    """The fair budget: the cores this process may use, shared out evenly among the ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+def _worker(rank: int, world_size: int, port: int, config: TransformerConfig, repeats: int, out: str,
+            ort_defaults: bool) -> None:
+    threads = threads_per_rank(world_size)
+    torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu", ORTMODULE_FALLBACK_POLICY="FALLBACK_DISABLE")
     import deepspeed
@@ -77,6 +91,11 @@ def _worker(rank: int, world_size: int, port: int, config: TransformerConfig, re
     _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     cases = [STOCK, PROBES] + ([PROBES_ORT] if _ortmodule_class() is not None else [])
+    if PROBES_ORT in cases and not ort_defaults:
+        from exporters import _ort_compat
+
+        # Before the first step, which builds ORT's session. Held until the process ends.
+        _ort_compat.ortmodule_session_threads(threads, allow_spinning=False)
     batch = make_batch(config, batch_size=BATCH, seed=rank)
     steps = {case: _step(_engine(config, case), batch) for case in cases}
     # The warm-up steps include ORTModule's export and session build.
@@ -91,32 +110,46 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(config: TransformerConfig, world_size: int, repeats: int) -> dict[str, list[float]]:
+def measure(config: TransformerConfig, world_size: int, repeats: int, ort_defaults: bool = False) -> dict[str, list[float]]:
     """Per-step times (seconds) of each case on rank 0."""
     with tempfile.TemporaryDirectory(prefix="probes-zero3-bench-") as work:
         out = str(Path(work) / "times.pt")
-        torch.multiprocessing.start_processes(_worker, args=(world_size, _free_port(), config, repeats, out),
-                                              nprocs=world_size, join=True, start_method="spawn")
+        torch.multiprocessing.start_processes(
+            _worker, args=(world_size, _free_port(), config, repeats, out, ort_defaults),
+            nprocs=world_size, join=True, start_method="spawn")
         return torch.load(out, weights_only=False)
 
 
-def run(quick: bool = False, world_sizes: tuple[int, ...] | None = None, repeats: int | None = None) -> str:
-    torch.set_num_threads(1)  # as in the ranks (the environment line reports this process)
+def _ratio_spread(times: list[float], baseline: list[float]) -> str:
+    """Quartiles of the per-round ratios (each round times every case once, back to back)."""
+    ratios = [t / b for t, b in zip(times, baseline)]
+    if len(ratios) < 2:
+        return f"{ratios[0]:.2f}"
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return f"{low:.2f} to {high:.2f}"
+
+
+def run(quick: bool = False, world_sizes: tuple[int, ...] | None = None, repeats: int | None = None,
+        ort_defaults: bool = False) -> str:
     config = QUICK if quick else FULL
     repeats = repeats or (5 if quick else 15)
     world_sizes = world_sizes or ((1,) if quick else (1, 2))
     rows = []
     for world_size in world_sizes:
-        times = measure(config, world_size, repeats)
-        baseline = median(times[STOCK])
-        rows += [[world_size, case, f"{median(t) * 1e3:.1f}", f"{min(t) * 1e3:.1f}", f"{median(t) / baseline:.2f}x"]
+        times = measure(config, world_size, repeats, ort_defaults)
+        baseline = times[STOCK]
+        rows += [[world_size, threads_per_rank(world_size), case, f"{median(t) * 1e3:.1f}",
+                  f"{median(t) / median(baseline):.2f}x", _ratio_spread(t, baseline)]
                  for case, t in times.items()]
     modules = len(list(TinyTransformer(config).modules()))
+    ort = ("ORT's intra-op pool as ORTModule builds it (one spinning worker per physical core in every rank)"
+           if ort_defaults else "the same number of ORT intra-op threads, ORT spinning off")
     return (f"### DeepSpeed ZeRO-3 training step: probes' hooks vs DeepSpeed's ({'quick' if quick else 'full'}: "
             f"d_model {config.d_model}, layers {config.n_layers}, seq {config.seq_len}, batch {BATCH} per rank, "
             f"{modules} modules, stage3_param_persistence_threshold 0, Adam, gloo on CPU, {repeats} interleaved "
-            f"repeats)\n\n{environment()}\n\n"
-            + table(["ranks", "case", "median ms", "min ms", "median / DeepSpeed hooks"], rows))
+            f"repeats; thread budget per rank: cores // ranks torch threads, {ort})\n\n{environment()}\n\n"
+            + table(["ranks", "threads per rank", "case", "median ms", "median / DeepSpeed hooks",
+                     "per-round ratio, quartiles"], rows))
 
 
 if __name__ == "__main__":
@@ -124,5 +157,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="small model, 5 repeats, one rank")
     parser.add_argument("--world-size", type=int, action="append", help="ranks (repeatable; default 1 and 2)")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--ort-defaults", action="store_true",
+                        help="leave ORT's intra-op pool as ORTModule builds it (spinning, one thread per core)")
     arguments = parser.parse_args()
-    print(run(arguments.quick, tuple(arguments.world_size) if arguments.world_size else None, arguments.repeats))
+    print(run(arguments.quick, tuple(arguments.world_size) if arguments.world_size else None, arguments.repeats,
+              arguments.ort_defaults))

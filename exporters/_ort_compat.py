@@ -27,6 +27,8 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from .handles import Handle
+
 # The versions whose internals this adapter was written against and tested with.
 SUPPORTED_ORT = ((1, 19), (1, 20))
 
@@ -475,3 +477,47 @@ def _replace_first(names: list[str], removed: list[str], replacement: str) -> li
     if positions:
         kept.insert(positions[0], replacement)
     return kept
+
+
+# --- ORTModule's session threads (used by benchmarks/zero3_bench.py; see docs/zero3.md "Threads per rank") ---
+
+_GRAPH_EXECUTION_MANAGER_MODULE = "onnxruntime.training.ortmodule._graph_execution_manager"
+
+
+def ortmodule_session_threads(intra_op_threads: int, *, allow_spinning: bool) -> Handle:
+    """Give every ORTModule session built afterwards ``intra_op_threads`` intra-op threads and, with
+    ``allow_spinning=False``, workers that sleep when idle instead of spinning.
+
+        handle = _ort_compat.ortmodule_session_threads(1, allow_spinning=False)  # before the first step
+        handle.remove()                                                          # later sessions: ORT's defaults
+
+    ORTModule 1.19 offers no setting for either (no argument, ``DebugOptions`` field or ``ORTMODULE_*``
+    variable; ``OMP_NUM_THREADS`` does not reach ORT's own pool): ``GraphExecutionManager._get_session_config``
+    builds its ``SessionOptions`` with ORT's defaults, a pool of one thread per physical core, the workers
+    pinned to cores and spinning. Wrapping that method is the only way in. Sessions already built keep
+    their pool. Returns an ``exporters.handles.Handle``; the latest call wins until its handle is removed.
+    """
+    if not isinstance(intra_op_threads, int) or intra_op_threads < 1:
+        raise ValueError(f"intra_op_threads must be a positive int, got {intra_op_threads!r}")
+    _check_version()
+    cls = getattr(importlib.import_module(_GRAPH_EXECUTION_MANAGER_MODULE), "GraphExecutionManager", None)
+    original = None if cls is None else cls.__dict__.get("_get_session_config")
+    if not callable(original):
+        raise OrtInternalsError(
+            f"{_GRAPH_EXECUTION_MANAGER_MODULE}.GraphExecutionManager._get_session_config is gone; "
+            "probes cannot set ORTModule's threads (see exporters/_ort_compat.py)"
+        )
+
+    @functools.wraps(original)
+    def _get_session_config(self: Any) -> Any:
+        config = original(self)
+        session_options = config[0] if isinstance(config, tuple) and config else None
+        if not hasattr(session_options, "add_session_config_entry"):
+            raise OrtInternalsError(f"ORTModule's _get_session_config returned {type(config).__name__}, "
+                                    "not (SessionOptions, providers, provider_options)")
+        session_options.intra_op_num_threads = intra_op_threads
+        session_options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        return config
+
+    cls._get_session_config = _get_session_config
+    return Handle(lambda: setattr(cls, "_get_session_config", original))
