@@ -92,10 +92,10 @@ def _worker(rank: int, world_size: int, port: int, config: TransformerConfig, re
     deepspeed.init_distributed(dist_backend="gloo")
     cases = [STOCK, PROBES] + ([PROBES_ORT] if _ortmodule_class() is not None else [])
     if PROBES_ORT in cases and not ort_defaults:
-        from exporters import _ort_compat
+        import exporters
 
         # Before the first step, which builds ORT's session. Held until the process ends.
-        _ort_compat.ortmodule_session_threads(threads, allow_spinning=False)
+        exporters.ortmodule_threads(threads)
     batch = make_batch(config, batch_size=BATCH, seed=rank)
     steps = {case: _step(_engine(config, case), batch) for case in cases}
     # The warm-up steps include ORTModule's export and session build.

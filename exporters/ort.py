@@ -25,9 +25,12 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import _ort_compat
+
+if TYPE_CHECKING:
+    from .handles import Handle
 
 from .pythonop import emit_probe, identity_alias_input, identity_infer_shape
 from .registry import ProbeFunctionSpec, on_register, registered_specs, spec_for
@@ -168,3 +171,15 @@ def inference_session(model: Any, **session_options: Any) -> Any:
         source = model if isinstance(model, bytes) else model.SerializeToString()
     session_options.setdefault("providers", ["CPUExecutionProvider"])
     return onnxruntime.InferenceSession(source, **session_options)
+
+
+def ortmodule_threads(intra_op_threads: int, *, allow_spinning: bool = False) -> "Handle":
+    """Give every ORTModule session built afterwards ``intra_op_threads`` intra-op threads, and (by default)
+    workers that sleep when idle instead of spinning: what several ranks on one machine need, each with its
+    share of the cores (docs/zero3.md, "Threads per rank"). ORTModule 1.19 has no setting of its own for
+    either. Sessions already built keep their pool (ORTModule builds its session on the first step).
+
+        handle = exporters.ortmodule_threads(os.cpu_count() // ranks_per_machine)   # before the first step
+        handle.remove()   # sessions built afterwards get ORT's defaults again (or: with ...:)
+    """
+    return _ort_compat.ortmodule_session_threads(intra_op_threads, allow_spinning=allow_spinning)

@@ -35,7 +35,7 @@ SURFACE: dict[str, list[str]] = {
     "probes.integrations.lightning": ["ProbesCallback"],
     "probes.utils": [],
     "probes.cli": [],
-    "exporters": ["ProbeExportWarning", "PythonOpExportError", "export_onnx", "inference_session", "install_for_ort",
+    "exporters": ["ProbeExportWarning", "PythonOpExportError", "export_onnx", "inference_session", "install_for_ort", "ortmodule_threads",
                   "partitioned_embedding_export", "register_probe_function"],
 }
 # The original onnxruntime hooks' names, which a user keeps by changing only the import.
@@ -54,7 +54,9 @@ def test_the_public_names_are_exactly_these(package: str) -> None:
 def test_the_public_surface_is_about_forty_names() -> None:
     distinct = {name for names in SURFACE.values() for name in names}
     # 51: probes.testing.perturbed_rounding (issue 34), the one way to make a calibration run for the noise floor.
-    assert len(distinct) <= 51, sorted(distinct)
+    # 52: exporters.ortmodule_threads (issue 35): ORTModule has no setting for its threads, and ranks sharing a
+    # machine need one.
+    assert len(distinct) <= 52, sorted(distinct)
 
 
 def test_the_original_names_keep_working_from_probes() -> None:

@@ -1,5 +1,5 @@
 """ORTModule's session threads and spinning, which ORTModule itself offers no setting for
-(``exporters._ort_compat.ortmodule_session_threads``; docs/zero3.md "Threads per rank")."""
+(``exporters.ortmodule_threads``; docs/zero3.md "Threads per rank")."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import torch
 
 ortmodule = pytest.importorskip("onnxruntime.training.ortmodule")
 
-from exporters import _ort_compat  # noqa: E402
+import exporters  # noqa: E402
 
 
 def _session_options(threads: int | None):
     """The options of the training session an ORTModule builds on its first step."""
-    handle = None if threads is None else _ort_compat.ortmodule_session_threads(threads, allow_spinning=False)
+    handle = None if threads is None else exporters.ortmodule_threads(threads)
     try:
         torch.manual_seed(0)
         model = ortmodule.ORTModule(torch.nn.Linear(4, 3))
@@ -39,4 +39,4 @@ def test_sessions_built_under_the_handle_get_the_budget_and_later_ones_ort_defau
 @pytest.mark.parametrize("threads", [0, -1, 1.5])
 def test_bad_thread_count_is_refused(threads):
     with pytest.raises(ValueError, match="intra_op_threads must be a positive int"):
-        _ort_compat.ortmodule_session_threads(threads, allow_spinning=False)
+        exporters.ortmodule_threads(threads)
