@@ -85,11 +85,76 @@ def run(quick: bool = False) -> str:
             + table(["modules", "plain step ms", "no-op subscriber µs / module", "statistics µs / module",
                      "statistics µs / record", "record path µs / record (statistics − no-op)",
                      "statistics step / plain"], rows)
-            + "\n\n" + run_selection(quick))
+            + "\n\n" + run_selection(quick) + "\n\n" + run_floor(quick))
 
 
 SELECTION_MODULES = 100
 EVERY = 10
+FLOOR_MODULES = 100
+
+
+class _Identity(torch.autograd.Function):
+    """The least a Python autograd Function probe does: pass a detached alias, hand the gradient back."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.set_materialize_grads(False)
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _hooked(model: nn.Module, hook) -> nn.Module:
+    for module in model:
+        module.register_forward_hook(hook)
+    return model
+
+
+def _grad_hook(module, args, output):
+    output.register_hook(lambda grad: None)
+    return output
+
+
+def run_floor(quick: bool = False) -> str:
+    """What the mechanisms a probe is built from cost by themselves, per module and step (forward + backward), on
+    the chain of 100: a forward hook that does nothing, the same hook passing the output through an identity
+    Python autograd Function (the floor of any probe that is one), a tensor gradient hook instead, and probes'
+    no-op subscriber. The difference between the last two is the manager's own bookkeeping."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(FLOOR_MODULES)))
+    models = {
+        "plain": plain,
+        "empty forward hook": _hooked(copy.deepcopy(plain), lambda module, args, output: output),
+        "hook + identity autograd Function": _hooked(copy.deepcopy(plain),
+                                                     lambda module, args, output: _Identity.apply(output)),
+        "hook + tensor gradient hook": _hooked(copy.deepcopy(plain), _grad_hook),
+        "probes, no-op subscriber": copy.deepcopy(plain),
+    }
+    manager = SubscriberManager()
+    manager.subscribe(models["probes, no-op subscriber"], [NoOp()])
+    x = torch.randn(4, 8)
+
+    def steps(model: nn.Module):
+        def run_steps() -> None:
+            for _ in range(STEPS_PER_TIMING):
+                model(x).sum().backward()
+        return run_steps
+
+    times = interleaved({name: steps(model) for name, model in models.items()}, repeats=3 if quick else 25)
+    manager.unsubscribe()
+    base = median(times["plain"]) / STEPS_PER_TIMING
+    rows = [[name, f"{median(values) / STEPS_PER_TIMING * 1e3:.2f}",
+             f"{(median(values) / STEPS_PER_TIMING - base) / FLOOR_MODULES * 1e6:.1f}"]
+            for name, values in times.items()]
+    return (f"### What a probe is built from ({'quick' if quick else 'full'}; chain of {FLOOR_MODULES} Linear(8, 8), "
+            "batch 4, one hook per Linear)\n\n"
+            "`python -m benchmarks.probe_overhead --floor` (µs per module and step, forward and backward; probes' "
+            "row also has the root's step boundary)\n\n"
+            f"{environment()}\n\n"
+            + table(["case", "step ms", "µs / module"], rows))
 
 
 def run_selection(quick: bool = False) -> str:
@@ -147,5 +212,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--selection", action="store_true", help="only the selection table")
+    parser.add_argument("--floor", action="store_true", help="only the table of what a probe is built from")
     arguments = parser.parse_args()
-    print(run_selection(arguments.quick) if arguments.selection else run(arguments.quick))
+    if arguments.floor:
+        print(run_floor(arguments.quick))
+    else:
+        print(run_selection(arguments.quick) if arguments.selection else run(arguments.quick))
