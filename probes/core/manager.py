@@ -123,6 +123,9 @@ class SubscriberManager:
         self._compiled_key: int | None = None  # how torch.compile graphs find this subscription (compiled.OPS)
         self._wrapper_ref: weakref.ref | None = None
         self._builders: tuple[SubscriberBase, ...] = ()  # the subscribers overriding a graph-building call
+        # True while an eager root forward runs whose step no observer records (and nothing builds the graph):
+        # the hooks of its modules have nothing to do. Never set while dynamo traces or a model is exported.
+        self._left_out_forward = False
 
     # Public API -----------------------------------------------------------------------------
 
@@ -195,6 +198,7 @@ class SubscriberManager:
         self._unobserved_warned.clear()
         self._uncompilable_warned.clear()
         self._builders = ()
+        self._left_out_forward = False
         for subscriber in subscribers:
             subscriber.close()
 
@@ -314,6 +318,8 @@ class SubscriberManager:
         """
         @_torch_compat.not_compiled_as_frame
         def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if not torch.compiler.is_compiling() and self._left_out_forward and not is_root:
+                return args, kwargs  # (a flag dynamo never reads: its guard would recompile on every change)
             if torch.compiler.is_compiling():
                 return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
             return _torch_compat.call_uncompiled(self._eager_pre_forward_hook, inputs, is_root, probe_inputs,
@@ -321,6 +327,8 @@ class SubscriberManager:
 
         @_torch_compat.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
+            if not torch.compiler.is_compiling() and self._left_out_forward and not is_root:
+                return result
             if torch.compiler.is_compiling():
                 return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
             return _torch_compat.call_uncompiled(self._eager_post_forward_hook, outputs, is_root, probe_outputs,
@@ -330,6 +338,8 @@ class SubscriberManager:
 
     def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                 args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if is_root:  # the whole eager forward is left out when its step is: its modules' hooks return at once
+            self._left_out_forward = not (self._builders or self._probes_now())
         probe = probe and self._probes_now()
         if not (probe or is_root or self._builders):  # a left-out step: nothing to do
             return args, kwargs
@@ -340,6 +350,8 @@ class SubscriberManager:
 
     def _eager_post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                  args: tuple, outputs: Any) -> Any:
+        if is_root:
+            self._left_out_forward = False
         probe = probe and self._probes_now()
         if not (probe or is_root or self._builders):
             return outputs

@@ -356,6 +356,26 @@ def test_every_n_steps_under_torch_compile_without_recompiles():
         torch._dynamo.reset()
 
 
+def test_a_compiled_submodule_in_an_eager_model_is_not_recompiled_by_left_out_steps():
+    """Eager left-out steps skip the hooks of their modules with a flag that dynamo must never guard on: a
+    submodule compiled on its own, inside an eager model, keeps one compiled graph across recorded and left-out
+    steps, and records what the same eager model records."""
+    torch._dynamo.reset()
+    try:
+        eager_model, mixed = transformer(), transformer()
+        counter = CompileCounterWithBackend("aot_eager")
+        mixed.blocks[1] = torch.compile(mixed.blocks[1], backend=counter, fullgraph=True)
+        eager, recorder = Recorder(every_n_steps=2), Recorder(every_n_steps=2)
+        with SubscriberManager().subscribe(eager_model, [eager]), SubscriberManager().subscribe(mixed, [recorder]):
+            train(eager_model, 4)
+            train(mixed, 4)
+        assert counter.frame_count == 1
+        keys = lambda rec: sorted((c.step, c.phase, c.name) for c in rec.calls)  # noqa: E731
+        assert keys(recorder) == keys(eager) and {c.step for c in recorder.calls} == {0, 2}
+    finally:
+        torch._dynamo.reset()
+
+
 # ORTModule: the probes stay in the graph, the Python call decides; one export -------------------------
 
 
