@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from exporters import _ort_compat, register_probe_function
+from exporters import _ort_compat, _torch_compat, register_probe_function
 
 from .sites import ProbeSite
 
@@ -152,6 +152,10 @@ def _describe_site(non_tensor_args: Sequence[Any]) -> str:
 def _describe_step_boundary(non_tensor_args: Sequence[Any]) -> str:
     return "step_boundary"
 
+
+# ``TensorProbe.apply`` and ``StepBoundary.apply``, less the Python wrapper's per-call work (see there).
+apply_probe = _torch_compat.function_applier(TensorProbe)
+apply_boundary = _torch_compat.function_applier(StepBoundary)
 
 # The probe Functions tell the exporters how to export them; exporters/ knows nothing of probes.
 register_probe_function(TensorProbe, describe=_describe_site)

@@ -41,7 +41,7 @@ from exporters.handles import Handle
 from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
 from . import aliases, compiled, rootcall, wrappers
-from .functions import SiteProbe, StepBoundary, TensorProbe, can_probe
+from .functions import SiteProbe, apply_boundary, apply_probe, can_probe
 from .steps import StepTracker
 from .interface import SubscriberBase
 from .sites import ProbeSite
@@ -258,7 +258,7 @@ class SubscriberManager:
         site = self.inspect_site(name, type(tensor).__name__)
         if not self.tracker.wants_site(site):
             return tensor
-        (probed,) = TensorProbe.apply(self._probes[site], tensor)
+        (probed,) = apply_probe(self._probes[site], tensor)
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
@@ -468,9 +468,9 @@ class SubscriberManager:
             key = self._compiled_key
             return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
-            return TensorProbe.apply(self._probes[site], *tensors)
+            return apply_probe(self._probes[site], *tensors)
         if tensors:
-            return StepBoundary.apply(self.tracker, *tensors)
+            return apply_boundary(self.tracker, *tensors)
         if not _ort_compat.is_exporting():
             self.tracker.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
         return ()
