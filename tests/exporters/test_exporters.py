@@ -311,10 +311,19 @@ def test_alias_maps_follow_the_calling_convention():
     single = onnx.helper.make_node("PythonOp", ["x"], ["ctx", "x1"], domain="com.microsoft", input_convention="ccd")
     assert exporters.pythonop.identity_alias_input(single.SerializeToString()) == ([2], [-1, -1, 0])
     assert exporters.pythonop.reuse_map_attributes("ccd") == {"tensor_reuse_map": [-1, 0], "bw_tensor_reuse_map": [1]}
-    # Several tensors: no alias declared (see identity_alias_maps).
+    # Several tensors: in an inference graph no alias declared; in a training graph the forward's only
+    # (see identity_alias_maps).
     assert exporters.pythonop.identity_alias_maps("cdcd") == ([-1, -1], [-1, -1, -1, -1])
     assert exporters.pythonop.reuse_map_attributes("cdd") == {"tensor_reuse_map": [-1, -1, -1],
                                                                "bw_tensor_reuse_map": [-1, -1]}
+    assert exporters.pythonop.identity_alias_maps("cdcd", training=True) == ([1, 3], [-1, -1, -1, -1])
+    assert exporters.pythonop.reuse_map_attributes("cdd", training=True) == {"tensor_reuse_map": [-1, 0, 1],
+                                                                              "bw_tensor_reuse_map": [-1, -1]}
+    pair = onnx.helper.make_node("PythonOp", ["x", "y"], ["ctx", "x1", "y1"], domain="com.microsoft",
+                                 input_convention="cdd", training_mode=1)
+    assert exporters.pythonop.identity_alias_input(pair.SerializeToString()) == ([1, 2], [-1, -1, -1])
+    pair.attribute[-1].i = 0
+    assert exporters.pythonop.identity_alias_input(pair.SerializeToString()) == ([-1, -1], [-1, -1, -1])
     shapes, types = exporters.pythonop.identity_infer_shape(single, [[2, "n"], None], [1, 7])
     assert shapes == [[2, "n"], None] and types == [1, 7]
 
