@@ -1,6 +1,6 @@
 """Training-step cost of probes on a Hugging Face GPT-2 under ORTModule (CPU, one thread).
 
-    python -m benchmarks.gpt2_ort_overhead [--quick] [--repeats N]
+    python -m benchmarks.gpt2_ort_overhead [--quick] [--repeats N] [--ort-default-threads]
 
 Stages: build ``transformers.GPT2LMHeadModel`` from a config in code (``benchmarks.gpt2_overhead``: no
 download, dropout off), one copy per case, each wrapped in ORTModule (fallback disabled: a failed export
@@ -8,7 +8,8 @@ raises instead of timing PyTorch): no probes; probes' StatisticsSubscriber recor
 same subscriber with ``every_n_steps`` so large that no timed step is recorded (the cost of a step left
 out); and the eager model with and without probes for reference. Cases are timed round-robin; each
 median is reported against the unprobed step of the same backend, with the spread (min..max of the
-per-repeat ratios against the baseline timed in the same round).
+per-repeat ratios against the baseline timed in the same round). ORT gets the thread budget PyTorch gets,
+one intra-op thread, not spinning (``benchmarks.step_overhead.ortmodule_budget``).
 """
 
 from __future__ import annotations
@@ -25,14 +26,19 @@ import torch
 
 from benchmarks.common import environment, interleaved, median, table
 from benchmarks.gpt2_overhead import FULL, QUICK, STEPS_PER_TIMING, _model
-from benchmarks.step_overhead import _ortmodule
+from benchmarks.step_overhead import _ortmodule, ortmodule_budget
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 
 NEVER = 10**9  # every_n_steps: after step 0 (a warm-up step) no step is recorded
 
 
-def run(quick: bool = False, repeats: int | None = None) -> str:
+def run(quick: bool = False, repeats: int | None = None, ort_default_threads: bool = False) -> str:
+    with ortmodule_budget(ort_default_threads) as threads:
+        return _run(quick, repeats, threads)
+
+
+def _run(quick: bool, repeats: int | None, threads: str) -> str:
     title = "### GPT-2 (Hugging Face) training step under ORTModule"
     try:
         import transformers  # noqa: F401
@@ -87,7 +93,7 @@ def run(quick: bool = False, repeats: int | None = None) -> str:
     modules = len(list(base.modules()))
     return (f"{title} ({'quick' if quick else 'full'}: {shape['n_layer']} layers, n_embd {shape['n_embd']}, "
             f"seq {shape['seq']}, batch {shape['batch']}, {modules} modules probed, {repeats} interleaved repeats "
-            f"of {STEPS_PER_TIMING} steps)\n\n{environment()}\n\n"
+            f"of {STEPS_PER_TIMING} steps)\n\n{environment()}, {threads}\n\n"
             + table(["backend", "case", "median ms / step", "/ no probes (same backend)", "per-round ratio range"],
                     rows))
 
@@ -96,5 +102,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--ort-default-threads", action="store_true",
+                        help="ORTModule with ORT's default threads (one per core, spinning) instead of one")
     arguments = parser.parse_args()
-    print(run(arguments.quick, arguments.repeats))
+    print(run(arguments.quick, arguments.repeats, arguments.ort_default_threads))

@@ -539,6 +539,68 @@ def test_ort_passes_probe_outputs_in_their_inputs_buffers(capfd):
     assert CLONE_WARNING not in capfd.readouterr().out
 
 
+class PairConsumed(torch.nn.Module):
+    """A two-tensor probe whose outputs are the inputs of two Identity probes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.two = torch.nn.Linear(4, 4), TwoOutputs()
+        self.first, self.second = torch.nn.Identity(), torch.nn.Identity()
+
+    def forward(self, x):
+        a, b = self.two(self.linear(x))
+        return self.first(a) * self.second(b)
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ort_passes_both_outputs_of_a_two_tensor_probe_in_their_inputs_buffers(capfd):
+    # A training graph declares every forward alias of a probe of several tensors (ORT's first run checks
+    # it on its own copies of the inputs); the gradients of such a probe are still copied by ORT.
+    torch.manual_seed(0)
+    unprobed = PairConsumed()
+    inner = copy.deepcopy(unprobed)
+    recorder, manager = DataPointers(), SubscriberManager()
+    manager.subscribe(inner, [recorder])
+    model, plain = ortmodule(inner), ortmodule(unprobed)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        for runner in (model, plain):
+            runner(x).sum().backward()
+    manager.unsubscribe()
+    assert torch.equal(model(x), plain(x))  # probes change nothing ORT computes, gradients included
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(inner.parameters(), unprobed.parameters()))
+    step = 1
+    assert recorder.pointers[(step, "forward", "two")] == (recorder.pointers[(step, "forward", "first")][0],
+                                                          recorder.pointers[(step, "forward", "second")][0])
+    out = capfd.readouterr().out
+    assert "TensorProbe -> Forward ONNX Op attribute" not in out and "Fatal" not in out
+    assert "TensorProbe -> Backward ONNX Op attribute" in out  # the test can see ORT's copy where it is made
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ortmodule_threads_sets_the_sessions_built_inside():
+    from onnxruntime.training.ortmodule import ORTModule
+
+    def session_options(ort_model):
+        agent = ort_model._torch_module._execution_manager(True)._execution_agent
+        return agent._inference_session.get_session_options()
+
+    with pytest.raises(ValueError, match="intra_op_threads must be an int >= 1"):
+        _ort.ortmodule_threads(0)
+    x = torch.randn(2, 4)
+    with _ort.ortmodule_threads(1, spinning=False):
+        inside = ORTModule(torch.nn.Linear(4, 4))
+        inside(x).sum().backward()
+    outside = ORTModule(torch.nn.Linear(4, 4))
+    outside(x).sum().backward()
+    options = session_options(inside)
+    assert options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert session_options(outside).intra_op_num_threads == 0  # ORT's default: one per core
+
+
 @pytest.mark.ort
 @pytest.mark.slow
 def test_probe_of_two_tensors_sharing_a_gradient_buffer_trains_in_ort():
