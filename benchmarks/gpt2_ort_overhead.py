@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import environment, interleaved, median, table
 from benchmarks.gpt2_overhead import FULL, QUICK, STEPS_PER_TIMING, _model
-from benchmarks.step_overhead import _ortmodule, ortmodule_budget
+from benchmarks.step_overhead import _ortmodule, ortmodule_budget, ratio_range
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 
@@ -87,9 +87,8 @@ def _run(quick: bool, repeats: int | None, threads: str) -> str:
     rows = []
     for (backend, case), samples in times.items():
         baseline = times[(backend, "no probes")]
-        ratios = sorted(value / plain for value, plain in zip(samples, baseline))
         rows.append([backend, case, f"{median(samples) / STEPS_PER_TIMING * 1e3:.2f}",
-                     f"{median(samples) / median(baseline):.3f}x", f"{ratios[0]:.3f}..{ratios[-1]:.3f}"])
+                     f"{median(samples) / median(baseline):.3f}x", ratio_range(samples, baseline, 3)])
     modules = len(list(base.modules()))
     return (f"{title} ({'quick' if quick else 'full'}: {shape['n_layer']} layers, n_embd {shape['n_embd']}, "
             f"seq {shape['seq']}, batch {shape['batch']}, {modules} modules probed, {repeats} interleaved repeats "

@@ -76,6 +76,12 @@ def _ortmodule(model: torch.nn.Module) -> torch.nn.Module | None:
     return ORTModule(model)
 
 
+def ratio_range(samples: list[float], baseline: list[float], digits: int = 2) -> str:
+    """The spread of a case: min..max of its per-round ratios to the baseline timed in the same round."""
+    ratios = sorted(value / plain for value, plain in zip(samples, baseline))
+    return f"{ratios[0]:.{digits}f}..{ratios[-1]:.{digits}f}"
+
+
 def _bytes_per_step(directory: Path, steps: int) -> str:
     total = sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
     return f"{total / steps / 1024:.0f}"
@@ -121,10 +127,9 @@ def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[o
     eager_base = median(times[("eager", "no probes")])
     for (backend, case), samples in times.items():
         baseline = times[(backend, "no probes")]
-        ratios = sorted(value / plain for value, plain in zip(samples, baseline))
         dump = dumps[(backend, case)]
         rows.append([f"d_model {config.d_model}", backend, case, f"{median(samples) * 1e3:.1f}",
-                     f"{median(samples) / median(baseline):.2f}x", f"{ratios[0]:.2f}..{ratios[-1]:.2f}",
+                     f"{median(samples) / median(baseline):.2f}x", ratio_range(samples, baseline),
                      f"{median(samples) / eager_base:.2f}x",
                      _bytes_per_step(dump, warmup + repeats) if dump.exists() else ""])
     return rows
