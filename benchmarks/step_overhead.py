@@ -1,27 +1,36 @@
 """Training-step cost of the StatisticsSubscriber vs no probes vs the original onnxruntime hooks.
 
-    python -m benchmarks.step_overhead [--quick]
+    python -m benchmarks.step_overhead [--quick] [--ort-default-threads]
 
 Eager PyTorch and ORTModule on the CPU, one thread: the 4-layer transformer of shared/ENVIRONMENT.md
 (d_model 256, seq 128, batch 8) and a narrower one (d_model 128). Every case trains its own copy of
 the same model; the cases are timed round-robin and reported as the median step time relative to
-the unprobed step of the same backend and of eager PyTorch, with the dump volume per step.
+the unprobed step of the same backend and of eager PyTorch (with the range of the per-round ratios),
+with the dump volume per step.
+
+One thread means one for ORT too: ORTModule's sessions get one intra-op thread that does not spin
+(``ortmodule_budget``), as PyTorch gets ``torch.set_num_threads(1)``. ORT's default, one spinning
+thread per core, makes its idle threads compete with the one running the graph and its PythonOps on a
+machine whose cores are busy (``--ort-default-threads`` measures it that way).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # a failed export must not time PyTorch
 
 import torch
 
 from benchmarks.common import environment, interleaved, median, table
+from exporters import _ort_compat
 from probes.dump.live import flush_writers
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -45,12 +54,32 @@ def _original_subscribe(model: torch.nn.Module, output_dir: Path) -> object | No
     return manager
 
 
+@contextlib.contextmanager
+def ortmodule_budget(default_threads: bool = False) -> Iterator[str]:
+    """ORTModule sessions built inside get one intra-op thread, not spinning (unless ``default_threads``);
+    yields the description for the benchmark's header."""
+    if default_threads or not _ort_compat.is_onnxruntime_installed():
+        yield "ORT intra-op threads: ORT's default (one per core, spinning)"
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import onnxruntime.training.ortmodule  # noqa: F401
+    with _ort_compat.ortmodule_threads(1, spinning=False):
+        yield "ORT intra-op threads 1, no spinning"
+
+
 def _ortmodule(model: torch.nn.Module) -> torch.nn.Module | None:
     try:
         from onnxruntime.training.ortmodule import ORTModule
     except Exception:
         return None
     return ORTModule(model)
+
+
+def ratio_range(samples: list[float], baseline: list[float], digits: int = 2) -> str:
+    """The spread of a case: min..max of its per-round ratios to the baseline timed in the same round."""
+    ratios = sorted(value / plain for value, plain in zip(samples, baseline))
+    return f"{ratios[0]:.{digits}f}..{ratios[-1]:.{digits}f}"
 
 
 def _bytes_per_step(directory: Path, steps: int) -> str:
@@ -97,29 +126,34 @@ def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[o
     rows = []
     eager_base = median(times[("eager", "no probes")])
     for (backend, case), samples in times.items():
-        backend_base = median(times[(backend, "no probes")])
+        baseline = times[(backend, "no probes")]
         dump = dumps[(backend, case)]
         rows.append([f"d_model {config.d_model}", backend, case, f"{median(samples) * 1e3:.1f}",
-                     f"{median(samples) / backend_base:.2f}x", f"{median(samples) / eager_base:.2f}x",
+                     f"{median(samples) / median(baseline):.2f}x", ratio_range(samples, baseline),
+                     f"{median(samples) / eager_base:.2f}x",
                      _bytes_per_step(dump, warmup + repeats) if dump.exists() else ""])
     return rows
 
 
-def run(quick: bool = False) -> str:
+def run(quick: bool = False, ort_default_threads: bool = False) -> str:
     torch.set_num_threads(1)
     configs = (QUICK,) if quick else (SMALL, FULL)
     repeats = 3 if quick else 15
     work = Path(tempfile.mkdtemp(prefix="probes-bench-"))
-    rows = [row for config in configs for row in _measure(config, repeats, work)]
+    with ortmodule_budget(ort_default_threads) as threads:
+        rows = [row for config in configs for row in _measure(config, repeats, work)]
     modules = len(list(TinyTransformer(configs[-1]).modules()))
     return (f"### Training step, eager and ORTModule ({'quick' if quick else 'full'}: layers {configs[-1].n_layers}, "
             f"seq {configs[-1].seq_len}, batch 8, {modules} modules probed, {repeats} interleaved repeats)\n\n"
-            f"{environment()}\n\n"
-            + table(["model", "backend", "case", "median ms", "/ no probes (same backend)", "/ eager no probes",
-                     "dump KiB / step"], rows))
+            f"{environment()}, {threads}\n\n"
+            + table(["model", "backend", "case", "median ms", "/ no probes (same backend)", "per-round range",
+                     "/ eager no probes", "dump KiB / step"], rows))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    print(run(parser.parse_args().quick))
+    parser.add_argument("--ort-default-threads", action="store_true",
+                        help="ORTModule with ORT's default threads (one per core, spinning) instead of one")
+    arguments = parser.parse_args()
+    print(run(arguments.quick, arguments.ort_default_threads))

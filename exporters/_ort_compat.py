@@ -9,6 +9,7 @@ already been imported by the user's program, so importing probes never imports O
     if _ort_compat.inside_ort_graph(): ...      # a PythonOp run by ORT's runtime: do not raise from here
     inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
     _ort_compat.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
+    with _ort_compat.ortmodule_threads(1): ...   # ORTModule sessions built inside: 1 intra-op thread, no spinning
 
 One version check (``SUPPORTED_ORT``) runs before ORT's internals are used or when they are not as expected.
 """
@@ -317,8 +318,36 @@ def reexport_when_requires_grad_changes(exported_probes: Callable[[], int]) -> N
     _PATCHES.install_requires_grad_watch(cls, exported_probes)
 
 
-def _requires_grad_flags(module: torch.nn.Module, inputs: Any) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-    """Which parameters of ``module``, and which tensors of ``inputs`` (nested), require grad."""
+_GEM_MODULE = "onnxruntime.training.ortmodule._graph_execution_manager"
+
+
+def ortmodule_threads(intra_op_threads: int, *, spinning: bool = False) -> Handle:
+    """Make the ORTModule sessions built from now on (at their first forward) use ``intra_op_threads``
+    intra-op threads, spinning while idle or not; ``remove()`` restores the earlier setting.
+
+        with ortmodule_threads(1):          # as torch.set_num_threads(1): one core per process
+            model = ORTModule(model); model(x)
+
+    ORT 1.19's ORTModule has no option for it: its sessions get one intra-op thread per core, which
+    spin between kernels, so on a machine whose cores are all busy (other ranks, PyTorch's own threads)
+    they take CPU from the thread that runs the graph and its PythonOps.
+    """
+    if not isinstance(intra_op_threads, int) or isinstance(intra_op_threads, bool) or intra_op_threads < 1:
+        raise ValueError(f"intra_op_threads must be an int >= 1, got {intra_op_threads!r}")
+    _check_version()
+    cls = getattr(importlib.import_module(_GEM_MODULE), "GraphExecutionManager", None)
+    if cls is None or not callable(getattr(cls, "_get_session_config", None)):
+        raise OrtInternalsError(
+            f"{_GEM_MODULE}.GraphExecutionManager._get_session_config is missing; probes cannot set ORTModule's "
+            "threads (see exporters/_ort_compat.py)"
+        )
+    earlier = _PATCHES.threads
+    _PATCHES.install_threads(cls, (intra_op_threads, spinning))
+    return Handle(lambda: _PATCHES.install_threads(cls, earlier))
+
+
+def _requires_grad_flags(parameters: tuple[torch.nn.Parameter, ...], inputs: Any) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Which of ``parameters``, and which tensors of ``inputs`` (nested), require grad."""
     tensors: list[torch.Tensor] = []
     pending = [inputs]
     while pending:
@@ -329,7 +358,7 @@ def _requires_grad_flags(module: torch.nn.Module, inputs: Any) -> tuple[tuple[bo
             pending.extend(value.values())
         elif isinstance(value, (list, tuple)):
             pending.extend(value)
-    return tuple(p.requires_grad for p in module.parameters()), tuple(t.requires_grad for t in tensors)
+    return tuple(p.requires_grad for p in parameters), tuple(t.requires_grad for t in tensors)
 
 
 def _export_model(**kwargs: Any) -> Any:
@@ -354,8 +383,29 @@ class _OrtPatches:
         self.rewrite: ExportRewrite | None = None
         self.original_steps: dict[str, Callable[..., Any]] = {}  # ORT's own, once wrapped
         self.exported_probes: Callable[[], int] | None = None
-        # Per TrainingManager whose last export held probes: the requires_grad flags it exported with.
-        self.watched: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+        # Per TrainingManager whose last export held probes: the module's parameters then (ORT 1.19, too, feeds
+        # the parameter objects it found at its first run, GraphTransitionManager._buffer_for_ort_runs; walking
+        # the modules every step cost 0.1 to 0.2 ms on a 6-layer GPT-2) and the requires_grad flags it exported with.
+        self.watched: "weakref.WeakKeyDictionary[Any, tuple[tuple, tuple]]" = weakref.WeakKeyDictionary()
+        # ORTModule's session options: (intra-op threads, spinning) for sessions built from now on, or None.
+        self.threads: tuple[int, bool] | None = None
+        self.original_session_config: Callable[..., Any] | None = None
+
+    def install_threads(self, cls: type, threads: tuple[int, bool] | None) -> None:
+        self.threads = threads
+        if self.original_session_config is not None:
+            return
+        original = self.original_session_config = cls._get_session_config
+
+        @functools.wraps(original)
+        def session_config(manager: Any) -> Any:
+            options, *rest = original(manager)
+            if self.threads is not None:
+                options.intra_op_num_threads = self.threads[0]
+                options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.threads[1] else "0")
+            return (options, *rest)
+
+        cls._get_session_config = session_config
 
     def release_at_exit(self, unregister_python_functions: Callable[[], None]) -> None:
         if self.releases_at_exit:
@@ -396,15 +446,15 @@ class _OrtPatches:
         except AttributeError as error:
             raise OrtInternalsError(f"ORT's TrainingManager changed ({error}); see exporters/_ort_compat.py") from error
         watched = self.watched.get(manager)
-        flags = _requires_grad_flags(module, (inputs, kwargs)) if watched is not None else None
-        if watched is not None and flags != watched:
+        if watched is not None and _requires_grad_flags(watched[0], (inputs, kwargs)) != watched[1]:
             _export_again(manager)
             exported = None
         probes = self.exported_probes()
         result = original(manager, *inputs, **kwargs)
         if transition._exported_model_info is not exported:  # it exported
             if self.exported_probes() != probes:
-                self.watched[manager] = _requires_grad_flags(module, (inputs, kwargs))
+                parameters = tuple(module.parameters())
+                self.watched[manager] = parameters, _requires_grad_flags(parameters, (inputs, kwargs))
             else:
                 self.watched.pop(manager, None)
         return result

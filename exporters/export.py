@@ -83,5 +83,6 @@ def _finish_python_ops(model_proto: Any) -> None:
         func_name = attributes["func_name"].decode()
         node.name = f"{func_name.rsplit('.', 1)[-1]}_{index}"
         if func_name in identities:
-            for name, values in reuse_map_attributes(attributes["input_convention"].decode()).items():
+            training = attributes.get("training_mode") == 1
+            for name, values in reuse_map_attributes(attributes["input_convention"].decode(), training).items():
                 node.attribute.append(onnx.helper.make_attribute(name, values))

@@ -224,38 +224,50 @@ def identity_infer_shape(node: Any, input_shapes: list, input_dtypes: list) -> t
     return list(input_shapes), list(input_dtypes)
 
 
-def identity_alias_maps(cconv: str) -> tuple[list[int], list[int]]:
+def identity_alias_maps(cconv: str, training: bool = False) -> tuple[list[int], list[int]]:
     """The alias maps of an identity probe with calling convention ``cconv`` (ORT's ``alias_input`` format).
 
     Forward map: one entry per output (the context output excluded), the position in ``apply``'s
     argument list of the input it returns. Backward map: one entry per ``apply`` argument, the
     index of the incoming gradient it returns (-1 for non-tensor arguments, which get None).
 
-    Only a probe of one tensor declares its alias (a probe of several declares none, so ORT copies
-    its outputs): ORT checks a declared map on the first run by matching data addresses, and fails
-    ("Fatal: ... detected inplace_map indicates it is reusing input index ...") when two tensors of
-    one call share an address, e.g. a module returning ``(h, h)`` or two gradients ORT passes in
-    one buffer, which we cannot rule out at export.
+    ORT checks a declared map once, on a PythonOp's first run, by matching data addresses: an output
+    declared as reusing input i must have input i's address, and no other input's. It fails ("Fatal:
+    ... detected inplace_map indicates it is reusing input index ...") when two inputs of one call share
+    an address; an output that aliases an input without being declared is copied on every run. So:
+
+    - forward, ``training`` graph: every output is declared. ORT runs a training PythonOp's first
+      forward on a fresh copy of each tensor input, so no two share an address, even for a module
+      returning ``(h, h)``; later runs take ORT's buffers directly, as declared.
+    - forward, inference graph (``training`` False): ORT passes its own buffers to the first run as
+      well, which may be one buffer twice; only a probe of one tensor declares its alias.
+    - backward: only a probe of one tensor declares its alias. The check runs on ORT's own gradient
+      buffers (two gradients of one call may be one buffer), and a gradient that arrives None is
+      returned as fresh zeros (``probes.core.functions.grads_for_inputs``), not as an alias. A probe of
+      several tensors therefore pays ORT's copy of each gradient it returns.
     """
     tensor_positions = [position for position, convention in enumerate(cconv) if convention == "d"]
     backward = [-1] * len(cconv)
-    if len(tensor_positions) != 1:
+    if len(tensor_positions) == 1:
+        backward[tensor_positions[0]] = 0
+    elif not training:
         return [-1] * len(tensor_positions), backward
-    backward[tensor_positions[0]] = 0
     return tensor_positions, backward
 
 
 def identity_alias_input(node_proto: bytes) -> tuple[list[int], list[int]]:
-    """ORT's ``alias_input`` of an identity probe: its alias maps, from the node's ``input_convention``."""
+    """ORT's ``alias_input`` of an identity probe: its alias maps, from the node's ``input_convention``
+    and ``training_mode``."""
     import onnx
 
     parsed = onnx.NodeProto()
     parsed.ParseFromString(node_proto)
-    cconv = next(attr.s.decode() for attr in parsed.attribute if attr.name == "input_convention")
-    return identity_alias_maps(cconv)
+    attributes = {attr.name: attr for attr in parsed.attribute}
+    training = "training_mode" in attributes and attributes["training_mode"].i == 1
+    return identity_alias_maps(attributes["input_convention"].s.decode(), training)
 
 
-def reuse_map_attributes(cconv: str) -> dict[str, list[int]]:
+def reuse_map_attributes(cconv: str, training: bool = False) -> dict[str, list[int]]:
     """``tensor_reuse_map`` and ``bw_tensor_reuse_map`` of an identity probe node.
 
     ORTModule's graph builder derives these node attributes from the registered ``alias_input``
@@ -264,7 +276,7 @@ def reuse_map_attributes(cconv: str) -> dict[str, list[int]]:
     tensor input index it reuses. Backward: per tensor input, the PythonOpGrad input (the context is
     input 0) whose buffer its gradient reuses.
     """
-    forward, backward = identity_alias_maps(cconv)
+    forward, backward = identity_alias_maps(cconv, training)
     tensor_index = {position: index for index, position in enumerate(p for p, c in enumerate(cconv) if c == "d")}
     tensor_reuse = [-1] + [tensor_index[position] if position != -1 else -1 for position in forward]
     bw_reuse = [backward[p] + 1 if backward[p] != -1 else -1 for p, c in enumerate(cconv) if c == "d"]

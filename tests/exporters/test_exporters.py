@@ -311,10 +311,19 @@ def test_alias_maps_follow_the_calling_convention():
     single = onnx.helper.make_node("PythonOp", ["x"], ["ctx", "x1"], domain="com.microsoft", input_convention="ccd")
     assert exporters.pythonop.identity_alias_input(single.SerializeToString()) == ([2], [-1, -1, 0])
     assert exporters.pythonop.reuse_map_attributes("ccd") == {"tensor_reuse_map": [-1, 0], "bw_tensor_reuse_map": [1]}
-    # Several tensors: no alias declared (see identity_alias_maps).
+    # Several tensors: in an inference graph no alias declared; in a training graph the forward's only
+    # (see identity_alias_maps).
     assert exporters.pythonop.identity_alias_maps("cdcd") == ([-1, -1], [-1, -1, -1, -1])
     assert exporters.pythonop.reuse_map_attributes("cdd") == {"tensor_reuse_map": [-1, -1, -1],
                                                                "bw_tensor_reuse_map": [-1, -1]}
+    assert exporters.pythonop.identity_alias_maps("cdcd", training=True) == ([1, 3], [-1, -1, -1, -1])
+    assert exporters.pythonop.reuse_map_attributes("cdd", training=True) == {"tensor_reuse_map": [-1, 0, 1],
+                                                                              "bw_tensor_reuse_map": [-1, -1]}
+    pair = onnx.helper.make_node("PythonOp", ["x", "y"], ["ctx", "x1", "y1"], domain="com.microsoft",
+                                 input_convention="cdd", training_mode=1)
+    assert exporters.pythonop.identity_alias_input(pair.SerializeToString()) == ([1, 2], [-1, -1, -1])
+    pair.attribute[-1].i = 0
+    assert exporters.pythonop.identity_alias_input(pair.SerializeToString()) == ([-1, -1], [-1, -1, -1])
     shapes, types = exporters.pythonop.identity_infer_shape(single, [[2, "n"], None], [1, 7])
     assert shapes == [[2, "n"], None] and types == [1, 7]
 
@@ -528,6 +537,68 @@ def test_ort_passes_probe_outputs_in_their_inputs_buffers(capfd):
         linear, identity, root = (recorder.pointers[(step, phase, site)] for site in ("0", "1", "<root>"))
         assert linear == identity == root, phase
     assert CLONE_WARNING not in capfd.readouterr().out
+
+
+class PairConsumed(torch.nn.Module):
+    """A two-tensor probe whose outputs are the inputs of two Identity probes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.two = torch.nn.Linear(4, 4), TwoOutputs()
+        self.first, self.second = torch.nn.Identity(), torch.nn.Identity()
+
+    def forward(self, x):
+        a, b = self.two(self.linear(x))
+        return self.first(a) * self.second(b)
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ort_passes_both_outputs_of_a_two_tensor_probe_in_their_inputs_buffers(capfd):
+    # A training graph declares every forward alias of a probe of several tensors (ORT's first run checks
+    # it on its own copies of the inputs); the gradients of such a probe are still copied by ORT.
+    torch.manual_seed(0)
+    unprobed = PairConsumed()
+    inner = copy.deepcopy(unprobed)
+    recorder, manager = DataPointers(), SubscriberManager()
+    manager.subscribe(inner, [recorder])
+    model, plain = ortmodule(inner), ortmodule(unprobed)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        for runner in (model, plain):
+            runner(x).sum().backward()
+    manager.unsubscribe()
+    assert torch.equal(model(x), plain(x))  # probes change nothing ORT computes, gradients included
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(inner.parameters(), unprobed.parameters()))
+    step = 1
+    assert recorder.pointers[(step, "forward", "two")] == (recorder.pointers[(step, "forward", "first")][0],
+                                                          recorder.pointers[(step, "forward", "second")][0])
+    out = capfd.readouterr().out
+    assert "TensorProbe -> Forward ONNX Op attribute" not in out and "Fatal" not in out
+    assert "TensorProbe -> Backward ONNX Op attribute" in out  # the test can see ORT's copy where it is made
+
+
+@pytest.mark.ort
+@pytest.mark.slow
+def test_ortmodule_threads_sets_the_sessions_built_inside():
+    from onnxruntime.training.ortmodule import ORTModule
+
+    def session_options(ort_model):
+        agent = ort_model._torch_module._execution_manager(True)._execution_agent
+        return agent._inference_session.get_session_options()
+
+    with pytest.raises(ValueError, match="intra_op_threads must be an int >= 1"):
+        _ort.ortmodule_threads(0)
+    x = torch.randn(2, 4)
+    with _ort.ortmodule_threads(1, spinning=False):
+        inside = ORTModule(torch.nn.Linear(4, 4))
+        inside(x).sum().backward()
+    outside = ORTModule(torch.nn.Linear(4, 4))
+    outside(x).sum().backward()
+    options = session_options(inside)
+    assert options.intra_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert session_options(outside).intra_op_num_threads == 0  # ORT's default: one per core
 
 
 @pytest.mark.ort
