@@ -16,6 +16,7 @@ BENCHMARKS = (
     "benchmarks.stats_kernel",
     "benchmarks.probe_overhead",
     "benchmarks.gpt2_overhead",
+    "benchmarks.gpt2_ort_overhead",
     "benchmarks.dump_compare",
     "benchmarks.zero3_bench",
     "benchmarks.host_reads",

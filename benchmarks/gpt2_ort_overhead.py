@@ -7,8 +7,8 @@ download, dropout off), one copy per case, each wrapped in ORTModule (fallback d
 raises instead of timing PyTorch): no probes; probes' StatisticsSubscriber recording every step; the
 same subscriber with ``every_n_steps`` so large that no timed step is recorded (the cost of a step left
 out); and the eager model with and without probes for reference. Cases are timed round-robin; each
-median is reported against the unprobed step of the same backend, with the spread (min..max of the
-per-repeat ratios against the baseline timed in the same round). ORT gets the thread budget PyTorch gets,
+median is reported against the unprobed step of the same backend, with the spread (median and quartiles of the
+per-round ratios against the baseline timed in the same round). ORT gets the thread budget PyTorch gets,
 one intra-op thread, not spinning (``benchmarks.step_overhead.ortmodule_budget``).
 """
 
@@ -24,9 +24,9 @@ os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # a fail
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, table
+from benchmarks.common import environment, interleaved, median, ratio_spread, table
 from benchmarks.gpt2_overhead import FULL, QUICK, STEPS_PER_TIMING, _model
-from benchmarks.step_overhead import _ortmodule, ortmodule_budget, ratio_range
+from benchmarks.step_overhead import _ortmodule, ortmodule_budget
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 
@@ -88,12 +88,12 @@ def _run(quick: bool, repeats: int | None, threads: str) -> str:
     for (backend, case), samples in times.items():
         baseline = times[(backend, "no probes")]
         rows.append([backend, case, f"{median(samples) / STEPS_PER_TIMING * 1e3:.2f}",
-                     f"{median(samples) / median(baseline):.3f}x", ratio_range(samples, baseline, 3)])
+                     f"{median(samples) / median(baseline):.3f}x", ratio_spread(samples, baseline)])
     modules = len(list(base.modules()))
     return (f"{title} ({'quick' if quick else 'full'}: {shape['n_layer']} layers, n_embd {shape['n_embd']}, "
             f"seq {shape['seq']}, batch {shape['batch']}, {modules} modules probed, {repeats} interleaved repeats "
             f"of {STEPS_PER_TIMING} steps)\n\n{environment()}, {threads}\n\n"
-            + table(["backend", "case", "median ms / step", "/ no probes (same backend)", "per-round ratio range"],
+            + table(["backend", "case", "median ms / step", "/ no probes (same backend)", "per-round ratio: median (quartiles)"],
                     rows))
 
 

@@ -5,7 +5,7 @@
 Eager PyTorch and ORTModule on the CPU, one thread: the 4-layer transformer of shared/ENVIRONMENT.md
 (d_model 256, seq 128, batch 8) and a narrower one (d_model 128). Every case trains its own copy of
 the same model; the cases are timed round-robin and reported as the median step time relative to
-the unprobed step of the same backend and of eager PyTorch (with the range of the per-round ratios),
+the unprobed step of the same backend and of eager PyTorch (with the median and quartiles of the per-round ratios),
 with the dump volume per step.
 
 One thread means one for ORT too: ORTModule's sessions get one intra-op thread that does not spin
@@ -29,7 +29,8 @@ os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")  # a fail
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, table
+from benchmarks.common import environment, interleaved, median, ratio_spread, table
+import exporters
 from exporters import _ort_compat
 from probes.dump.live import flush_writers
 from probes import StatisticsSubscriber, SubscriberManager
@@ -64,7 +65,7 @@ def ortmodule_budget(default_threads: bool = False) -> Iterator[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import onnxruntime.training.ortmodule  # noqa: F401
-    with _ort_compat.ortmodule_threads(1, spinning=False):
+    with exporters.ortmodule_threads(1):
         yield "ORT intra-op threads 1, no spinning"
 
 
@@ -74,12 +75,6 @@ def _ortmodule(model: torch.nn.Module) -> torch.nn.Module | None:
     except Exception:
         return None
     return ORTModule(model)
-
-
-def ratio_range(samples: list[float], baseline: list[float], digits: int = 2) -> str:
-    """The spread of a case: min..max of its per-round ratios to the baseline timed in the same round."""
-    ratios = sorted(value / plain for value, plain in zip(samples, baseline))
-    return f"{ratios[0]:.{digits}f}..{ratios[-1]:.{digits}f}"
 
 
 def _bytes_per_step(directory: Path, steps: int) -> str:
@@ -129,7 +124,7 @@ def _measure(config: TransformerConfig, repeats: int, work: Path) -> list[list[o
         baseline = times[(backend, "no probes")]
         dump = dumps[(backend, case)]
         rows.append([f"d_model {config.d_model}", backend, case, f"{median(samples) * 1e3:.1f}",
-                     f"{median(samples) / median(baseline):.2f}x", ratio_range(samples, baseline),
+                     f"{median(samples) / median(baseline):.2f}x", ratio_spread(samples, baseline),
                      f"{median(samples) / eager_base:.2f}x",
                      _bytes_per_step(dump, warmup + repeats) if dump.exists() else ""])
     return rows
@@ -146,7 +141,7 @@ def run(quick: bool = False, ort_default_threads: bool = False) -> str:
     return (f"### Training step, eager and ORTModule ({'quick' if quick else 'full'}: layers {configs[-1].n_layers}, "
             f"seq {configs[-1].seq_len}, batch 8, {modules} modules probed, {repeats} interleaved repeats)\n\n"
             f"{environment()}, {threads}\n\n"
-            + table(["model", "backend", "case", "median ms", "/ no probes (same backend)", "per-round range",
+            + table(["model", "backend", "case", "median ms", "/ no probes (same backend)", "per-round ratio: median (quartiles)",
                      "/ eager no probes", "dump KiB / step"], rows))
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, table
+from benchmarks.common import environment, interleaved, median, ratio_spread, table
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 FULL = TransformerConfig(vocab_size=1024, d_model=256, n_heads=8, n_layers=4, d_ff=1024, seq_len=128)
@@ -120,15 +119,6 @@ def measure(config: TransformerConfig, world_size: int, repeats: int, ort_defaul
         return torch.load(out, weights_only=False)
 
 
-def _ratio_spread(times: list[float], baseline: list[float]) -> str:
-    """Quartiles of the per-round ratios (each round times every case once, back to back)."""
-    ratios = [t / b for t, b in zip(times, baseline)]
-    if len(ratios) < 2:
-        return f"{ratios[0]:.2f}"
-    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
-    return f"{low:.2f} to {high:.2f}"
-
-
 def run(quick: bool = False, world_sizes: tuple[int, ...] | None = None, repeats: int | None = None,
         ort_defaults: bool = False) -> str:
     config = QUICK if quick else FULL
@@ -139,7 +129,7 @@ def run(quick: bool = False, world_sizes: tuple[int, ...] | None = None, repeats
         times = measure(config, world_size, repeats, ort_defaults)
         baseline = times[STOCK]
         rows += [[world_size, threads_per_rank(world_size), case, f"{median(t) * 1e3:.1f}",
-                  f"{median(t) / median(baseline):.2f}x", _ratio_spread(t, baseline)]
+                  f"{median(t) / median(baseline):.2f}x", ratio_spread(t, baseline)]
                  for case, t in times.items()]
     modules = len(list(TinyTransformer(config).modules()))
     ort = ("ORT's intra-op pool as ORTModule builds it (one spinning worker per physical core in every rank)"
@@ -149,7 +139,7 @@ def run(quick: bool = False, world_sizes: tuple[int, ...] | None = None, repeats
             f"{modules} modules, stage3_param_persistence_threshold 0, Adam, gloo on CPU, {repeats} interleaved "
             f"repeats; thread budget per rank: cores // ranks torch threads, {ort})\n\n{environment()}\n\n"
             + table(["ranks", "threads per rank", "case", "median ms", "median / DeepSpeed hooks",
-                     "per-round ratio, quartiles"], rows))
+                     "per-round ratio: median (quartiles)"], rows))
 
 
 if __name__ == "__main__":

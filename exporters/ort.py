@@ -182,4 +182,4 @@ def ortmodule_threads(intra_op_threads: int, *, allow_spinning: bool = False) ->
         handle = exporters.ortmodule_threads(os.cpu_count() // ranks_per_machine)   # before the first step
         handle.remove()   # sessions built afterwards get ORT's defaults again (or: with ...:)
     """
-    return _ort_compat.ortmodule_session_threads(intra_op_threads, allow_spinning=allow_spinning)
+    return _ort_compat.ortmodule_threads(intra_op_threads, spinning=allow_spinning)

@@ -106,8 +106,10 @@ class TensorProbe(torch.autograd.Function):
     def forward(ctx: Any, probe: SiteProbe, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None
         if not _ort_compat.is_exporting():
-            ctx.tracker = probe.tracker
-            ctx.event = probe.tracker.probe_forward(probe.site, tensors)
+            tracker = probe.tracker
+            if tracker.observed_now():  # a left-out step records nothing (ORT's graph runs every probe)
+                ctx.tracker = tracker
+                ctx.event = tracker.probe_forward(probe.site, tensors)
         elif isinstance(probe, SiteProbe):  # ORT's eager schema run: which tensors eager differentiates
             probe.tracker.differentiable.learn(probe.site, tensors)  # (probes.core.differentiable)
         outputs = tuple(passes_through(tensor) for tensor in tensors)

@@ -588,9 +588,9 @@ def test_ortmodule_threads_sets_the_sessions_built_inside():
         return agent._inference_session.get_session_options()
 
     with pytest.raises(ValueError, match="intra_op_threads must be an int >= 1"):
-        _ort.ortmodule_threads(0)
+        exporters.ortmodule_threads(0)
     x = torch.randn(2, 4)
-    with _ort.ortmodule_threads(1, spinning=False):
+    with exporters.ortmodule_threads(1):
         inside = ORTModule(torch.nn.Linear(4, 4))
         inside(x).sum().backward()
     outside = ORTModule(torch.nn.Linear(4, 4))

@@ -38,5 +38,5 @@ def test_sessions_built_under_the_handle_get_the_budget_and_later_ones_ort_defau
 
 @pytest.mark.parametrize("threads", [0, -1, 1.5])
 def test_bad_thread_count_is_refused(threads):
-    with pytest.raises(ValueError, match="intra_op_threads must be a positive int"):
+    with pytest.raises(ValueError, match="intra_op_threads must be an int >= 1"):
         exporters.ortmodule_threads(threads)
