@@ -220,9 +220,41 @@ def attached_manager(offload: Any) -> Any | None:
 
 # Per-step calls (the work DeepSpeed's module hooks do) -----------------------------------------
 
+_RELEASE_PLANS = "_PartitionedParameterCoordinator__params_to_release"
+
+
+def _forget_release_plans(coordinator: Any) -> None:
+    """Drop the coordinator's cached release decisions, made against a trace that no longer holds.
+
+    ``PartitionedParameterCoordinator.__params_to_release(module, step_id)`` is an ``lru_cache`` (keyed by
+    coordinator, module and step index, shared by every coordinator) that DeepSpeed never clears, not even
+    when the trace is invalidated and recorded again. Under ORTModule the export-time forwards of the first
+    step complete a forward-only trace; the plans cached then ("no later use: release after forward") would
+    outlive it and release every module after its forward for the rest of training, so that the backward
+    gathers each module again. Clearing costs each coordinator one recomputation per (module, step).
+    """
+    plans = getattr(type(coordinator), _RELEASE_PLANS, None)
+    # DeepSpeed wraps the lru_cache in instrument_w_nvtx, a plain closure over it (no functools.wraps).
+    while plans is not None and not hasattr(plans, "cache_clear"):
+        names = getattr(getattr(plans, "__code__", None), "co_freevars", ())
+        plans = plans.__closure__[names.index("func")].cell_contents if "func" in names else None
+    if not callable(getattr(plans, "cache_clear", None)):
+        raise DeepSpeedInternalsError(
+            f"{type(coordinator).__name__}.__params_to_release (DeepSpeed {_deepspeed_version()}) is missing or no "
+            "longer an lru_cache; exporters/_deepspeed_compat.py must be updated for this release")
+    plans.cache_clear()
+
+
 def start_forward(offload: Any) -> None:
-    """Start of the root module's forward: the coordinator begins a new step (its trace)."""
-    offload.get_param_coordinator().reset_step()
+    """Start of the root module's forward: the coordinator begins a new step (its trace).
+
+    When this completes a newly recorded trace, release decisions cached under an earlier trace are dropped.
+    """
+    coordinator = offload.get_param_coordinator()
+    recording = coordinator.is_record_trace()
+    coordinator.reset_step()
+    if recording and coordinator.is_complete_trace():
+        _forget_release_plans(coordinator)
 
 
 def fetch_for_forward(offload: Any, module: torch.nn.Module) -> None:

@@ -155,22 +155,32 @@ def _free_port() -> int:
 
 
 class _FetchSpy:
-    """Records, for every ZeRO-3 forward fetch, whether ORT's runtime made the call."""
+    """Records, for every ZeRO-3 forward fetch, whether ORT's runtime made the call; and, for every
+    backward fetch, whether it had to gather (some of the module's parameters were partitioned)."""
 
     def __init__(self) -> None:
         from helpers import called_by_ort_runtime
 
         self.by_ort: list[bool] = []
+        self.backward_gathers = 0
         self._called_by_ort = called_by_ort_runtime
-        self._fetch = _deepspeed.fetch_for_forward
-        _deepspeed.fetch_for_forward = self
+        self._fetch, self._fetch_backward = _deepspeed.fetch_for_forward, _deepspeed.fetch_for_backward
+        _deepspeed.fetch_for_forward, _deepspeed.fetch_for_backward = self, self.backward
 
     def __call__(self, offload, module) -> None:
         self.by_ort.append(self._called_by_ort())
         self._fetch(offload, module)
 
+    def backward(self, offload, module) -> None:
+        self.backward_gathers += any(_deepspeed.is_partitioned(p) for p in _deepspeed.module_params(module))
+        self._fetch_backward(offload, module)
+
+    def take_backward_gathers(self) -> int:
+        count, self.backward_gathers = self.backward_gathers, 0
+        return count
+
     def remove(self) -> None:
-        _deepspeed.fetch_for_forward = self._fetch
+        _deepspeed.fetch_for_forward, _deepspeed.fetch_for_backward = self._fetch, self._fetch_backward
 
 
 def _train(mode: str, rank: int, world_size: int, stats_dir: Path, adam_eps: float) -> dict:
@@ -212,11 +222,13 @@ def _train(mode: str, rank: int, world_size: int, stats_dir: Path, adam_eps: flo
     for name, param in model.named_parameters():
         param.register_post_accumulate_grad_hook(count_call(name))
 
-    record = {"losses": [], "grads": [], "hook_calls": [], "partitioned": [], "shards": {}}
+    record = {"losses": [], "grads": [], "hook_calls": [], "partitioned": [], "shards": {}, "backward_gathers": []}
     for step in range(STEPS):
         batch = make_batch(CONFIG, batch_size=BATCH, seed=step * world_size + rank)
         loss = engine(batch["tokens"], labels=batch["labels"])
+        spy.take_backward_gathers()
         engine.backward(loss)
+        record["backward_gathers"].append(spy.take_backward_gathers())
         record["grads"].append({name: safe_get_full_grad(param).clone() for name, param in model.named_parameters()})
         record["hook_calls"].append(dict(hook_calls))
         hook_calls.update({name: 0 for name in names})
@@ -356,6 +368,11 @@ def test_ortmodule_trains_like_eager_with_probes_zero3_hooks(tmp_path, world_siz
         # ORT's runtime made every fetch of the training steps; the rest are its export runs.
         assert not any(eager["fetches_by_ort"])
         assert sum(ort["fetches_by_ort"]) == STEPS * MODULES, len(ort["fetches_by_ort"])
+        # Once DeepSpeed's trace is recorded (step 1 in eager; ORT's export runs spend step 0), parameters stay
+        # gathered from forward to backward, as in eager: no module is gathered again in the backward.
+        assert eager["backward_gathers"][0] > 0 and ort["backward_gathers"][0] > 0
+        assert eager["backward_gathers"][1:] == [0] * (STEPS - 1), eager["backward_gathers"]
+        assert ort["backward_gathers"][2:] == [0] * (STEPS - 2), ort["backward_gathers"]
         assert ort["losses"] == pytest.approx(eager["losses"], rel=1e-5), rank
         for step in range(STEPS):
             for name, grad in eager["grads"][step].items():
