@@ -443,7 +443,7 @@ class SubscriberManager:
             return self._pass(site, (structure,), boundary, compiling)[0]
         if compiling:
             compiled.flattening(True)
-        leaves = (None if compiling else _FlatTuple.of(structure, select)) or TensorLeaves.of(structure, select=select)
+        leaves = TensorLeaves.of(structure, select=select)
         unobservable = [] if boundary else [leaf for leaf in leaves.leaves
                                             if isinstance(leaf, torch.Tensor) and not can_probe(leaf)]
         if compiling:
@@ -474,37 +474,6 @@ class SubscriberManager:
         if not _ort_compat.is_exporting():
             self.tracker.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
         return ()
-
-
-class _FlatTuple:
-    """``TensorLeaves`` of a plain tuple of tensors and non-container values (a module's ``(hidden, None)``):
-    the same leaves and positions, without pytree's flatten and unflatten."""
-
-    __slots__ = ("leaves", "positions")
-
-    def __init__(self, leaves: tuple, positions: list[int]) -> None:
-        self.leaves = leaves
-        self.positions = positions
-
-    @classmethod
-    def of(cls, structure: Any, select: Callable[[Any], bool]) -> "_FlatTuple | None":
-        if type(structure) is not tuple or not all(type(leaf) in _FLAT_LEAF_TYPES or isinstance(leaf, torch.Tensor)
-                                                   for leaf in structure):
-            return None
-        return cls(structure, [position for position, leaf in enumerate(structure) if select(leaf)])
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.leaves[position] for position in self.positions]
-
-    def rebuild(self, replacements: Sequence[Any]) -> tuple:
-        leaves = list(self.leaves)
-        for position, value in zip(self.positions, replacements):
-            leaves[position] = value
-        return tuple(leaves)
-
-
-_FLAT_LEAF_TYPES = (type(None), bool, int, float, str)
 
 
 GlobalSubscriberManager = SubscriberManager()

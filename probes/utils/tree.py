@@ -25,13 +25,16 @@ class TensorLeaves:
     """A flattened structure and the positions of its selected tensor leaves."""
 
     leaves: list[Any]
-    spec: Any
+    spec: Any  # pytree's spec; None for a flat tuple
     positions: list[int]
 
     @classmethod
     def of(cls, structure: Any, select: Callable[[Any], bool] = _any_tensor) -> "TensorLeaves":
         """Flattens ``structure``; ``select(leaf)`` picks the leaves to replace (default: every tensor)."""
-        leaves, spec = pytree.tree_flatten(structure)
+        if _flat_tuple(structure) and not torch.compiler.is_compiling():  # a module's (hidden, None): no pytree
+            leaves, spec = list(structure), None
+        else:
+            leaves, spec = pytree.tree_flatten(structure)
         return cls(leaves, spec, [i for i, leaf in enumerate(leaves) if select(leaf)])
 
     @property
@@ -43,4 +46,13 @@ class TensorLeaves:
         leaves = list(self.leaves)
         for position, value in zip(self.positions, replacements):
             leaves[position] = value
-        return pytree.tree_unflatten(leaves, self.spec)
+        return tuple(leaves) if self.spec is None else pytree.tree_unflatten(leaves, self.spec)
+
+
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+
+
+def _flat_tuple(structure: Any) -> bool:
+    """A plain tuple of tensors and scalars: its leaves are its items, in order (what pytree would give)."""
+    return type(structure) is tuple and all(type(item) in _SCALAR_TYPES or isinstance(item, torch.Tensor)
+                                            for item in structure)
