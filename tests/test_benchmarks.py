@@ -21,6 +21,8 @@ def test_benchmark_runs_in_quick_form(name):
         raise
     section = module.run(quick=True)
     lines = section.splitlines()
+    if lines[-1].endswith("not installed: not measured."):  # e.g. ORTModule's benchmark on the modern lane
+        pytest.skip(lines[-1])
     assert lines[0].startswith("### ")
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| ---")]
     assert len(rows) >= 2, section  # a header and at least one measured row
