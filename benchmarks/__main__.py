@@ -29,6 +29,7 @@ HEADER = """# Benchmarks
 
 Written by `./dev bench` (`python -m benchmarks`). Every figure is a ratio against a baseline measured
 in the same run, cases interleaved round-robin; the machines are noisy, so read ratios, not times.
+Where a probe's time goes, and figures before and after each change: [performance.md](performance.md).
 
 """
 
