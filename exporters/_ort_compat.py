@@ -527,9 +527,3 @@ def _replace_first(names: list[str], removed: list[str], replacement: str) -> li
     if positions:
         kept.insert(positions[0], replacement)
     return kept
-
-
-# --- ORTModule's session threads (used by benchmarks/zero3_bench.py; see docs/zero3.md "Threads per rank") ---
-
-_GRAPH_EXECUTION_MANAGER_MODULE = "onnxruntime.training.ortmodule._graph_execution_manager"
-

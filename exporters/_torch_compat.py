@@ -135,7 +135,6 @@ def onnx_export(model: torch.nn.Module, args: tuple, f: Any, **kwargs: Any) -> N
 # is a recomputation (activation checkpointing), not a step of training.
 
 @functools.cache
-@functools.lru_cache(maxsize=None)
 def _engine_api() -> tuple[Callable[[], int], Callable[[Callable[[], None]], None]]:
     current = getattr(torch._C, "_current_graph_task_id", None)
     queue = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None)
@@ -384,7 +383,7 @@ def compiler_runs_module() -> bool:
     return _tracing_context()() is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tracing_context() -> Callable[[], Any]:
     """``torch._guards.TracingContext.try_get``, looked up once (it is called on every eager hook)."""
     from torch import _guards

@@ -318,19 +318,19 @@ class SubscriberManager:
         """
         @_torch_compat.not_compiled_as_frame
         def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if not torch.compiler.is_compiling() and self._left_out_forward and not is_root:
-                return args, kwargs  # (a flag dynamo never reads: its guard would recompile on every change)
             if torch.compiler.is_compiling():
                 return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+            if self._left_out_forward and not is_root:  # (read after the check above: dynamo never guards on it)
+                return args, kwargs
             return _torch_compat.call_uncompiled(self._eager_pre_forward_hook, inputs, is_root, probe_inputs,
                                                  module, args, kwargs)
 
         @_torch_compat.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
-            if not torch.compiler.is_compiling() and self._left_out_forward and not is_root:
-                return result
             if torch.compiler.is_compiling():
                 return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
+            if self._left_out_forward and not is_root:
+                return result
             return _torch_compat.call_uncompiled(self._eager_post_forward_hook, outputs, is_root, probe_outputs,
                                                  module, args, result)
 
@@ -339,8 +339,11 @@ class SubscriberManager:
     def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                 args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if is_root:  # the whole eager forward is left out when its step is: its modules' hooks return at once
-            self._left_out_forward = not (self._builders or self._probes_now())
-        probe = probe and self._probes_now()
+            probes_now = self._probes_now()
+            self._left_out_forward = not (self._builders or probes_now)
+            probe = probe and probes_now
+        else:
+            probe = probe and self._probes_now()
         if not (probe or is_root or self._builders):  # a left-out step: nothing to do
             return args, kwargs
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
