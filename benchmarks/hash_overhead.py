@@ -30,7 +30,7 @@ def _rows_case(tensor: torch.Tensor, backend: str, hash: bool):
     os.environ["PROBES_NUMERICS_BACKEND"] = backend
     rows = StepRows(rank=0, sample_count=32, hash=hash)
     os.environ.pop("PROBES_NUMERICS_BACKEND")
-    names = ("t", 0, "m", "Linear", "output", 1, "t")
+    names = ("t", 0, "m", "Linear", "output", 1, "t", None)
 
     def run() -> None:
         for _ in range(8):

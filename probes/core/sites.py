@@ -14,22 +14,31 @@ from typing import Literal, NamedTuple
 
 from ..utils.phases import Phase
 
-SiteKind = Literal["input", "output", "inspect"]
+SiteKind = Literal["input", "output", "inspect", "op"]
 
 
 @dataclass(eq=False)
 class ProbeSite:
-    """Where a probe sits: one module's inputs or outputs, or one ``inspect_activation`` name.
+    """Where a probe sits: one module's inputs or outputs, one ``inspect_activation`` name, or one operation
+    called inside a module (kind ``"op"``, named ``<module>/<op>:<k>``: the k-th call of ``op`` in one call
+    of the module; ``probes.core.ops``).
 
     Plain data: it knows nothing of the subscription that made it. Compared and hashed by identity, since
     a subscription keys its per-site state (call counts, failures, caches) by its own sites.
     """
 
-    name: str  # the module's qualified name ("<root>" for the root), or the inspect name
+    name: str  # the module's qualified name ("<root>" for the root), the inspect name, or "<module>/<op>:<k>"
     kind: SiteKind
     module_index: int  # position in the root's named_modules(); -1 for inspect sites
-    depth: int  # 0 for the root
+    depth: int  # 0 for the root; an op's is its module's + 1
     module_class: str
+    # An op site's tensor arguments, in order: the record names they were (forward), "" where none.
+    inputs: "list[str] | None" = None
+
+    @property
+    def module(self) -> str:
+        """The record's ``module``: the module's name (for an op, the module it ran in), or the inspect name."""
+        return self.name.rpartition("/")[0] if self.kind == "op" else self.name
 
     def record_name(self, tensor_index: int, call: int = 0) -> str:
         """Stable name of the i-th tensor here, e.g. ``encoder.layers.0.output.1``.
@@ -39,12 +48,14 @@ class ProbeSite:
         base = self.name if call == 0 else f"{self.name}#{call}"
         if self.kind == "inspect":
             return base if tensor_index == 0 else f"{base}.{tensor_index}"
-        return f"{base}.{self.kind}.{tensor_index}"
+        return f"{base}.{'output' if self.kind == 'op' else self.kind}.{tensor_index}"
 
     def legacy_name(self, tensor_index: int) -> str:
         """The original onnxruntime hooks' form: ``<Class>_<module index>_<i>th_output``."""
         if self.kind == "inspect":
             return self.name
+        if self.kind == "op":
+            return self.record_name(tensor_index)
         return f"{self.module_class}_{self.module_index}_{tensor_index}th_{self.kind}"
 
 

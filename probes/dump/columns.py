@@ -32,12 +32,13 @@ from .statistics import STATISTICS
 __all__ = ["NUMBER_COLUMNS", "PARQUET_FORMAT", "SCHEMA", "NotAStepFile", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
 
 _INT, _FLOAT, _STR = pa.int64(), pa.float64(), pa.string()
-_INTS, _FLOATS = pa.list_(_INT), pa.list_(_FLOAT)
+_INTS, _FLOATS, _STRS = pa.list_(_INT), pa.list_(_FLOAT), pa.list_(_STR)
 
 # In the order the statistics subscriber writes a record's keys, so a round trip keeps that order too.
 _FIELDS: tuple[tuple[str, pa.DataType], ...] = (
     ("step", _INT), ("rank", _INT), ("name", _STR), ("phase", _STR), ("seq", _INT), ("tensor_index", _INT),
     ("module", _STR), ("module_class", _STR), ("kind", _STR), ("depth", _INT), ("legacy_name", _STR),
+    ("inputs", _STRS),  # an op record's tensor arguments: the record names they were ("" where none)
     ("shape", _INTS), ("dtype", _STR), ("layout", _STR), ("stats_of", _STR), ("unsupported", _STR),
     *((stat.name, _INT if stat.column == "int" else _FLOAT) for stat in STATISTICS),  # "number": a float + twin
     ("samples", _FLOATS), ("sample_indices", _INTS),
@@ -55,7 +56,7 @@ _DELTA_ENCODED = ["sample_indices", "seq"]
 _DICTIONARY = ["phase", "module_class", "kind", "dtype", "layout", "stats_of", "unsupported"]
 _ENCODINGS = {**{name: "BYTE_STREAM_SPLIT" for name in _FLOAT_ENCODED},
               **{name: "DELTA_BINARY_PACKED" for name in _DELTA_ENCODED}}
-_ZSTD = {"samples", "sample_indices", "name", "module", "legacy_name", "extra"}
+_ZSTD = {"samples", "sample_indices", "name", "module", "legacy_name", "inputs", "extra"}
 _ALWAYS = {"step", "rank", "name", "phase"}  # kept even when null: a step file says what it is
 
 
@@ -70,10 +71,11 @@ def _ints(values: list) -> bool:
     return all(_LOW <= value < _HIGH for value in values)
 
 
-_INT_CODE, _FLOAT_CODE, _STR_CODE, _FLOATS_CODE, _INTS_CODE = range(5)
-_CODES = {_INT: _INT_CODE, _FLOAT: _FLOAT_CODE, _STR: _STR_CODE, _FLOATS: _FLOATS_CODE, _INTS: _INTS_CODE}
+_INT_CODE, _FLOAT_CODE, _STR_CODE, _FLOATS_CODE, _INTS_CODE, _STRS_CODE = range(6)
+_CODES = {_INT: _INT_CODE, _FLOAT: _FLOAT_CODE, _STR: _STR_CODE, _FLOATS: _FLOATS_CODE, _INTS: _INTS_CODE,
+          _STRS: _STRS_CODE}
 _CODE = {name: _CODES[kind] for name, kind in _FIELDS}
-_FLOAT_TYPES, _INT_TYPES = frozenset({float}), frozenset({int, type(None)})
+_FLOAT_TYPES, _INT_TYPES, _STR_TYPES = frozenset({float}), frozenset({int, type(None)}), frozenset({str})
 
 
 def records_to_table(records: Sequence[Mapping[str, Any]], *, step: int | None = None,
@@ -119,6 +121,8 @@ def records_to_table(records: Sequence[Mapping[str, Any]], *, step: int | None =
                 elif code == _FLOATS_CODE and types == {int} and key in _TWINS and _ints(value):
                     columns[f"{key}_int"][row], columns[key][row] = value, [float(item) for item in value]
                 elif code == _INTS_CODE and types <= _INT_TYPES and _ints([item for item in value if item is not None]):
+                    columns[key][row] = value
+                elif code == _STRS_CODE and types <= _STR_TYPES:
                     columns[key][row] = value
                 else:
                     extra[key] = value

@@ -63,9 +63,10 @@ class Record(_RecordBase, TensorFields, total=False):
     tensor_index: int
     module: str  # the module's qualified name ("<root>" for the root), or the inspect name
     module_class: str
-    kind: Literal["input", "output", "inspect"]
+    kind: Literal["input", "output", "inspect", "op"]  # "op": an operation inside a module (name "<module>/<op>:<k>...")
     depth: int
     legacy_name: str  # the original onnxruntime hooks' "<Class>_<index>_<i>th_output"
+    inputs: list[str]  # an op record's tensor arguments, in order: the record names they were ("" where none)
 
 
 def record_key(record: Record) -> RecordKey:

@@ -10,7 +10,8 @@ order, then up to ``sample_count`` samples, then (``hashed``) the tensor's 64-bi
 int64 bit patterns. An entry says what names one record and where its row is:
 ``(names, phase, seq, described, part, row, step)``:
 
-- ``names``: ``(name, tensor_index, module, module_class, kind, depth, legacy_name)``, held once per site;
+- ``names``: ``(name, tensor_index, module, module_class, kind, depth, legacy_name, inputs)``, held once per
+  site (``inputs``: None but for an op record);
 - ``described``: ``Described``, what the record says of its tensor (shape, dtype, ...), held once per kind
   of tensor;
 - ``part``, ``row``: the row's host array in ``parts`` and its index; ``part`` is None for a record without
@@ -36,7 +37,8 @@ from .statistics import ACCUMULATED, DERIVED
 __all__ = ["ACCUMULATED_WIDTH", "NAME_FIELDS", "Described", "Entry", "RowBlock"]
 
 ACCUMULATED_WIDTH = len(ACCUMULATED)
-NAME_FIELDS = ("name", "tensor_index", "module", "module_class", "kind", "depth", "legacy_name")  # an entry's names
+NAME_FIELDS = ("name", "tensor_index", "module", "module_class", "kind", "depth", "legacy_name",  # an entry's names
+               "inputs")
 _DESCRIBING = ("shape", "dtype", "layout", "stats_of", "unsupported")
 
 

@@ -110,7 +110,7 @@ class Tracked:
         self.module = module
         self.module_class = module_class
         self.selected = selected
-        self.names = (name, 0, module, module_class, KIND, depth, name)  # probes.dump.rowblock's names
+        self.names = (name, 0, module, module_class, KIND, depth, name, None)  # probes.dump.rowblock's names
         self.state_names: dict[str, tuple] = {}
 
     def state_name(self, key: str) -> tuple:
@@ -118,7 +118,7 @@ class Tracked:
         names = self.state_names.get(key)
         if names is None:
             name = f"{self.name}.{key}"
-            names = self.state_names[key] = (name, *self.names[1:6], name)
+            names = self.state_names[key] = (name, *self.names[1:6], name, None)
         return names
 
 
@@ -405,6 +405,6 @@ class ParameterRecords:
                               f"the step's records say so (\"{FAILED}\"). This warning is not repeated.",
                               ProbeFailureWarning, stacklevel=4)
             if step is not None and step == self._pending:
-                self._rows.add_unsupported_named((FAILED, 0, ROOT_NAME, "", KIND, 0, FAILED), step, self._phase,
+                self._rows.add_unsupported_named((FAILED, 0, ROOT_NAME, "", KIND, 0, FAILED, None), step, self._phase,
                                                  self._next_seq, None, f"probe failed: {reason}")
                 self._next_seq += 1

@@ -51,7 +51,7 @@ def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZ
     subscriber's records (``probes.stats.rows``), read back at once.
     """
     rows = StepRows(rank=0, sample_count=sample_count, bucket_size=bucket_size, run_on_cpu=run_on_cpu, hash=hash)
-    error = rows.add_named(("", 0, "", "", "output", 0, ""), 0, "forward", 0, tensor)
+    error = rows.add_named(("", 0, "", "", "output", 0, "", None), 0, "forward", 0, tensor)
     if error is not None:
         raise error
     record = rows.take()[0].records()[0]

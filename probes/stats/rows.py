@@ -140,8 +140,8 @@ class StepRows:
         key = (site, index, event.call)  # sites hash by identity
         names = self._names.get(key)
         if names is None:
-            names = self._names[key] = (event.record_name(index), index, site.name, site.module_class, site.kind,
-                                        site.depth, site.legacy_name(index))
+            names = self._names[key] = (event.record_name(index), index, site.module, site.module_class, site.kind,
+                                        site.depth, site.legacy_name(index), site.inputs)
         return names
 
     def add_row(self, names: tuple, step: int, phase: str, seq: int, row: torch.Tensor | None,

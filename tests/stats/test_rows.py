@@ -17,7 +17,7 @@ from probes.dump.statistics import ACCUMULATED, DERIVED, STATISTICS, names
 from probes.stats import kernel
 from probes.stats.rows import StepRows
 
-NAMES = ("t.output.0", 0, "t", "T", "output", 1, "T_0_0th_output")
+NAMES = ("t.output.0", 0, "t", "T", "output", 1, "T_0_0th_output", None)
 EXACT = ("numel", "finite", "nan", "inf", "neg", "pos", "zero", "min", "max", "samples", "sample_indices", "shape",
          "dtype", "stats_of", "layout")
 

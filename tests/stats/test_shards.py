@@ -18,7 +18,7 @@ from probes.stats.rows import StepRows
 from probes.stats.shards import ShardRows, ShardSpec, merge_shard_rows, shard_row
 
 COUNT = 8  # samples per record
-NAMES = ("blocks.0.fc.weight", 0, "blocks.0.fc", "Linear", "parameter", 3, "blocks.0.fc.weight")
+NAMES = ("blocks.0.fc.weight", 0, "blocks.0.fc", "Linear", "parameter", 3, "blocks.0.fc.weight", None)
 EXACT = ("numel", "finite", "nan", "inf", "neg", "pos", "zero", "min", "max", "samples", "sample_indices", "shape",
          "dtype")
 
