@@ -37,6 +37,7 @@ from .handles import Handle
 Symbolic = Callable[..., Any]
 
 SUPPORTED_TORCH = ((2, 1), (2, 15))
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 class TorchInternalsError(RuntimeError):
@@ -465,3 +466,30 @@ def writes_or_aliases(func: Any) -> bool:
     """Whether an operator writes into an argument or returns a view of one (its schema's alias annotations)."""
     schema = func._schema
     return schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns)
+
+
+def dynamo_traces_function_modes() -> bool:
+    """Whether dynamo traces a ``TorchFunctionMode`` entered inside the program it compiles (torch 2.4 cannot
+    construct or enter one there; 2.6 and later trace its ``__torch_function__``)."""
+    return _TORCH_VERSION >= (2, 6)
+
+
+def torch_function_aliases(name: str) -> bool:
+    """Whether the aten operators named ``name`` (a torch function's name: ``reshape``, ``add_``) return a view
+    of an argument or write into one, by their schemas' alias annotations; False for a name aten lacks."""
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if packet is None or not hasattr(packet, "overloads"):
+        return False
+    for overload in packet.overloads():
+        schema = getattr(getattr(packet, overload, None), "_schema", None)
+        if schema is None:
+            raise _missing(f"torch.ops.aten.{name}.{overload}._schema")
+        if any(argument.type.kind() == "StringType" for argument in schema.arguments[:1]):
+            continue  # aten::split.str and its kind: Python's str methods, not tensor operators
+        written = [argument for argument in schema.arguments
+                   if argument.alias_info is not None and argument.alias_info.is_write]
+        if written and all(argument.kwarg_only for argument in written):
+            continue  # an ``out=`` variant (``out``, ``values``, ...): writes only into its keyword-only outputs
+        if written or any(ret.alias_info is not None for ret in schema.returns):
+            return True
+    return False

@@ -11,6 +11,7 @@ dynamo could guard on: the graph holds only constant ids.
     outputs = probe(key, site, tensors)   # a hook while dynamo traces: probe Function -> op node
     outputs = boundary(key, tensors)      # the root's outputs: the forward returned / the backward reached the root
     tensor = inspect(key, name, tensor)   # an ``inspect_activation`` call
+    outputs = probe_op(key, name, tensors)   # an operation inside an op-selected module (probes.core.ops)
     OPS.unregister(key)                   # at unsubscribe: the ops of its graphs do nothing from then on
 
 The stages:
@@ -56,10 +57,11 @@ if TYPE_CHECKING:
     from .sites import ProbeSite
     from .steps import StepTracker
 
-# What an op call is: a module's input or output probe, the root's step boundary, or an
-# ``inspect_activation`` call (its site is made when it first runs, by name, by the owner: making one
-# while tracing would be Python side effects dynamo cannot put in a graph).
-_INPUT, _OUTPUT, _BOUNDARY, _INSPECT = 0, 1, 2, 3
+# What an op call is: a module's input or output probe, the root's step boundary, an ``inspect_activation``
+# call or an operation inside an op-selected module (``probes.core.ops``). The last two's sites are made when
+# they first run, by name, by the owner: making one while tracing would be Python side effects dynamo cannot
+# put in a graph.
+_INPUT, _OUTPUT, _BOUNDARY, _INSPECT, _OP = 0, 1, 2, 3, 4
 
 
 class SiteOwner(Protocol):
@@ -72,6 +74,9 @@ class SiteOwner(Protocol):
 
     def inspect_site(self, name: str) -> "ProbeSite":
         """The site of the ``inspect_activation`` name ``name``."""
+
+    def op_site(self, name: str) -> "ProbeSite | None":
+        """The site of the operation ``name`` (``<module>/<op>:<k>``); None if its module is not subscribed."""
 
 
 class CompiledOps:
@@ -186,7 +191,12 @@ def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int
     if what == _BOUNDARY:  # may raise on purpose where a phase ends (the anomaly sentinel): not caught
         tracker.backward_reached_root() if backward else tracker.forward_returned()
         return
-    site = owner.inspect_site(name) if what == _INSPECT else owner.module_site(module, "input" if what == _INPUT else "output")
+    if what == _INSPECT:
+        site = owner.inspect_site(name)
+    elif what == _OP:
+        site = owner.op_site(name)
+    else:
+        site = owner.module_site(module, "input" if what == _INPUT else "output")
     if site is None:
         return
     try:
@@ -255,6 +265,11 @@ def probe(key: int, site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> tuple
 def inspect(key: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Pass ``tensor`` through the probe of the ``inspect_activation`` name ``name`` of subscription ``key``."""
     return _pass(key, -1, _INSPECT, (tensor,), name)[0]
+
+
+def probe_op(key: int, name: str, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Pass an operation's output ``tensors`` through the probe of the op site ``name`` of subscription ``key``."""
+    return _pass(key, -1, _OP, tensors, name)
 
 
 def boundary(key: int, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -14,12 +14,13 @@ into its graph as a PythonOp and calls its Python code on every step:
 
 *Per-step calls* come from the manager's own probe Function, in eager PyTorch and in ORT alike,
 only for the steps, sites and phases the subscriber selects (``start_step``/``end_step``,
-``every_n_steps``/``steps``, ``modules``/``exclude_modules``, ``phases``: ``probes.core.selection``)
+``every_n_steps``/``steps``, ``modules``/``exclude_modules``, ``phases``, ``ops``: ``probes.core.selection``)
 and never during an export:
 
 - ``on_forward(event, tensors)``: the tensors of a module's outputs (``event.site.kind ==
-  "output"``), of its inputs (``"input"``, only if ``observe_inputs``) or of an
-  ``inspect_activation`` call (``"inspect"``); ``tensors[i]`` is the i-th tensor of the flattened
+  "output"``), of its inputs (``"input"``, only if ``observe_inputs`` or its operations are selected), of an
+  ``inspect_activation`` call (``"inspect"``) or of an operation inside a module selected by ``ops``
+  (``"op"``); ``tensors[i]`` is the i-th tensor of the flattened
   structure, named ``event.record_name(i)``.
   A forward recomputed by activation checkpointing is not reported, unless ``observe_recompute``
   (then with ``event.phase == "recompute"``).
@@ -77,6 +78,8 @@ class SubscriberBase:
     - ``modules``, ``exclude_modules``: glob patterns (or ``"re:<regex>"``) matched against each
       module's qualified name (the root is ``"<root>"``) and its class name; inspect sites by name.
     - ``phases``: ``"forward"``, ``"backward"`` or both (None).
+    - ``ops``: patterns of the modules whose every torch operation gets a record (``<module>/<op>:<k>``,
+      site kind ``"op"``; ``probes.core.ops``); None: none.
 
     Usage::
 
@@ -93,9 +96,9 @@ class SubscriberBase:
     def __init__(self, start_step: int | None = None, end_step: int | None = None, *,
                  every_n_steps: int | None = None, steps: Iterable[int] | None = None,
                  modules: str | Sequence[str] | None = None, exclude_modules: str | Sequence[str] | None = None,
-                 phases: str | Sequence[str] | None = None) -> None:
+                 phases: str | Sequence[str] | None = None, ops: str | Sequence[str] | None = None) -> None:
         self.selection = Selection.of(start_step, end_step, every_n_steps=every_n_steps, steps=steps,
-                                      modules=modules, exclude_modules=exclude_modules, phases=phases)
+                                      modules=modules, exclude_modules=exclude_modules, phases=phases, ops=ops)
 
     @property
     def start_step(self) -> int:

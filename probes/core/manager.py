@@ -42,6 +42,7 @@ from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
 from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteProbe, apply_boundary, apply_probe, can_probe
+from .ops import OpRecorder, Scope
 from .steps import StepTracker
 from .interface import SubscriberBase
 from .sites import ProbeSite
@@ -126,6 +127,10 @@ class SubscriberManager:
         # True while an eager root forward runs whose step no observer records (and nothing builds the graph):
         # the hooks of its modules have nothing to do. Never set while dynamo traces or a model is exported.
         self._left_out_forward = False
+        self._ops = OpRecorder(self._probe_op)  # the operations inside modules selected by ``ops=`` (probes.core.ops)
+        self._op_sites: dict[str, ProbeSite] = {}
+        self._module_indices: dict[str, int] = {}  # qualified name -> module index
+        self._records_ops = False  # some module's operations are recorded
 
     # Public API -----------------------------------------------------------------------------
 
@@ -199,6 +204,10 @@ class SubscriberManager:
         self._uncompilable_warned.clear()
         self._builders = ()
         self._left_out_forward = False
+        self._ops.close()
+        self._op_sites.clear()
+        self._module_indices.clear()
+        self._records_ops = False
         for subscriber in subscribers:
             subscriber.close()
 
@@ -258,7 +267,15 @@ class SubscriberManager:
         site = self.inspect_site(name, type(tensor).__name__)
         if not self.tracker.wants_site(site):
             return tensor
-        (probed,) = apply_probe(self._probes[site], tensor)
+        if not self._ops.scopes:
+            (probed,) = apply_probe(self._probes[site], tensor)
+            return probed
+        self._ops.pause()  # the subscribers' own torch calls are no operation of the model
+        try:
+            (probed,) = apply_probe(self._probes[site], tensor)
+        finally:
+            self._ops.unpause()
+        self._ops.produced((probed,), (site.record_name(0),))
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
@@ -268,6 +285,29 @@ class SubscriberManager:
             site = self._inspect_sites[name] = ProbeSite(name, "inspect", -1, -1, tensor_class)
             self._probes[site] = SiteProbe(self.tracker, site)
         return site
+
+    def op_site(self, name: str, inputs: list[str] | None = None) -> ProbeSite | None:
+        """The site of the operation ``name`` (``<module>/<op>:<k>``, made on first use); None when its module is
+        not one of this subscription's."""
+        site = self._op_sites.get(name)
+        if site is None:
+            index = self._module_indices.get(name.rpartition("/")[0])
+            if index is None:
+                return None
+            module = self._module_sites[index][1]
+            site = self._op_sites[name] = ProbeSite(name, "op", index, module.depth + 1, module.module_class, inputs)
+            self._probes[site] = SiteProbe(self.tracker, site)
+        return site
+
+    def _probe_op(self, scope: Scope, name: str, inputs: list[str] | None,
+                  tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor] | None:
+        """The ``OpRecorder``'s probe: an operation's output tensors through the probe of its site."""
+        if torch.compiler.is_compiling():
+            return compiled.probe_op(self._compiled_key, name, tensors)
+        site = self.op_site(name, inputs)
+        if site is None or not self.tracker.wants_site(site) or self.tracker.failures.is_off(site):
+            return None
+        return apply_probe(self._probes[site], *tensors)
 
     def module_site(self, module_index: int, kind: str) -> ProbeSite | None:
         """The ``"input"`` or ``"output"`` site of the module at ``module_index`` (None outside the subscription)."""
@@ -289,21 +329,24 @@ class SubscriberManager:
             inputs, outputs = (ProbeSite(qualified, kind, index, depth, type(module).__name__)
                                for kind in ("input", "output"))
             self._module_sites.append((inputs, outputs))
+            self._module_indices[qualified] = index
             self._probes.update({site: SiteProbe(self.tracker, site) for site in (inputs, outputs)})
             probe_inputs = self.tracker.wants_site(inputs)
             probe_outputs = self.tracker.wants_site(outputs)
-            if index != 0 and not (builders or probe_inputs or probe_outputs):
+            ops = self.tracker.wants_ops(outputs)
+            self._records_ops |= ops
+            if index != 0 and not (builders or probe_inputs or probe_outputs or ops):
                 continue  # nobody wants this module: no hook, no cost
-            pre, post = self._module_hooks(inputs, outputs, index == 0, probe_inputs, probe_outputs)
+            pre, post = self._module_hooks(inputs, outputs, index == 0, probe_inputs, probe_outputs, ops)
             if index == 0:  # inside the root's forward, not hooks: see rootcall (one torch.compile frame)
-                self._handles.append(rootcall.wrap_forward(module, pre, post, around=self._schema_run_scope))
+                self._handles.append(rootcall.wrap_forward(module, pre, post, around=self._root_call_scope))
                 continue
-            if builders or probe_inputs:  # a pre-hook with nothing to do would still cost every call
+            if builders or probe_inputs or ops:  # a pre-hook with nothing to do would still cost every call
                 self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(post))
 
     def _module_hooks(self, inputs: ProbeSite, outputs: ProbeSite, is_root: bool, probe_inputs: bool,
-                      probe_outputs: bool) -> tuple[Callable, Callable]:
+                      probe_outputs: bool, ops: bool) -> tuple[Callable, Callable]:
         """A module's forward pre-hook and forward hook.
 
         Closures, not bound methods or partials: ORTModule deep-copies the model, hooks included, before
@@ -319,40 +362,63 @@ class SubscriberManager:
         @_torch_compat.not_compiled_as_frame
         def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if torch.compiler.is_compiling():
-                return self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+                args, kwargs = self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
+                if ops:
+                    self._open_ops(outputs)
+                return args, kwargs
             if self._left_out_forward and not is_root:  # (read after the check above: dynamo never guards on it)
                 return args, kwargs
             return _torch_compat.call_uncompiled(self._eager_pre_forward_hook, inputs, is_root, probe_inputs,
-                                                 module, args, kwargs)
+                                                 module, args, kwargs, outputs if ops else None)
 
         @_torch_compat.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
             if torch.compiler.is_compiling():
+                if ops:
+                    self._ops.leave(outputs.module_index)
                 return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
             if self._left_out_forward and not is_root:
                 return result
             return _torch_compat.call_uncompiled(self._eager_post_forward_hook, outputs, is_root, probe_outputs,
-                                                 module, args, result)
+                                                 module, args, result, ops)
 
         return pre_forward, post_forward
 
     def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
-                                args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+                                args: tuple, kwargs: dict, ops: ProbeSite | None) -> tuple[tuple, dict]:
         if is_root:  # the whole eager forward is left out when its step is: its modules' hooks return at once
             probes_now = self._probes_now()
             self._left_out_forward = not (self._builders or probes_now)
             probe = probe and probes_now
         else:
             probe = probe and self._probes_now()
+        ops = ops if ops is not None and (_ort_compat.is_exporting() or self.tracker.ops_observed_now(ops)) else None
         if not (probe or is_root or self._builders):  # a left-out step: nothing to do
             return args, kwargs
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
         if self._run_by_compiler(site):
             return args, kwargs
-        return self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
+        recorder = self._ops
+        if not recorder.scopes:
+            args, kwargs = self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
+        else:
+            recorder.pause()  # the probes' own torch calls are no operation of the model
+            try:
+                args, kwargs = self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
+            finally:
+                recorder.unpause()
+        if ops is not None:
+            if probe:  # the op records name the module's inputs they read
+                tensors = TensorLeaves.of((args, kwargs), select=self._select()).tensors
+                recorder.produced(tensors, [site.record_name(i) for i in range(len(tensors))])
+            self._open_ops(ops)
+        return args, kwargs
 
     def _eager_post_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
-                                 args: tuple, outputs: Any) -> Any:
+                                 args: tuple, outputs: Any, ops: bool) -> Any:
+        recorder = self._ops
+        if ops:
+            recorder.leave(site.module_index)
         if is_root:
             self._left_out_forward = False
         probe = probe and self._probes_now()
@@ -360,7 +426,39 @@ class SubscriberManager:
             return outputs
         if self._run_by_compiler(site):
             return outputs
-        return self._post_forward_hook(site, is_root, probe, module, args, outputs)
+        if not recorder.scopes:
+            return self._post_forward_hook(site, is_root, probe, module, args, outputs)
+        recorder.pause()
+        try:
+            outputs = self._post_forward_hook(site, is_root, probe, module, args, outputs)
+        finally:
+            recorder.unpause()
+        if probe:  # the enclosing module's op records name the outputs they read
+            tensors = TensorLeaves.of(outputs, select=self._select()).tensors
+            recorder.produced(tensors, [site.record_name(i) for i in range(len(tensors))])
+        return outputs
+
+    def _open_ops(self, site: ProbeSite) -> None:
+        """The operations the module of ``site`` calls from now until its forward ends get records."""
+        if torch.compiler.is_compiling() and not _torch_compat.dynamo_traces_function_modes():
+            _warn_ops_uncompiled()
+            return
+        self._ops.enter(Scope(site.name, site.module_index, site.depth, site.module_class))
+
+    def _select(self) -> Callable[[Any], bool]:
+        return _is_probeable_traced if torch.jit.is_tracing() else _is_probeable
+
+    def _root_call_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
+        """The context of the root's whole call: the schema run's (below), and closing the op recorder at its end,
+        also when the forward raised (no module's forward is running then)."""
+        schema = self._schema_run_scope(root)
+        if not self._records_ops or torch.compiler.is_compiling():
+            return schema
+        stack = contextlib.ExitStack()
+        stack.callback(self._ops.close)
+        if schema is not None:
+            stack.enter_context(schema)
+        return stack
 
     def _probes_now(self) -> bool:
         """Whether an eager call inserts its probe: some observer records the step it belongs to. A left-out
@@ -506,6 +604,14 @@ def _is_probeable(leaf: Any) -> bool:
 def _is_probeable_traced(leaf: Any) -> bool:
     """Inside a TorchScript trace: not the tracer's stand-in for a number the code holds as an int in eager."""
     return _is_probeable(leaf) and not _torch_compat.is_traced_number(leaf)
+
+
+@_torch_compat.constant_while_tracing  # called by dynamo while it traces: the warning is issued then, once
+def _warn_ops_uncompiled() -> bool:
+    warnings.warn(f"probes: op records (ops=) under torch.compile need torch >= 2.6 (this is {torch.__version__}): "
+                  "the compiled modules get module records only; eager and ORTModule runs get op records.",
+                  stacklevel=2)
+    return True
 
 
 def _warn_unobserved(site: ProbeSite, tensors: Sequence[torch.Tensor]) -> None:

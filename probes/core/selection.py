@@ -1,7 +1,7 @@
 """What a subscriber records: which steps, which sites (modules), which phases.
 
     selection = Selection.of(start_step=0, every_n_steps=10, modules="blocks.*", exclude_modules="re:.*drop.*",
-                             phases="forward")
+                             phases="forward", ops="blocks.0.attn")
     selection.wants_step(20), selection.wants_site(site), selection.wants_phase("backward")
 
 Every subscriber holds one (``SubscriberBase.selection``, made from its keyword arguments); the step
@@ -20,6 +20,10 @@ The rules:
   pattern is given or one matches, and no exclude pattern matches. Patterns match each site on its
   own: ``"encoder"`` selects only the module ``encoder``, ``"encoder.*"`` its descendants,
   ``"encoder*"`` both.
+- Operations: ``ops`` patterns (the same rule, on module names and classes) choose the modules whose every
+  torch operation gets a record of its own (``probes.core.ops``: ``<module>/<op>:<k>.output.<i>``); such a
+  module's inputs and outputs are recorded too, whatever ``modules`` says, so that its ops' records have
+  their inputs. No ``ops``: no op records.
 - Phases: ``"forward"``, ``"backward"``; a forward recomputed by activation checkpointing
   (``"recompute"``, only for subscribers with ``observe_recompute``) follows ``"forward"``.
 """
@@ -51,19 +55,22 @@ class Selection:
     modules: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] = ()
     phases: frozenset[str] = frozenset(SELECTABLE)
+    ops: tuple[str, ...] = ()
     _include: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
     _exclude: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
+    _ops: tuple[Callable[[str], bool], ...] = field(default=(), init=False, repr=False, compare=False)
     _site_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_include", tuple(compile_pattern(p, "modules") for p in self.modules))
+        object.__setattr__(self, "_ops", tuple(compile_pattern(p, "ops") for p in self.ops))
         object.__setattr__(self, "_exclude", tuple(compile_pattern(p, "exclude_modules") for p in self.exclude_modules))
 
     @classmethod
     def of(cls, start_step: int | None = None, end_step: int | None = None, *, every_n_steps: int | None = None,
            steps: Iterable[int] | None = None, modules: str | Sequence[str] | None = None,
            exclude_modules: str | Sequence[str] | None = None,
-           phases: str | Sequence[str] | None = None) -> "Selection":
+           phases: str | Sequence[str] | None = None, ops: str | Sequence[str] | None = None) -> "Selection":
         """A checked selection; every bad argument is a ValueError saying what is wrong and what to pass.
 
             Selection.of(every_n_steps=10, modules=["blocks.*", "re:.*attn.*"], phases="forward")
@@ -83,9 +90,11 @@ class Selection:
             chosen = frozenset(check_int(step, "every entry of steps (a step number)") for step in steps)
             if not chosen:
                 raise ValueError("steps is empty, so nothing would be recorded; pass None to record every step")
+        if ops is not None and not isinstance(ops, str) and isinstance(ops, (list, tuple, set, frozenset)) and not ops:
+            raise ValueError("ops is empty; pass None to record no operations, or module patterns (\"blocks.0.attn\")")
         return cls(start_step=start, end_step=end, every_n_steps=every_n_steps, steps=chosen,
                    modules=check_patterns(modules, "modules"), exclude_modules=check_patterns(exclude_modules, "exclude_modules"),
-                   phases=_phases(phases))
+                   phases=_phases(phases), ops=check_patterns(ops, "ops"))
 
     @property
     def selects_sites(self) -> bool:
@@ -103,12 +112,25 @@ class Selection:
         return (phase if phase != RECOMPUTE else "forward") in self.phases
 
     def wants_site(self, site: "ProbeSite") -> bool:
-        if not self.selects_sites:
+        if site.kind == "op":
+            return self.wants_ops(site.module, site.module_class)
+        if not self.selects_sites or (self._ops and site.kind != "inspect"
+                                      and self.wants_ops(site.name, site.module_class)):
             return True
         key = (site.name, site.module_class if site.kind != "inspect" else None)
         wanted = self._site_cache.get(key)
         if wanted is None:
             wanted = self._site_cache[key] = self.wants_names(*key)
+        return wanted
+
+    def wants_ops(self, module: str, module_class: str) -> bool:
+        """Whether the operations called inside the module of this qualified name and class get records (``ops``)."""
+        if not self._ops:
+            return False
+        key = ("ops", module, module_class)
+        wanted = self._site_cache.get(key)
+        if wanted is None:
+            wanted = self._site_cache[key] = any(match(module) or match(module_class) for match in self._ops)
         return wanted
 
     def wants_names(self, name: str, module_class: str | None) -> bool:

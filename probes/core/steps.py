@@ -170,11 +170,25 @@ class StepTracker:
         (the open step, or the next one when the open step's forward is over and no backward runs)."""
         if self.paused:
             return False
+        return bool(self._active_observers(self._step_now())[1])
+
+    def _step_now(self) -> int:
         state = self.state
         step = state.open_step
         if step is None or (state.forward_done and _torch_compat.current_backward() is None):
             step = state.step
-        return bool(self._active_observers(step)[1])
+        return step
+
+    def wants_ops(self, site: ProbeSite) -> bool:
+        """Whether some observer records the operations inside the module of ``site`` (``ops=``) in some step."""
+        return any(s.selection.wants_ops(site.name, site.module_class) for s in self._observers)
+
+    def ops_observed_now(self, site: ProbeSite) -> bool:
+        """Whether an observer that records the operations inside ``site``'s module records the step now."""
+        if self.paused:
+            return False
+        return any(s.selection.wants_ops(site.name, site.module_class)
+                   for s in self._active_observers(self._step_now())[1])
 
     # Called by the probe Functions ------------------------------------------------------------
 
@@ -354,8 +368,8 @@ class StepTracker:
     def _wanting_at(self, site: ProbeSite) -> dict[str, tuple[SubscriberBase, ...]]:
         wanting = self._wanting.get(site)
         if wanting is None:
-            eligible = [s for s in self._observers
-                        if (site.kind != "input" or s.observe_inputs) and s.selection.wants_site(site)]
+            eligible = [s for s in self._observers if s.selection.wants_site(site) and (
+                site.kind != "input" or s.observe_inputs or s.selection.wants_ops(site.name, site.module_class))]
             wanting = self._wanting[site] = {
                 phase: tuple(s for s in eligible if s.selection.wants_phase(phase)
                              and (phase != "recompute" or s.observe_recompute))

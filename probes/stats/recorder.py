@@ -86,6 +86,10 @@ class StatisticsSubscriber(SubscriberBase):
             module on its own (``"blocks.*"`` selects the descendants of ``blocks``); modules nobody
             records get no probe.
         phases: any of "forward", "backward", "grad", "param", "optim" (None: all).
+        ops: module patterns (the same rule) whose every torch operation gets a record of its outputs and
+            their gradients, named ``<module>/<op>:<k>.output.<i>`` (the k-th call of ``op`` in one call of
+            the module), e.g. ``ops="encoder.layers.0.self_attn", steps=[0]``; those modules' inputs and
+            outputs are recorded too. None (default): no op records ([ops](docs/ops.md)).
             The selection decides what is recorded, and so what ``on_anomaly`` checks: only recorded records.
         on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
             is finished, e.g. ``probes.sinks.LiveTensorBoard("tb")`` (TensorBoard while training).
@@ -130,9 +134,10 @@ class StatisticsSubscriber(SubscriberBase):
         modules: str | Sequence[str] | None = None,
         exclude_modules: str | Sequence[str] | None = None,
         phases: str | Sequence[str] | None = None,
+        ops: str | Sequence[str] | None = None,
     ) -> None:
         super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
-                         exclude_modules=exclude_modules, phases=phases)
+                         exclude_modules=exclude_modules, phases=phases, ops=ops)
         if optimizer_state and not parameters:
             raise ValueError("optimizer_state=True needs parameters=True (the state is recorded with the update)")
         if max_abs is not None and on_anomaly is None:

@@ -174,9 +174,9 @@ class AnomalySentinel(SubscriberBase):
                  end_step: int | None = None, observe_inputs: bool = False, every_n_steps: int | None = None,
                  steps: Iterable[int] | None = None, modules: str | Sequence[str] | None = None,
                  exclude_modules: str | Sequence[str] | None = None,
-                 phases: str | Sequence[str] | None = None) -> None:
+                 phases: str | Sequence[str] | None = None, ops: str | Sequence[str] | None = None) -> None:
         super().__init__(start_step, end_step, every_n_steps=every_n_steps, steps=steps, modules=modules,
-                         exclude_modules=exclude_modules, phases=phases)
+                         exclude_modules=exclude_modules, phases=phases, ops=ops)
         self.watch = AnomalyWatch(action=action, max_abs=max_abs)
         self.observe_inputs = observe_inputs
         self.rank = process_rank()

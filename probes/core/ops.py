@@ -1,0 +1,201 @@
+"""Op-level records: every torch operation called inside chosen modules passes through a probe of its own.
+
+    StatisticsSubscriber("out", ops="encoder.layers.0.*", steps=[0])   # what a user writes
+    recorder = OpRecorder(manager._probe_op)                          # the manager owns one
+    recorder.enter(scope)                # an op-selected module's forward begins (its pre-hook)
+    recorder.leave(scope.module_index)   # ... and ends (its forward hook)
+    recorder.close()                     # the root's call ended (also when it raised): no scope, no provenance
+
+The stages:
+
+1. *Scope*: the manager opens a ``Scope`` (module name, index, depth, class) when the forward of a module
+   whose operations some subscriber selects (``ops=``) begins, and closes it when the forward ends. While
+   a scope is open, the recorder is a ``TorchFunctionMode``: it sees each call of a torch function (``torch.*``,
+   ``torch.nn.functional.*``, ``Tensor`` methods and operators) made by the model's Python code. Calls made
+   inside such a call (``F.softmax`` calling ``Tensor.softmax``) are not seen again: a record is one call the
+   model's code made, the same Python call in eager, in ORTModule's export trace and in dynamo's trace.
+2. *Name*: the call's record is ``<module>/<op>:<k>``: the innermost open scope's module, the function's name
+   (underscores stripped: ``__matmul__`` is ``matmul``), and the count of earlier calls of that op in this call
+   of the module. The same code gives the same names on every backend and in every run.
+3. *Probe*: the call's floating-point tensor outputs pass through the manager's probe for that name
+   (eager: ``TensorProbe``, which ORTModule's export turns into a PythonOp; dynamo: the compiled probe ops),
+   so forward and backward get records like a module's outputs.
+4. *Provenance*: each op site lists, for each tensor argument, the record name it was (an earlier op's output,
+   the module's inputs, a submodule's outputs), so that compare can tell an error made by the op from one that
+   reached it. Not under dynamo (identity of traced tensors is not traceable): there the list is empty.
+
+Calls left out, because a record of them would say nothing new or could change training: calls with no tensor
+argument (constants: ``torch.zeros``, ``arange``), views and in-place or ``out=`` calls (by the aten schema's
+alias annotations: a probe's output is a new tensor, and an in-place write through a probed view would not reach
+its base's autograd history), indexing (``x[...]``), ``clone``/``contiguous``/``detach``, a cast that keeps the
+dtype, and outputs that are not floating point.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from exporters import _torch_compat
+
+__all__ = ["OpRecorder", "Scope"]
+
+_INPLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                                "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                                "__irshift__", "__setitem__", "__set__", "__get__", "__getitem__", "__delitem__"})
+_COPIES = frozenset({"clone", "contiguous", "detach", "detach_", "requires_grad_", "retain_grad", "data_ptr"})
+_CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+
+
+@_torch_compat.constant_while_tracing
+def op_name(func: Callable) -> str | None:
+    """The name an op record gets for calls of ``func``, or None for a call left out (see the module docstring)."""
+    return _op_name(func)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_name(func: Callable) -> str | None:
+    raw = getattr(func, "__name__", None)
+    if not isinstance(raw, str) or raw in _INPLACE_OPERATORS or raw in _COPIES:
+        return None
+    if getattr(func, "namespace", None) is not None:  # ``torch.ops.*`` (the probes' own compiled ops among them)
+        return None
+    name = raw.strip("_")
+    if not name or (raw.endswith("_") and not raw.endswith("__")):  # ``add_``: in place
+        return None
+    if name in _CASTS:
+        return name
+    return None if _torch_compat.torch_function_aliases(name) else name
+
+
+@dataclass(eq=False)
+class Scope:
+    """One call of an op-selected module: where its operations' records belong."""
+
+    module: str  # the module's qualified name
+    module_index: int
+    depth: int
+    module_class: str
+    counts: dict[str, int] = field(default_factory=dict)  # calls of each op so far in this call of the module
+
+
+ProbeOp = Callable[[Scope, str, "list[str] | None", Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+
+
+class OpRecorder(TorchFunctionMode):
+    """Sees the torch function calls made inside open scopes and passes their outputs through ``probe``.
+
+    ``probe(scope, name, inputs, tensors)`` returns the tensors to continue with (the manager's probe of the op
+    site ``name``); ``inputs`` is the provenance list (None under dynamo). ``paused()`` while the probes' own code
+    runs inside a scope (hooks, subscribers), whose torch calls are not the model's.
+    """
+
+    def __init__(self, probe: ProbeOp) -> None:
+        super().__init__()
+        self._probe = probe
+        self.scopes: list[Scope] = []
+        self._entered = False
+        self._paused = 0
+        # id(tensor) -> (weak reference, record name): where the tensors the model holds now came from.
+        self._producers: dict[int, tuple[weakref.ref, str]] = {}
+
+    # Scopes ---------------------------------------------------------------------------------------
+
+    def enter(self, scope: Scope) -> None:
+        if not self.scopes and not self._entered:
+            self.__enter__()
+            self._entered = True
+        self.scopes.append(scope)
+
+    def leave(self, module_index: int) -> None:
+        """Closes the innermost scope of that module (and any scope a raising forward left open inside it)."""
+        scopes = self.scopes
+        for position in range(len(scopes) - 1, -1, -1):
+            if scopes[position].module_index == module_index:
+                del scopes[position:]
+                break
+        if not scopes and self._entered:
+            self._entered = False
+            self.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Leaves the mode and forgets the step's provenance (the root's forward ended, or raised)."""
+        self.scopes.clear()
+        self._producers.clear()
+        if self._entered:
+            self._entered = False
+            self.__exit__(None, None, None)
+
+    @property
+    def recording(self) -> bool:
+        return bool(self.scopes) and not self._paused
+
+    def pause(self) -> None:
+        self._paused += 1
+
+    def unpause(self) -> None:
+        self._paused -= 1
+
+    # Provenance -----------------------------------------------------------------------------------
+
+    def produced(self, tensors: Sequence[Any], names: Sequence[str]) -> None:
+        """``tensors[i]`` is the record ``names[i]`` from now on (eager and export traces only)."""
+        if torch.compiler.is_compiling():
+            return
+        for tensor, name in zip(tensors, names):
+            if isinstance(tensor, torch.Tensor):
+                self._producers[id(tensor)] = (weakref.ref(tensor), name)
+
+    def _source(self, tensor: torch.Tensor) -> str:
+        known = self._producers.get(id(tensor))
+        return known[1] if known is not None and known[0]() is tensor else ""
+
+    # The mode -------------------------------------------------------------------------------------
+
+    def __torch_function__(self, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if not self.scopes or self._paused:
+            return result
+        name = op_name(func)
+        if name is None or "out" in kwargs:
+            return result
+        arguments = [leaf for leaf in (*args, *kwargs.values()) if isinstance(leaf, torch.Tensor)]
+        arguments += [item for leaf in args if isinstance(leaf, (list, tuple))
+                      for item in leaf if isinstance(item, torch.Tensor)]
+        if not arguments:
+            return result
+        single = isinstance(result, torch.Tensor)
+        outputs = (result,) if single else result if type(result) in (tuple, list) else None
+        if outputs is None:
+            return result
+        positions = [i for i, out in enumerate(outputs) if isinstance(out, torch.Tensor) and out.is_floating_point()
+                     and not _torch_compat.is_traced_number(out)]
+        if name in _CASTS:  # a cast records what it changed: a cast to the same dtype is no operation
+            positions = [i for i in positions if outputs[i].dtype != arguments[0].dtype]
+        if not positions:
+            return result
+        scope = self.scopes[-1]
+        count = scope.counts.get(name, 0)
+        scope.counts[name] = count + 1
+        site_name = f"{scope.module}/{name}:{count}"
+        inputs = None if torch.compiler.is_compiling() else [self._source(tensor) for tensor in arguments]
+        self._paused += 1
+        try:
+            probed = self._probe(scope, site_name, inputs, [outputs[i] for i in positions])
+        finally:
+            self._paused -= 1
+        if probed is None:
+            return result
+        replaced = list(outputs)
+        for i, tensor in zip(positions, probed):
+            replaced[i] = tensor
+        self.produced([replaced[i] for i in positions], [f"{site_name}.output.{k}" for k in range(len(positions))])
+        if single:
+            return replaced[0]
+        return type(result)(replaced) if type(result) is tuple or type(result) is list else result
