@@ -393,7 +393,7 @@ class SubscriberManager:
         else:
             probe = probe and self._probes_now()
         ops = ops if ops is not None and (_ort_compat.is_exporting() or self.tracker.ops_observed_now(ops)) else None
-        if not (probe or is_root or self._builders):  # a left-out step: nothing to do
+        if not (probe or is_root or self._builders or ops):  # a left-out step: nothing to do
             return args, kwargs
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
         if self._run_by_compiler(site):
@@ -427,13 +427,14 @@ class SubscriberManager:
         if self._run_by_compiler(site):
             return outputs
         if not recorder.scopes:
-            return self._post_forward_hook(site, is_root, probe, module, args, outputs)
-        recorder.pause()
-        try:
             outputs = self._post_forward_hook(site, is_root, probe, module, args, outputs)
-        finally:
-            recorder.unpause()
-        if probe:  # the enclosing module's op records name the outputs they read
+        else:
+            recorder.pause()
+            try:
+                outputs = self._post_forward_hook(site, is_root, probe, module, args, outputs)
+            finally:
+                recorder.unpause()
+        if probe and self._records_ops and not is_root:  # op records name the module outputs they read
             tensors = TensorLeaves.of(outputs, select=self._select()).tensors
             recorder.produced(tensors, [site.record_name(i) for i in range(len(tensors))])
         return outputs

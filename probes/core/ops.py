@@ -25,10 +25,11 @@ The stages:
    reached it. Not under dynamo (identity of traced tensors is not traceable): there the list is empty.
 
 Calls left out, because a record of them would say nothing new or could change training: calls with no tensor
-argument (constants: ``torch.zeros``, ``arange``), views and in-place or ``out=`` calls (by the aten schema's
+argument and ``*_like``/``new_*`` (constants: ``torch.zeros``, ``arange``, ``empty_like``), views and in-place or ``out=`` calls (by the aten schema's
 alias annotations: a probe's output is a new tensor, and an in-place write through a probed view would not reach
 its base's autograd history), indexing (``x[...]``), ``clone``/``contiguous``/``detach``, a cast that keeps the
-dtype, and outputs that are not floating point.
+dtype, an output that is one of the arguments (dropout in eval), and outputs that are not floating point.
+Direct calls of ``torch.ops.*`` operators are left out too (the model's code calls torch functions).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def _op_name(func: Callable) -> str | None:
         return None
     if name in _CASTS:
         return name
+    if name.endswith("_like") or name.startswith("new_"):  # ``empty_like``, ``new_zeros``: constants of a shape
+        return None
     return None if _torch_compat.torch_function_aliases(name) else name
 
 
@@ -175,6 +178,7 @@ class OpRecorder(TorchFunctionMode):
         if outputs is None:
             return result
         positions = [i for i, out in enumerate(outputs) if isinstance(out, torch.Tensor) and out.is_floating_point()
+                     and not any(out is argument for argument in arguments)  # returned as it came: no operation
                      and not _torch_compat.is_traced_number(out)]
         if name in _CASTS:  # a cast records what it changed: a cast to the same dtype is no operation
             positions = [i for i in positions if outputs[i].dtype != arguments[0].dtype]

@@ -22,8 +22,8 @@ The rules:
   ``"encoder*"`` both.
 - Operations: ``ops`` patterns (the same rule, on module names and classes) choose the modules whose every
   torch operation gets a record of its own (``probes.core.ops``: ``<module>/<op>:<k>.output.<i>``); such a
-  module's inputs and outputs are recorded too, whatever ``modules`` says, so that its ops' records have
-  their inputs. No ``ops``: no op records.
+  module's outputs are recorded too, whatever ``modules`` says (its op records nest under them). No ``ops``:
+  no op records.
 - Phases: ``"forward"``, ``"backward"``; a forward recomputed by activation checkpointing
   (``"recompute"``, only for subscribers with ``observe_recompute``) follows ``"forward"``.
 """
@@ -114,7 +114,7 @@ class Selection:
     def wants_site(self, site: "ProbeSite") -> bool:
         if site.kind == "op":
             return self.wants_ops(site.module, site.module_class)
-        if not self.selects_sites or (self._ops and site.kind != "inspect"
+        if not self.selects_sites or (self._ops and site.kind == "output"
                                       and self.wants_ops(site.name, site.module_class)):
             return True
         key = (site.name, site.module_class if site.kind != "inspect" else None)

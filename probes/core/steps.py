@@ -368,8 +368,8 @@ class StepTracker:
     def _wanting_at(self, site: ProbeSite) -> dict[str, tuple[SubscriberBase, ...]]:
         wanting = self._wanting.get(site)
         if wanting is None:
-            eligible = [s for s in self._observers if s.selection.wants_site(site) and (
-                site.kind != "input" or s.observe_inputs or s.selection.wants_ops(site.name, site.module_class))]
+            eligible = [s for s in self._observers
+                        if (site.kind != "input" or s.observe_inputs) and s.selection.wants_site(site)]
             wanting = self._wanting[site] = {
                 phase: tuple(s for s in eligible if s.selection.wants_phase(phase)
                              and (phase != "recompute" or s.observe_recompute))

@@ -88,8 +88,8 @@ class StatisticsSubscriber(SubscriberBase):
         phases: any of "forward", "backward", "grad", "param", "optim" (None: all).
         ops: module patterns (the same rule) whose every torch operation gets a record of its outputs and
             their gradients, named ``<module>/<op>:<k>.output.<i>`` (the k-th call of ``op`` in one call of
-            the module), e.g. ``ops="encoder.layers.0.self_attn", steps=[0]``; those modules' inputs and
-            outputs are recorded too. None (default): no op records ([ops](docs/ops.md)).
+            the module), e.g. ``ops="encoder.layers.0.self_attn", steps=[0]``; those modules' outputs are
+            recorded too. None (default): no op records (docs/ops.md).
             The selection decides what is recorded, and so what ``on_anomaly`` checks: only recorded records.
         on_step_written: called off the training thread with ``(step, step_file)`` once each step's file
             is finished, e.g. ``probes.sinks.LiveTensorBoard("tb")`` (TensorBoard while training).
