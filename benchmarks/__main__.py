@@ -17,6 +17,7 @@ BENCHMARKS = (
     "benchmarks.probe_overhead",
     "benchmarks.gpt2_overhead",
     "benchmarks.gpt2_ort_overhead",
+    "benchmarks.ops_overhead",
     "benchmarks.dump_compare",
     "benchmarks.zero3_bench",
     "benchmarks.host_reads",

@@ -474,12 +474,14 @@ def dynamo_traces_function_modes() -> bool:
     return _TORCH_VERSION >= (2, 6)
 
 
-def torch_function_aliases(name: str) -> bool:
-    """Whether the aten operators named ``name`` (a torch function's name: ``reshape``, ``add_``) return a view
-    of an argument or write into one, by their schemas' alias annotations; False for a name aten lacks."""
+def torch_function_aliases(name: str) -> bool | str:
+    """How the aten operators named ``name`` (a torch function's name: ``reshape``, ``add_``) treat their arguments,
+    by their schemas' alias annotations: ``"write"`` when one writes into a positional argument (in place),
+    True when one returns a view of an argument, False otherwise (and for a name aten lacks)."""
     packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
     if packet is None or not hasattr(packet, "overloads"):
         return False
+    views = False
     for overload in packet.overloads():
         schema = getattr(getattr(packet, overload, None), "_schema", None)
         if schema is None:
@@ -490,6 +492,7 @@ def torch_function_aliases(name: str) -> bool:
                    if argument.alias_info is not None and argument.alias_info.is_write]
         if written and all(argument.kwarg_only for argument in written):
             continue  # an ``out=`` variant (``out``, ``values``, ...): writes only into its keyword-only outputs
-        if written or any(ret.alias_info is not None for ret in schema.returns):
-            return True
-    return False
+        if written:
+            return "write"
+        views = views or any(ret.alias_info is not None for ret in schema.returns)
+    return views

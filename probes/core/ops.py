@@ -48,32 +48,45 @@ __all__ = ["OpRecorder", "Scope"]
 
 _INPLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                                 "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                                "__irshift__", "__setitem__", "__set__", "__get__", "__getitem__", "__delitem__"})
+                                "__irshift__", "__setitem__", "__getitem__"})
 _COPIES = frozenset({"clone", "contiguous", "detach", "detach_", "requires_grad_", "retain_grad", "data_ptr"})
 _CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
 
 
+# What ``op_name`` gives for calls that get no record but matter to provenance: a view stands for its first argument;
+# an in-place call changes its argument, whose source then no longer says what it holds.
+_VIEW, _INPLACE = "", "!"
+
+
 @_torch_compat.constant_while_tracing
 def op_name(func: Callable) -> str | None:
-    """The name an op record gets for calls of ``func``, or None for a call left out (see the module docstring)."""
+    """The name an op record gets for calls of ``func``; ``_VIEW`` or ``_INPLACE`` for a view or an in-place call (no
+    record); None for any other call left out (see the module docstring)."""
     return _op_name(func)
 
 
 @functools.lru_cache(maxsize=None)
 def _op_name(func: Callable) -> str | None:
     raw = getattr(func, "__name__", None)
-    if not isinstance(raw, str) or raw in _INPLACE_OPERATORS or raw in _COPIES:
+    if not isinstance(raw, str) or raw in ("__get__", "__set__", "__delitem__"):
         return None
     if getattr(func, "namespace", None) is not None:  # ``torch.ops.*`` (the probes' own compiled ops among them)
         return None
+    if raw in _INPLACE_OPERATORS:
+        return _VIEW if raw == "__getitem__" else _INPLACE
+    if raw in _COPIES:
+        return _INPLACE if raw.endswith("_") else _VIEW
     name = raw.strip("_")
-    if not name or (raw.endswith("_") and not raw.endswith("__")):  # ``add_``: in place
+    if not name:
         return None
+    if raw.endswith("_") and not raw.endswith("__"):  # ``add_``: in place
+        return _INPLACE
     if name in _CASTS:
         return name
     if name.endswith("_like") or name.startswith("new_"):  # ``empty_like``, ``new_zeros``: constants of a shape
         return None
-    return None if _torch_compat.torch_function_aliases(name) else name
+    aliasing = _torch_compat.torch_function_aliases(name)
+    return _INPLACE if aliasing == "write" else _VIEW if aliasing else name
 
 
 @dataclass(eq=False)
@@ -158,6 +171,17 @@ class OpRecorder(TorchFunctionMode):
         known = self._producers.get(id(tensor))
         return known[1] if known is not None and known[0]() is tensor else ""
 
+    def _pass_source(self, kind: str, argument: torch.Tensor, result: Any) -> None:
+        """A view of a recorded tensor differs where that tensor differs: it keeps its source. A tensor changed in
+        place is no longer what its record saw: it loses its source."""
+        if kind == _INPLACE:
+            self._producers.pop(id(argument), None)
+            return
+        source = self._source(argument)
+        if source:
+            outputs = (result,) if isinstance(result, torch.Tensor) else result if type(result) in (tuple, list) else ()
+            self.produced(outputs, [source] * len(outputs))
+
     # The mode -------------------------------------------------------------------------------------
 
     def __torch_function__(self, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -172,6 +196,10 @@ class OpRecorder(TorchFunctionMode):
         arguments += [item for leaf in args if isinstance(leaf, (list, tuple))
                       for item in leaf if isinstance(item, torch.Tensor)]
         if not arguments:
+            return result
+        if name == _VIEW or name == _INPLACE:
+            if not torch.compiler.is_compiling():
+                self._pass_source(name, arguments[0], result)
             return result
         single = isinstance(result, torch.Tensor)
         outputs = (result,) if single else result if type(result) in (tuple, list) else None
