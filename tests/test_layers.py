@@ -33,6 +33,7 @@ FLOORS: dict[str, int] = {
     "probes.rounding": 5,
     "probes.zero3": 6,
     "probes.testing": 6,
+    "probes.replay": 6,
     "probes.config": 6,
     "probes.integrations": 7,
     "probes.cli": 7,

@@ -30,6 +30,7 @@ SURFACE: dict[str, list[str]] = {
     "probes.zero3": ["DeepCopiedModuleError", "ZeROOffloadSubscriber", "configure_ort_compatible_zero_stage3",
                      "restore_zero_stage3_hooks"],
     "probes.testing": ["assert_parity", "inject_bug", "perturbed_rounding"],
+    "probes.replay": ["ModuleCapture", "replay_module"],
     "probes.integrations": [],
     "probes.integrations.transformers": ["ProbesCallback"],
     "probes.integrations.lightning": ["ProbesCallback"],
@@ -56,7 +57,9 @@ def test_the_public_surface_is_about_forty_names() -> None:
     # 51: probes.testing.perturbed_rounding (issue 34), the one way to make a calibration run for the noise floor.
     # 52: exporters.ortmodule_threads (issue 35): ORTModule has no setting for its threads, and ranks sharing a
     # machine need one.
-    assert len(distinct) <= 52, sorted(distinct)
+    # 54: probes.replay's ModuleCapture and replay_module (issue 36): a module's own error, on its captured call,
+    # with nothing carried in from upstream; op records themselves are a keyword (ops=), not a name.
+    assert len(distinct) <= 54, sorted(distinct)
 
 
 def test_the_original_names_keep_working_from_probes() -> None:

@@ -51,6 +51,16 @@ _INPLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv_
                                 "__irshift__", "__setitem__", "__getitem__"})
 _COPIES = frozenset({"clone", "contiguous", "detach", "detach_", "requires_grad_", "retain_grad", "data_ptr"})
 _CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                       "feature_dropout"})
+
+
+def _identity_dropout(args: Sequence[Any], kwargs: dict) -> bool:
+    """A dropout that changes nothing (``p`` 0, or not training): ``F.dropout(x, p, training)``, ``torch.dropout(x, p,
+    train)``."""
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    return p == 0 or not training
 
 
 # What ``op_name`` gives for calls that get no record but matter to provenance: a view stands for its first argument;
@@ -195,8 +205,12 @@ class OpRecorder(TorchFunctionMode):
         arguments = [leaf for leaf in (*args, *kwargs.values()) if isinstance(leaf, torch.Tensor)]
         arguments += [item for leaf in args if isinstance(leaf, (list, tuple))
                       for item in leaf if isinstance(item, torch.Tensor)]
+        if torch.jit.is_tracing():  # the tracer's stand-ins for sizes are the numbers eager code holds
+            arguments = [tensor for tensor in arguments if not _torch_compat.is_traced_number(tensor)]
         if not arguments:
             return result
+        if name in _DROPOUTS and _identity_dropout(args, kwargs):
+            name = _VIEW  # eager returns its input itself, a compiled graph a copy: no operation either way
         if name == _VIEW or name == _INPLACE:
             if not torch.compiler.is_compiling():
                 self._pass_source(name, arguments[0], result)
