@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: interleaved timing, environment description, markdown tables.
 
     times = interleaved({"baseline": f0, "probes": f1}, repeats=20)   # name -> list of seconds
+    peak = peak_rss("benchmarks.parameter_overhead", case, config_json, steps=10, dump=work / "rss")  # bytes
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -59,3 +63,27 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def peak_rss(module: str, case: str, config: str, steps: int, dump: Path) -> int:
+    """Peak resident memory (bytes) of a fresh process while it trains ``steps`` steps of one case (Linux).
+
+    The process calls ``<module>._case_from_json(config, case, dump)``, which returns ``(step, manager)``; the peak
+    (``VmHWM``) is taken from after the first step (whose allocations every case has alike) to the last.
+    """
+    script = (
+        "import importlib, sys, torch\n"
+        "from pathlib import Path\n"
+        "torch.set_num_threads(1)\n"
+        "bench = importlib.import_module(sys.argv[1])\n"
+        "step, manager = bench._case_from_json(sys.argv[2], sys.argv[3], Path(sys.argv[4]))\n"
+        "step()\n"
+        "Path('/proc/self/clear_refs').write_text('5')\n"
+        "for _ in range(int(sys.argv[5])): step()\n"
+        "if manager is not None: manager.unsubscribe()\n"
+        "status = dict(line.split(':', 1) for line in Path('/proc/self/status').read_text().splitlines())\n"
+        "print(int(status['VmHWM'].split()[0]) * 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, module, config, case, str(dump), str(steps)], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    return int(out.stdout.strip().splitlines()[-1])

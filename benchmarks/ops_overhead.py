@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, ratio_spread, table
+from benchmarks.common import environment, interleaved, median, peak_rss, ratio_spread, table
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 
@@ -60,25 +58,9 @@ def _case(shape: dict[str, int], options: dict | None, dump: Path) -> tuple[Call
     return step, manager
 
 
-def _peak_rss(shape: dict[str, int], case: str, steps: int, work: Path) -> int:
-    """Peak resident memory (bytes) of a fresh process while it trains ``steps`` steps of one case (Linux)."""
-    script = (
-        "import json, sys, torch\n"
-        "from pathlib import Path\n"
-        "from benchmarks.ops_overhead import CASES, _case\n"
-        "torch.set_num_threads(1)\n"
-        "step, manager = _case(json.loads(sys.argv[1]), CASES[sys.argv[2]], Path(sys.argv[3]))\n"
-        "step()\n"  # the first step's allocations belong to every case alike
-        "Path('/proc/self/clear_refs').write_text('5')\n"  # the peak (VmHWM) from here on: training only
-        "for _ in range(int(sys.argv[4])): step()\n"
-        "if manager is not None: manager.unsubscribe()\n"
-        "status = dict(line.split(':', 1) for line in Path('/proc/self/status').read_text().splitlines())\n"
-        "print(int(status['VmHWM'].split()[0]) * 1024)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script, json.dumps(shape), case, str(work / f"rss-{len(case)}"),
-                          str(steps)], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
-    return int(out.stdout.strip().splitlines()[-1])
+def _case_from_json(config: str, case: str, dump: Path) -> tuple[Callable[[], None], SubscriberManager | None]:
+    """``_case`` from its arguments as text (``common.peak_rss``'s fresh process)."""
+    return _case(json.loads(config), CASES[case], dump)
 
 
 def run(quick: bool = False) -> str:
@@ -95,7 +77,8 @@ def run(quick: bool = False) -> str:
     for _, manager in built.values():
         if manager is not None:
             manager.unsubscribe()
-    rss = {name: _peak_rss(shape, name, 3 if quick else 8, work) for name in CASES}
+    rss = {name: peak_rss("benchmarks.ops_overhead", name, json.dumps(shape), 3 if quick else 8, work / f"rss-{index}")
+           for index, name in enumerate(CASES)}
     plain, base = times["no probes"], times[BASELINE]
     rows = [[name, f"{median(samples) * 1e3:.1f}", f"{median(samples) / median(plain):.2f}x",
              ratio_spread(samples, plain), f"{median(samples) / median(base):.2f}x",

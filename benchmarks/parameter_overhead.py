@@ -20,15 +20,13 @@ import argparse
 import copy
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, table
+from benchmarks.common import environment, interleaved, median, peak_rss, table
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -64,28 +62,9 @@ def _case(config: TransformerConfig, options: dict | None, dump: Path) -> tuple[
     return step, manager
 
 
-def _peak_rss(config: TransformerConfig, case: str, steps: int, work: Path) -> int:
-    """Peak resident memory (bytes) of a fresh process while it trains ``steps`` steps of one case (Linux)."""
-    script = (
-        "import json, sys, torch\n"
-        "from pathlib import Path\n"
-        "from benchmarks.parameter_overhead import CASES, _case\n"
-        "from probes.models import TransformerConfig\n"
-        "torch.set_num_threads(1)\n"
-        "config = TransformerConfig(**json.loads(sys.argv[1]))\n"
-        "step, manager = _case(config, CASES[sys.argv[2]], Path(sys.argv[3]))\n"
-        "step()\n"  # the first step's allocations (optimizer state, caches) belong to every case alike
-        "Path('/proc/self/clear_refs').write_text('5')\n"  # the peak (VmHWM) from here on: training only
-        "for _ in range(int(sys.argv[4])): step()\n"
-        "if manager is not None: manager.unsubscribe()\n"
-        "status = dict(line.split(':', 1) for line in Path('/proc/self/status').read_text().splitlines())\n"
-        "print(int(status['VmHWM'].split()[0]) * 1024)\n"
-    )
-    fields = {key: getattr(config, key) for key in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len")}
-    out = subprocess.run([sys.executable, "-c", script, json.dumps(fields), case, str(work / f"rss-{len(case)}"),
-                          str(steps)], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
-    return int(out.stdout.strip().splitlines()[-1])
+def _case_from_json(config: str, case: str, dump: Path) -> tuple[Callable[[], None], SubscriberManager | None]:
+    """``_case`` from its arguments as text (``common.peak_rss``'s fresh process)."""
+    return _case(TransformerConfig(**json.loads(config)), CASES[case], dump)
 
 
 def run(quick: bool = False) -> str:
@@ -98,7 +77,9 @@ def run(quick: bool = False) -> str:
     for _, manager in built.values():
         if manager is not None:
             manager.unsubscribe()
-    rss = {name: _peak_rss(config, name, 3 if quick else 10, work) for name in CASES}
+    fields = {key: getattr(config, key) for key in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len")}
+    rss = {name: peak_rss("benchmarks.parameter_overhead", name, json.dumps(fields), 3 if quick else 10, work / f"rss-{index}")
+           for index, name in enumerate(CASES)}
     shutil.rmtree(work, ignore_errors=True)
     plain, base = median(times["no probes"]), median(times[BASELINE])
     rows = [[name, f"{median(samples) * 1e3:.1f}", f"{median(samples) / plain:.3f}x", f"{median(samples) / base:.3f}x",
