@@ -109,7 +109,6 @@ def test_a_bug_only_in_the_compiled_graph_is_named_at_its_operation(tmp_path, bu
 
 
 @pytest.mark.ort
-@pytest.mark.slow
 @pytest.mark.parametrize("bug", ["mask", "einsum"])
 def test_a_bug_only_in_ortmodules_graph_is_named_at_its_operation(tmp_path, bug, monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
