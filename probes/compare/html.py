@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
 
 from ..utils.phases import phase_rank
-from .ops import relative_name
+from .results import relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, StepSummary
 from .values import format_value

@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 
 from ..dump.record import execution_order
 from .align import CLASS_CHANGED_FACTOR, DEFAULT_MIN_CONFIDENCE
-from .ops import OpName, op_name
+from .results import OpName, op_name
 from .reading import LoadedDump
 from .results import Rename
 

@@ -1,6 +1,6 @@
 """What a comparison (one window of steps) finds of its op records: each diverged operation with what its inputs'
-records say (``ops.OpFinding``), grouped under its module call (``ops.ModuleOps``), and the first diverging
-operation (``ops.Operations``).
+records say (``results.OpFinding``), grouped under its module call (``results.ModuleOps``), and the first diverging
+operation (``results.Operations``).
 
     operations = find_operations(base, other, pairs, records, alone, first)   # None when neither run has op records
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,7 @@ from ..dump.record import execution_order
 from ..utils.phases import GRADIENT_PHASES
 from .matched import RecordDiffs
 from .opalign import op_rows
-from .ops import (AGREES, DIFFERS, NO_RECORD, Check, ModuleOps, OpFinding, Operations, module_record, op_name)
+from .results import (AGREES, DIFFERS, NO_RECORD, Check, ModuleOps, OpFinding, Operations, module_record, op_name)
 from .reading import LoadedDump
 from .results import Divergence
 
@@ -33,6 +33,9 @@ _FORWARD = "forward"
 UNNAMED = "no record: a parameter, a constant or a tensor made outside the recorded modules"
 UNRECORDED = "not recorded, or not compared"
 ROOT = "<root>"
+
+
+_SAME_TENSOR = ("shape", "dtype", "numel", "min", "max", "mean", "std", "norm", "samples")  # a module returning an op's
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,9 @@ class _Row:
     name: str
     kind: str | None
     inputs: list[str] | None
-    pair: int | None  # the matched pair, None for a record in one run only
-    side: str  # "both", "base" or "other"
+    values: tuple  # _SAME_TENSOR of the record (of BASE for a pair)
+    pair: int | None = None  # the matched pair, None for a record in one run only
+    side: str = "both"  # "both", "base" or "other"
 
 
 class _Steps:
@@ -58,27 +62,21 @@ class _Steps:
         self.records = records
         self.rows: dict[tuple[int, int, str, str], _Row] = {}
         self._metrics: dict[int, tuple[str, float]] = {}
+        renamed = self._renamed(other)
+        chosen = pairs[0][_at(base, steps, pairs[0])]  # matched rows; those in one run only come from ``alone``
         pair_of = np.full(len(base), -1, np.int64)
         pair_of[pairs[0]] = np.arange(len(pairs[0]))
-        other_rows = np.full(len(base), -1, np.int64)
-        other_rows[pairs[0]] = pairs[1]
-        renamed = self._renamed(other)
-        chosen = _at(base, steps)
-        partners = other_rows[chosen][other_rows[chosen] >= 0]
-        fallback = dict(zip(partners.tolist(), other.column("inputs", partners)))
-        for row, listed in zip(chosen.tolist(), self._gather(base, chosen)):
-            pair = int(pair_of[row])
-            if pair < 0:
-                continue  # in base only: listed by ``alone`` when its step is finished in both runs
-            if listed[-1] is None and int(other_rows[row]) in fallback:
-                listed = (*listed[:-1], _mapped(fallback[int(other_rows[row])], renamed))
-            self._add(*listed, pair=pair, side="both")
+        partner = np.full(len(base), -1, np.int64)
+        partner[pairs[0]] = pairs[1]
+        inputs_other = other.column("inputs", partner[chosen])
+        for row, found, fallback in zip(chosen.tolist(), self._gather(base, chosen), inputs_other):
+            if found.inputs is None and fallback is not None:  # BASE recorded no provenance (compiled)
+                found = replace(found, inputs=_mapped(fallback, renamed))
+            self._add(replace(found, pair=int(pair_of[row])))
         for side, loaded, rows in (("base", base, alone[0]), ("other", other, alone[1])):
-            rows = rows[_at(loaded, steps, rows)]
-            for listed in self._gather(loaded, rows):
-                if side == "other":
-                    listed = (*listed[:-1], _mapped(listed[-1], renamed))
-                self._add(*listed, pair=None, side=side)
+            for found in self._gather(loaded, rows[_at(loaded, steps, rows)]):
+                self._add(replace(found, side=side, inputs=_mapped(found.inputs, renamed) if side == "other"
+                                  else found.inputs))
 
     @staticmethod
     def _renamed(other: LoadedDump) -> dict[str, str]:
@@ -88,15 +86,17 @@ class _Steps:
         return dict(zip(other.column("renamed_from", rows), other.column("name", rows)))
 
     @staticmethod
-    def _gather(loaded: LoadedDump, rows: np.ndarray) -> list[tuple]:
-        part = loaded.table.select(["phase", "name", "kind", "inputs"]).take(pa.array(rows, pa.int64()))
-        return list(zip(loaded.rank[rows].tolist(), loaded.step[rows].tolist(), part.column("phase").to_pylist(),
-                        loaded.seq[rows].tolist(), part.column("name").to_pylist(), part.column("kind").to_pylist(),
-                        part.column("inputs").to_pylist()))
+    def _gather(loaded: LoadedDump, rows: np.ndarray) -> list[_Row]:
+        part = loaded.table.select(["phase", "name", "kind", "inputs", *_SAME_TENSOR]).take(pa.array(rows, pa.int64()))
+        values = zip(*(part.column(name).to_pylist() for name in _SAME_TENSOR))
+        return [_Row(*fields, tuple(tuple(value) if isinstance(value, list) else value for value in same))
+                for *fields, same in zip(loaded.rank[rows].tolist(), loaded.step[rows].tolist(),
+                                         part.column("phase").to_pylist(), loaded.seq[rows].tolist(),
+                                         part.column("name").to_pylist(), part.column("kind").to_pylist(),
+                                         part.column("inputs").to_pylist(), values)]
 
-    def _add(self, rank: int, step: int, phase: str, seq: int, name: str, kind: str | None,
-             inputs: list[str] | None, *, pair: int | None, side: str) -> None:
-        self.rows[(rank, step, phase, name)] = _Row(rank, step, phase, seq, name, kind, inputs, pair, side)
+    def _add(self, row: _Row) -> None:
+        self.rows[(row.rank, row.step, row.phase, row.name)] = row
 
     def metric(self, row: _Row) -> tuple[str, float]:
         """(the metric that broke, |diff| / tolerance) of a diverged record."""
@@ -181,13 +181,25 @@ def find_operations(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray
 
 
 def _consumers(found: _Steps) -> dict[tuple[int, int, str], list[tuple[int, str]]]:
-    """(rank, step, record name) -> (seq, name) of the forward op records that took it as an input."""
+    """(rank, step, record name) -> (seq, name) of the forward records that took it on: the op records that took it
+    as an input, and the output record of a module call that returned it (the same values: ``_SAME_TENSOR``)."""
     consumers: dict[tuple[int, int, str], list[tuple[int, str]]] = {}
+    calls: dict[tuple[int, int, str, int], list[_Row]] = {}
     for row in found.rows.values():
-        if row.kind == "op" and row.phase == _FORWARD and row.inputs:
-            for name in dict.fromkeys(row.inputs):
+        parsed = op_name(row.name) if row.kind == "op" and row.phase == _FORWARD else None
+        if parsed is not None:
+            calls.setdefault((row.rank, row.step, *parsed.site), []).append(row)
+            for name in dict.fromkeys(row.inputs or ()):
                 if name:
                     consumers.setdefault((row.rank, row.step, name), []).append((row.seq, row.name))
+    for row in found.rows.values():
+        site = module_record(row.name) if row.kind == "output" and row.phase == _FORWARD else None
+        if site is not None and row.values[2] is not None:
+            returned = [op for op in calls.get((row.rank, row.step, *site), []) if op.seq < row.seq
+                        and op.values == row.values]
+            if returned:
+                last = max(returned, key=lambda op: op.seq)
+                consumers.setdefault((row.rank, row.step, last.name), []).append((row.seq, row.name))
     return consumers
 
 

@@ -21,7 +21,7 @@ from ..dump.record import RecordKey
 from .config import PRECISIONS, CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
-from .ops import OpFinding, Operations
+from .results import OpFinding, Operations
 from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
                       StepSummary)
 from .values import key_json
@@ -64,7 +64,7 @@ class Report:
     # With a calibration run (``noise``): the records beyond and within their noise floors; None without one.
     noise_floor: NoiseFloor | None = None
     # When a run has op records (kind "op"): the diverged operations under their module calls, the first diverging
-    # operation and what its inputs' records say (``probes.compare.ops``); None when neither run has op records.
+    # operation and what its inputs' records say (``probes.compare.results``); None when neither run has op records.
     operations: Operations | None = None
 
     def __post_init__(self) -> None:

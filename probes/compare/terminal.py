@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
 from .config import PRECISIONS, CompareConfig
-from .ops import op_name, relative_name
+from .results import op_name, relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value

@@ -44,7 +44,7 @@ from .engine import compare_loaded, noise_label
 from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
 from .opalign import align_operations
-from .ops import Operations
+from .results import Operations
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
 from .results import Damaged, Divergence, NoiseFloor, RecordDiff, Rename

@@ -18,7 +18,7 @@ import torch
 from probes.cli import main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import render_html
-from probes.compare.ops import AGREES, DIFFERS, NO_RECORD, module_record, op_name, relative_name
+from probes.compare.results import AGREES, DIFFERS, NO_RECORD, module_record, op_name, relative_name
 from probes.compare.terminal import verdict
 from probes.dump.writer import DumpWriter
 from probes.stats.recorder import tensor_record
@@ -27,14 +27,16 @@ M = "blocks.0.attn"
 
 
 def attention_records(step: int, *, bug: dict[str, float] | None = None, decompose: bool = False,
-                      extra: bool = False, gradient_bug: str | None = None, calls: int = 1) -> list[dict]:
+                      extra: bool = False, gradient_bug: str | None = None, loss: float = 1.0,
+                      calls: int = 1) -> list[dict]:
     """The forward and backward records of ``calls`` calls of an attention module ``M`` in one step: its input,
     its operations (linear q, k, v; einsum scores; softmax; einsum with v; linear out), its output.
 
     ``bug``: record name -> factor on that tensor (everything after it computed from the changed value);
     ``decompose``: the scores by ``matmul`` (the second einsum is then ``einsum:0``); ``extra``: an extra
     ``mul`` by 1 after the softmax; ``gradient_bug``: the op whose output's gradient, as it flows on, is scaled
-    by 1.01 (the backward of the operations that used it is wrong; its own gradient record is right)."""
+    by 1.01 (the backward of the operations that used it is wrong; its own gradient record is right); ``loss``:
+    a factor on the loss (every gradient differs from the module's output on)."""
     bug = bug or {}
     made: list[tuple[str, str, torch.Tensor, list[str] | None]] = []
     weights = [torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + i), dtype=torch.float64) / 3
@@ -71,8 +73,8 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
         o, on = op("linear", a @ weights[3], [an, ""])
         hidden = o * bug.get(f"{M}{suffix}.output.0", 1.0)
         made.append((f"{M}{suffix}.output.0", "output", hidden, None))
-    loss = (hidden * torch.linspace(-1, 1, 8, dtype=torch.float64)).square().mean()
-    grads = torch.autograd.grad(loss, [tensor for _, _, tensor, _ in made])
+    value = (hidden * torch.linspace(-1, 1, 8, dtype=torch.float64)).square().mean() * loss
+    grads = torch.autograd.grad(value, [tensor for _, _, tensor, _ in made])
     records = []
     for seq, (name, kind, tensor, inputs) in enumerate(made):
         records.append(_record(name, kind, "forward", seq, tensor, inputs))
@@ -214,6 +216,17 @@ def test_a_wrong_backward_is_local_to_the_operations_that_used_the_output(tmp_pa
     later = next(finding for finding in backward.ops if finding.name == op("linear"))  # q: from the scores' gradient
     assert later.cause == "propagated" and [(c.name, c.status) for c in later.gradients] == [(op("einsum"), DIFFERS)]
     assert later.explained() == "propagated: a gradient it is computed from already differs: einsum:0.output.0"
+
+
+def test_a_gradient_reaching_the_module_is_found_at_its_output_and_its_last_operation_says_propagated(tmp_path):
+    base, other = runs(tmp_path, loss=1.01)
+    report = compare_dumps(base, other)
+    first = report.first_divergence
+    assert (first.step, first.phase, first.name) == (1, "backward", f"{M}.output.0")
+    found = report.first_operation  # the module returned linear:3's output: its gradient is the module output's
+    assert found.name == op("linear", 3) and found.cause == "propagated"
+    assert [(c.name, c.status) for c in found.gradients] == [(f"{M}.output.0", DIFFERS)]
+    assert found.explained() == f"propagated: a gradient it is computed from already differs: {M}.output.0"
 
 
 # --------------------------------------------------------------------------------------------- one run only
