@@ -19,9 +19,10 @@ execution order:
    more (``align.DEFAULT_MIN_CONFIDENCE``; the factor is fuzzy alignment's for a changed class).
 
 Pairs are decided on the forward records of the module call and hold for its backward records too (they carry
-the same names); a module call with op records in one phase only is aligned on that phase. A pair whose
-BASE name another record of OTHER keeps (one left unpaired) is not made. Records left unpaired stay in one run
-only. Pairs whose two names are the same are no rename and not listed.
+the same names); a module call with op records in one phase only is aligned on that phase. Records left unpaired
+stay in one run only; one of OTHER whose name a paired record takes (an extra ``linear`` shifts the later ones'
+names) is listed as ``<name> (unpaired)`` (``results.UNPAIRED``). Pairs whose two names are the same are no rename
+and not listed.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ import pyarrow.compute as pc
 
 from ..dump.record import execution_order
 from .align import CLASS_CHANGED_FACTOR, DEFAULT_MIN_CONFIDENCE
-from .results import OpName, op_name
 from .reading import LoadedDump
-from .results import Rename
+from .results import UNPAIRED, OpName, Rename, op_name
 
 __all__ = ["align_operations", "op_rows"]
 
@@ -71,6 +71,16 @@ def op_rows(loaded: LoadedDump) -> np.ndarray:
     """The rows of ``loaded`` that are op records (kind "op"), in row order."""
     kind = loaded.table.column("kind")
     return np.flatnonzero(pc.fill_null(pc.equal(kind, "op"), False).to_numpy(zero_copy_only=False))
+
+
+def _same_keys(base: LoadedDump, rows_base: np.ndarray, other: LoadedDump, rows_other: np.ndarray) -> bool:
+    """Whether both runs have the same op records in the same order (the common case: nothing to align)."""
+    if len(rows_base) != len(rows_other) or not (np.array_equal(base.rank[rows_base], other.rank[rows_other])
+                                                 and np.array_equal(base.step[rows_base], other.step[rows_other])):
+        return False
+    at_base, at_other = pa.array(rows_base, pa.int64()), pa.array(rows_other, pa.int64())
+    return all(base.table.column(name).take(at_base).equals(other.table.column(name).take(at_other))
+               for name in ("phase", "name"))
 
 
 def _ops(loaded: LoadedDump, rows: np.ndarray) -> list[_Op]:
@@ -139,17 +149,11 @@ def _decomposed(base: list[_Op], other: list[_Op]) -> list[tuple[_Op, _Op, float
     return found
 
 
-def _consistent(mapping: dict[str, tuple[str, float, str]], names: set[str]) -> dict[str, tuple[str, float, str]]:
-    """``mapping`` (other name -> base name, ...) less the pairs whose base name a record of ``names`` (OTHER's
-    names of the module call) would still hold: a record left unpaired keeps its name."""
-    mapping = dict(mapping)
-    while True:
-        kept = {name for name in names if name not in mapping}
-        clash = [name for name, (target, _, _) in mapping.items() if target in kept]
-        if not clash:
-            return mapping
-        for name in clash:
-            del mapping[name]
+def _unpaired(mapping: dict[str, tuple[str, float, str]], names: set[str]) -> set[str]:
+    """OTHER's names (of ``names``, those of the module call in one phase) left unpaired whose name a paired
+    record takes: they are kept under ``results.UNPAIRED`` names (a key holds one record)."""
+    targets = {target for target, _, _ in mapping.values()}
+    return {name for name in names if name not in mapping and name in targets}
 
 
 def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
@@ -157,7 +161,7 @@ def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
     ``other``'s paired records to their BASE names, and returns the pairs whose names differ, in BASE's execution
     order (each pair once, whatever the steps and ranks it holds in)."""
     rows_base, rows_other = op_rows(base), op_rows(other)
-    if not len(rows_base) or not len(rows_other):
+    if not len(rows_base) or not len(rows_other) or _same_keys(base, rows_base, other, rows_other):
         return []
     ops_base, ops_other = _ops(base, rows_base), _ops(other, rows_other)
     keys_base = {(op.rank, op.step, op.phase, op.name) for op in ops_base}
@@ -179,12 +183,14 @@ def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
             mapping = {o.name: (b.name, confidence, reason) for b, o, confidence, reason
                        in _aligned(_ordered(in_base, phase), _ordered(in_other, phase)) if b.name != o.name}
             scope = [op for op in in_other if op.phase == phase or phase == _FORWARD]
-            for listed in {op.phase for op in scope}:
-                mapping = _consistent(mapping, {op.name for op in scope if op.phase == listed})
+            moved = {listed: _unpaired(mapping, {op.name for op in scope if op.phase == listed})
+                     for listed in {op.phase for op in scope}}
             seq_of = {op.name: op for op in _ordered(in_base, phase)}
             for op in scope:
                 if op.name in mapping:
                     new_names[op.row] = mapping[op.name][0]
+                elif op.name in moved[op.phase]:
+                    new_names[op.row] = op.name + UNPAIRED
             for name, (target, confidence, reason) in mapping.items():
                 at = seq_of[target]
                 key = (None if phase == _FORWARD else phase, name, target)

@@ -30,7 +30,7 @@ from .results import Divergence
 __all__ = ["find_operations"]
 
 _FORWARD = "forward"
-UNNAMED = "no record: a parameter, a constant or a tensor made outside the recorded modules"
+UNNAMED = "a parameter, a constant or a tensor made outside the recorded modules"
 UNRECORDED = "not recorded, or not compared"
 ROOT = "<root>"
 

@@ -25,7 +25,7 @@ from .values import format_value, is_finite_number, json_value
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts
 
-__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "ZERO_GRAD_NOTE", "CellView", "Check", "Damaged",
+__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "UNPAIRED", "ZERO_GRAD_NOTE", "CellView", "Check", "Damaged",
            "Divergence", "GradNorm", "MetricDiff", "ModuleOps", "NoiseFloor", "OpFinding", "OpName", "Operations",
            "RecordDiff", "Rename", "StepSummary", "module_record", "op_name", "relative_name"]
 
@@ -366,7 +366,9 @@ class NoiseFloor:
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
-_OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)$")
+UNPAIRED = " (unpaired)"  # an op record of OTHER whose name a paired record took (``opalign``) is listed with it
+_OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)"
+                 r"(?P<unpaired> \(unpaired\))?$")
 _MODULE = re.compile(r"^(?P<module>.+?)(?:#(?P<call>\d+))?\.(?:input|output)\.\d+$")
 
 
@@ -379,11 +381,13 @@ class OpName:
     op: str
     index: int  # the k-th call of ``op`` in that call of the module
     output: int  # the op's output tensor
+    unpaired: bool = False  # OTHER's record that kept its name while a paired record took it (``UNPAIRED``)
 
     @property
     def short(self) -> str:
         """The name below its module: ``einsum:2.output.0`` (``einsum:2#1.output.0`` in the module's second call)."""
-        return f"{self.op}:{self.index}{f'#{self.call}' if self.call else ''}.output.{self.output}"
+        return (f"{self.op}:{self.index}{f'#{self.call}' if self.call else ''}.output.{self.output}"
+                + (UNPAIRED if self.unpaired else ""))
 
     @property
     def site(self) -> tuple[str, int]:
@@ -396,7 +400,8 @@ def op_name(name: str) -> OpName | None:
     found = _OP.match(name)
     if found is None:
         return None
-    return OpName(found["module"], int(found["call"] or 0), found["op"], int(found["index"]), int(found["output"]))
+    return OpName(found["module"], int(found["call"] or 0), found["op"], int(found["index"]), int(found["output"]),
+                  found["unpaired"] is not None)
 
 
 def module_record(name: str) -> tuple[str, int] | None:
@@ -430,7 +435,9 @@ class Check:
     def describe(self, module: str = "", own: bool = False) -> str:
         """``"linear:0.output.0 differs (mean, ratio 12)"``; names of ``module``'s operations short, and with ``own``
         (the module's own records) the module's name left out (``output.0``)."""
-        name = relative_name(self.name, module) if self.name else "(no record name)"
+        if not self.name:
+            return f"{self.status} ({self.note})" if self.note else self.status
+        name = relative_name(self.name, module)
         if own and module_record(self.name) is not None and self.name.startswith(module):
             name = self.name[len(module):].lstrip(".")
         detail = ", ".join(part for part in (self.metric if self.status == DIFFERS else None,

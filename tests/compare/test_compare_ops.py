@@ -18,7 +18,7 @@ import torch
 from probes.cli import main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import render_html
-from probes.compare.results import AGREES, DIFFERS, NO_RECORD, module_record, op_name, relative_name
+from probes.compare.results import AGREES, DIFFERS, NO_RECORD, UNPAIRED, module_record, op_name, relative_name
 from probes.compare.terminal import verdict
 from probes.dump.writer import DumpWriter
 from probes.stats.recorder import tensor_record
@@ -28,7 +28,7 @@ M = "blocks.0.attn"
 
 def attention_records(step: int, *, bug: dict[str, float] | None = None, decompose: bool = False,
                       extra: bool = False, gradient_bug: str | None = None, loss: float = 1.0,
-                      calls: int = 1) -> list[dict]:
+                      calls: int = 1, unused: bool = False) -> list[dict]:
     """The forward and backward records of ``calls`` calls of an attention module ``M`` in one step: its input,
     its operations (linear q, k, v; einsum scores; softmax; einsum with v; linear out), its output.
 
@@ -36,7 +36,8 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
     ``decompose``: the scores by ``matmul`` (the second einsum is then ``einsum:0``); ``extra``: an extra
     ``mul`` by 1 after the softmax; ``gradient_bug``: the op whose output's gradient, as it flows on, is scaled
     by 1.01 (the backward of the operations that used it is wrong; its own gradient record is right); ``loss``:
-    a factor on the loss (every gradient differs from the module's output on)."""
+    a factor on the loss (every gradient differs from the module's output on); ``unused``: an extra ``linear``
+    after the first, of another shape, whose output is not used (no gradient: no backward record)."""
     bug = bug or {}
     made: list[tuple[str, str, torch.Tensor, list[str] | None]] = []
     weights = [torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + i), dtype=torch.float64) / 3
@@ -60,6 +61,8 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
         inp = hidden * bug.get(entry, 1.0)
         made.append((entry, "input", inp, None))
         q, qn = op("linear", inp @ weights[0], [entry, ""])
+        if unused:
+            op("linear", inp @ weights[0][:, :4], [entry, ""])
         k, kn = op("linear", inp @ weights[1], [entry, ""])
         v, vn = op("linear", inp @ weights[2], [entry, ""])
         if decompose:
@@ -74,11 +77,12 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
         hidden = o * bug.get(f"{M}{suffix}.output.0", 1.0)
         made.append((f"{M}{suffix}.output.0", "output", hidden, None))
     value = (hidden * torch.linspace(-1, 1, 8, dtype=torch.float64)).square().mean() * loss
-    grads = torch.autograd.grad(value, [tensor for _, _, tensor, _ in made])
+    grads = torch.autograd.grad(value, [tensor for _, _, tensor, _ in made], allow_unused=True)
     records = []
     for seq, (name, kind, tensor, inputs) in enumerate(made):
         records.append(_record(name, kind, "forward", seq, tensor, inputs))
-    for seq, ((name, kind, _, inputs), grad) in enumerate(zip(reversed(made), reversed(grads)), len(made)):
+    backward = [(name, kind, grad, inputs) for (name, kind, _, inputs), grad in zip(made, grads) if grad is not None]
+    for seq, (name, kind, grad, inputs) in enumerate(reversed(backward), len(made)):
         records.append(_record(name, kind, "backward", seq, grad, inputs))
     return records
 
@@ -120,6 +124,8 @@ def test_op_names_are_taken_apart():
                                                                              "einsum", 2, 3)
     assert found.short == "einsum:2#1.output.3" and op_name("<root>/masked_fill:0.output.0").op == "masked_fill"
     assert op_name("encoder.layers.0.self_attn.output.0") is None and op_name("a/b.output.0") is None
+    unpaired = op_name(op("linear", 1) + UNPAIRED)
+    assert unpaired.unpaired and unpaired.short == "linear:1.output.0 (unpaired)" and not op_name(op("linear")).unpaired
     assert module_record("encoder.layers.0#2.output.1") == ("encoder.layers.0", 2)
     assert module_record("<root>.input.0") == ("<root>", 0) and module_record(op(name="linear")) is None
     assert relative_name(op("softmax"), M) == "softmax:0.output.0" and relative_name(f"{M}.output.0", M) == f"{M}.output.0"
@@ -260,6 +266,21 @@ def test_an_extra_operation_of_one_run_is_listed(tmp_path):
     assert report.first_divergence.name == op("mul") and report.first_divergence.metric == "record"
     assert report.first_operation.name == op("mul") and report.first_operation.metric == "record"
     assert report.first_operation.inputs[0].status == AGREES  # the softmax it took
+
+
+def test_an_extra_operation_that_shifts_the_names_of_later_ones_is_aligned_and_listed_unpaired(tmp_path):
+    base, other = runs(tmp_path, unused=True)
+    report = compare_dumps(base, other)
+    assert [(r.other, r.base, r.confidence) for r in report.renamed] == [
+        (op("linear", 2), op("linear", 1), 1.0), (op("linear", 3), op("linear", 2), 1.0),
+        (op("linear", 4), op("linear", 3), 1.0)]
+    extra = op("linear", 1) + UNPAIRED
+    assert report.only_in_other == [(0, 1, "forward", extra)] and not report.only_in_base
+    assert report.diverged_count == 0 and report.first_divergence.name == extra
+    found = report.first_operation
+    assert found.name == extra and found.parsed.unpaired and found.inputs[0].status == AGREES
+    listed = next(line for line in format_report(report).splitlines() if line.startswith("1 records only in other"))
+    assert listed.endswith("linear:1.output.0 (unpaired)")
 
 
 def test_operations_of_a_module_called_twice_are_paired_within_their_call(tmp_path):
