@@ -102,10 +102,16 @@ class _Steps:
         """(the metric that broke, |diff| / tolerance) of a diverged record."""
         if row.pair is None:
             return "record", math.inf
-        if row.pair not in self._metrics:
-            record = self.records.take([row.pair])[0]
-            worst = record.worst
-            self._metrics[row.pair] = (worst.metric if worst is not None else "record", record.ratio)
+        if not self._metrics:  # every diverged pair of these steps at once, from the arrays where they say it
+            pairs = sorted({found.pair for found in self.rows.values() if found.pair is not None and
+                            self.diverged(found)})
+            named = self.records.worst_metrics(pairs)
+            self._metrics = {pair: (metric, float(self.records.ratio[pair])) for pair, metric in zip(pairs, named)
+                             if metric is not None}
+            built = [pair for pair, metric in zip(pairs, named) if metric is None]
+            for pair, record in zip(built, self.records.take(built)):  # built together: fastest
+                worst = record.worst
+                self._metrics[pair] = (worst.metric if worst is not None else "record", record.ratio)
         return self._metrics[row.pair]
 
     def diverged(self, row: _Row) -> bool:

@@ -235,6 +235,21 @@ def test_a_gradient_reaching_the_module_is_found_at_its_output_and_its_last_oper
     assert found.explained() == f"propagated: a gradient it is computed from already differs: {M}.output.0"
 
 
+def test_a_run_without_provenance_takes_the_other_runs_inputs(tmp_path):
+    """A compiled run records no ``inputs`` (dynamo cannot trace where a tensor came from): the other run's say."""
+    compiled = {step: [{key: value for key, value in record.items() if key != "inputs"}
+                       for record in attention_records(step)] for step in range(2)}
+    base = write_dump(tmp_path / "compiled", compiled)
+    other = write_dump(tmp_path / "eager", {step: attention_records(step, bug={op("softmax"): 1.01} if step else None)
+                                            for step in range(2)})
+    report = compare_dumps(base, other)
+    found = report.first_operation
+    assert found.name == op("softmax") and found.cause == "local"
+    assert [(c.name, c.status) for c in found.inputs] == [(op("einsum"), AGREES)]
+    later = report.operations.modules[0].ops[1]
+    assert later.name == op("einsum", 1) and later.cause == "propagated"
+
+
 # --------------------------------------------------------------------------------------------- one run only
 
 
