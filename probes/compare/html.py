@@ -109,7 +109,8 @@ def _operations_section(report: Report, limit: int) -> str:
                     f'<td>{escape(group.phase)}</td><td><b>{escape(group.label)}</b></td>'
                     f'<td colspan="4">{escape(group.own())}</td></tr>')
         for found in group.ops[:max(1, limit - shown)]:
-            inputs = "; ".join(check.describe(group.module) for check in (*found.inputs, *found.gradients))
+            inputs = "; ".join([*(check.describe(group.module) for check in found.inputs),
+                                *(f"gradient from {check.describe(group.module)}" for check in found.gradients)])
             rows.append(f'<tr class="op"><td></td><td></td><td></td>'
                         f'<td style="padding-left: 2em">{escape(relative_name(found.name, group.module))}</td>'
                         f"<td>{escape(found.metric)}</td><td class=num>{escape(format_value(found.ratio))}</td>"

@@ -23,19 +23,19 @@ from ..dump.record import execution_order
 from ..utils.phases import GRADIENT_PHASES
 from .matched import RecordDiffs
 from .opalign import op_rows
-from .results import (AGREES, DIFFERS, NO_RECORD, Check, ModuleOps, OpFinding, Operations, module_record, op_name)
 from .reading import LoadedDump
-from .results import Divergence
+from .results import (AGREES, DIFFERS, NO_RECORD, Check, Divergence, ModuleOps, OpFinding, Operations, module_record,
+                      op_name)
 
 __all__ = ["find_operations"]
 
 _FORWARD = "forward"
-UNNAMED = "a parameter, a constant or a tensor made outside the recorded modules"
-UNRECORDED = "not recorded, or not compared"
-ROOT = "<root>"
-
-
-_SAME_TENSOR = ("shape", "dtype", "numel", "min", "max", "mean", "std", "norm", "samples")  # a module returning an op's
+_UNNAMED = "a parameter, a constant or a tensor made outside the recorded modules"  # an input named ""
+_UNRECORDED = "not recorded, or not compared"
+_ROOT = "<root>"  # the root module's name in records (probes.core.manager.ROOT_NAME)
+# What tells that a module's output record is the output of an operation the module returned: the same values.
+_SAME_TENSOR = ("shape", "dtype", "numel", "min", "max", "mean", "std", "norm", "samples")
+_NUMEL = _SAME_TENSOR.index("numel")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class _Steps:
         self.records = records
         self.rows: dict[tuple[int, int, str, str], _Row] = {}
         self._metrics: dict[int, tuple[str, float]] = {}
-        renamed = self._renamed(other)
+        renamed = self._renamed(other, steps)
         chosen = pairs[0][_at(base, steps, pairs[0])]  # matched rows; those in one run only come from ``alone``
         pair_of = np.full(len(base), -1, np.int64)
         pair_of[pairs[0]] = np.arange(len(pairs[0]))
@@ -71,19 +71,21 @@ class _Steps:
         inputs_other = other.column("inputs", partner[chosen])
         for row, found, fallback in zip(chosen.tolist(), self._gather(base, chosen), inputs_other):
             if found.inputs is None and fallback is not None:  # BASE recorded no provenance (compiled)
-                found = replace(found, inputs=_mapped(fallback, renamed))
+                found = replace(found, inputs=_mapped(found, fallback, renamed))
             self._add(replace(found, pair=int(pair_of[row])))
         for side, loaded, rows in (("base", base, alone[0]), ("other", other, alone[1])):
             for found in self._gather(loaded, rows[_at(loaded, steps, rows)]):
-                self._add(replace(found, side=side, inputs=_mapped(found.inputs, renamed) if side == "other"
+                self._add(replace(found, side=side, inputs=_mapped(found, found.inputs, renamed) if side == "other"
                                   else found.inputs))
 
     @staticmethod
-    def _renamed(other: LoadedDump) -> dict[str, str]:
-        """OTHER's original names -> the BASE names they are compared under."""
-        column = other.table.column("renamed_from")
-        rows = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False))
-        return dict(zip(other.column("renamed_from", rows), other.column("name", rows)))
+    def _renamed(other: LoadedDump, steps: set[tuple[int, int]]) -> dict[tuple[int, int, str], str]:
+        """(rank, step, OTHER's original name) -> the BASE name it is compared under, in ``steps``."""
+        renamed = other.table.column("renamed_from").is_valid().to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(renamed)
+        rows = rows[_at(other, steps, rows)]
+        return dict(zip(zip(other.rank[rows].tolist(), other.step[rows].tolist(), other.column("renamed_from", rows)),
+                        other.column("name", rows)))
 
     @staticmethod
     def _gather(loaded: LoadedDump, rows: np.ndarray) -> list[_Row]:
@@ -120,10 +122,10 @@ class _Steps:
     def check(self, rank: int, step: int, phase: str, name: str) -> Check:
         """What the record ``name`` of (rank, step, phase) says."""
         if not name:
-            return Check(name, phase, NO_RECORD, note=UNNAMED)
+            return Check(name, phase, NO_RECORD, note=_UNNAMED)
         row = self.rows.get((rank, step, phase, name))
         if row is None:
-            return Check(name, phase, NO_RECORD, note=UNRECORDED)
+            return Check(name, phase, NO_RECORD, note=_UNRECORDED)
         if not self.diverged(row):
             return Check(name, phase, AGREES, ratio=float(self.records.ratio[row.pair]))
         metric, ratio = self.metric(row)
@@ -141,13 +143,14 @@ def _at(loaded: LoadedDump, steps: set[tuple[int, int]], rows: np.ndarray | None
     return np.flatnonzero(np.isin(loaded.rank[rows] * (1 << 32) + loaded.step[rows], wanted))
 
 
-def _mapped(inputs: list[str] | None, renamed: dict[str, str]) -> list[str] | None:
-    return None if inputs is None else [renamed.get(name, name) for name in inputs]
+def _mapped(row: _Row, inputs: list[str] | None, renamed: dict[tuple[int, int, str], str]) -> list[str] | None:
+    """OTHER's ``inputs`` of ``row`` in BASE's names."""
+    return None if inputs is None else [renamed.get((row.rank, row.step, name), name) for name in inputs]
 
 
 def _inside(module: str, outer: str) -> bool:
     """Whether ``module`` is ``outer`` or a module inside it."""
-    return outer == ROOT or module == outer or module.startswith(outer + ".")
+    return outer == _ROOT or module == outer or module.startswith(outer + ".")
 
 
 def _input_phase(phase: str) -> str:
@@ -200,7 +203,7 @@ def _consumers(found: _Steps) -> dict[tuple[int, int, str], list[tuple[int, str]
                     consumers.setdefault((row.rank, row.step, name), []).append((row.seq, row.name))
     for row in found.rows.values():
         site = module_record(row.name) if row.kind == "output" and row.phase == _FORWARD else None
-        if site is not None and row.values[2] is not None:
+        if site is not None and row.values[_NUMEL] is not None:
             returned = [op for op in calls.get((row.rank, row.step, *site), []) if op.seq < row.seq
                         and op.values == row.values]
             if returned:

@@ -488,7 +488,7 @@ class OpFinding:
 
     @property
     def cause(self) -> str:
-        """``propagated``, ``local`` or ``unknown`` (the module docstring)."""
+        """``propagated``, ``local`` or ``unknown`` (the comment that opens the operations above)."""
         if self.differing:
             return PROPAGATED
         sources = self.gradients if self.phase in GRADIENT_PHASES else self.inputs
@@ -595,7 +595,8 @@ class Operations:
             return None
         if first.name == divergence_name:
             return first.explained()
-        return f"first diverging operation inside: {first.name} ({first.metric}, ratio {first.ratio:.3g}); {first.explained()}"
+        return (f"first diverging operation inside: {first.name} ({first.metric}, ratio {first.ratio:.3g}); "
+                f"{first.explained()}")
 
     def to_json(self) -> dict[str, Any]:
         return {"matched": self.matched, "diverged": self.diverged,

@@ -307,13 +307,13 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
 def _first_operation(report: Report) -> list[str]:
     """The first diverging operation and what each record it is computed from says."""
     operations, first = report.operations, report.first_divergence
-    found = None if operations is None or first is None else operations.first
+    said = None if operations is None or first is None else operations.first_line(first.name)
+    if operations is None or first is None or said is None:
+        return []
+    found = operations.first
     if found is None:
-        said = None if operations is None or first is None else operations.first_line(first.name)
-        return [f"  operations: {said}"] if said else []
-    lines = [f"  operation: {found.explained()}" if found.name == first.name else
-             f"  operation inside: {format_value(found.name)} ({found.metric}, ratio {found.ratio:.3g}): "
-             f"{found.explained()}"]
+        return [f"  operations: {said}"]
+    lines = [f"  operation: {said}" if found.name == first.name else f"  {format_value(said)}"]
     lines += [f"    input {position}: {check.describe()}" for position, check in enumerate(found.inputs)]
     lines += [f"    gradient from: {check.describe()}" for check in found.gradients]
     return lines
