@@ -191,24 +191,28 @@ def find_operations(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray
 
 def _consumers(found: _Steps) -> dict[tuple[int, int, str], list[tuple[int, str]]]:
     """(rank, step, record name) -> (seq, name) of the forward records that took it on: the op records that took it
-    as an input, and the output record of a module call that returned it (the same values: ``_SAME_TENSOR``)."""
+    as an input, and the output records of the modules that returned it: module outputs after it with its values
+    (``_SAME_TENSOR``; the latest such operation), of its operation's module or of a module inside or around that
+    one (an op-selected module calling a submodule whose own operations are not recorded: ``attn/linear:0`` is
+    ``attn.qkv.output.0``)."""
     consumers: dict[tuple[int, int, str], list[tuple[int, str]]] = {}
-    calls: dict[tuple[int, int, str, int], list[_Row]] = {}
+    by_values: dict[tuple, list[tuple[int, str, str]]] = {}  # (rank, step, values) -> (seq, name, module) of ops
     for row in found.rows.values():
         parsed = op_name(row.name) if row.kind == "op" and row.phase == _FORWARD else None
         if parsed is not None:
-            calls.setdefault((row.rank, row.step, *parsed.site), []).append(row)
+            if row.values[_NUMEL] is not None:
+                by_values.setdefault((row.rank, row.step, row.values), []).append((row.seq, row.name, parsed.module))
             for name in dict.fromkeys(row.inputs or ()):
                 if name:
                     consumers.setdefault((row.rank, row.step, name), []).append((row.seq, row.name))
     for row in found.rows.values():
         site = module_record(row.name) if row.kind == "output" and row.phase == _FORWARD else None
-        if site is not None and row.values[_NUMEL] is not None:
-            returned = [op for op in calls.get((row.rank, row.step, *site), []) if op.seq < row.seq
-                        and op.values == row.values]
-            if returned:
-                last = max(returned, key=lambda op: op.seq)
-                consumers.setdefault((row.rank, row.step, last.name), []).append((row.seq, row.name))
+        if site is None:
+            continue
+        returned = [(seq, name) for seq, name, module in by_values.get((row.rank, row.step, row.values), [])
+                    if seq < row.seq and (_inside(module, site[0]) or _inside(site[0], module))]
+        if returned:
+            consumers.setdefault((row.rank, row.step, max(returned)[1]), []).append((row.seq, row.name))
     return consumers
 
 

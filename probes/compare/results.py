@@ -357,8 +357,8 @@ class NoiseFloor:
 # - forward (and recompute): ``propagated`` when an input's record differs; ``local`` (the operation itself) when
 #   none differs and one agrees; ``unknown`` when no input has a record to tell;
 # - backward: an output's gradient is computed from the gradients of what took it on (``gradients``: the backward
-#   records of the operations that used it, and of its module call's output when the module returned it) at the
-#   forward values (``inputs``: the forward records of the same names);
+#   records of the operations that used it, and of the outputs of modules that returned it) at the forward values
+#   (``inputs``: the forward records of the same names);
 #   ``propagated`` when one of these differs, ``local`` (the backward of the operations that used it) when none
 #   does and a gradient it is computed from agrees, ``unknown`` otherwise.
 # ``opfinding`` computes the findings of a window.
@@ -457,8 +457,8 @@ class OpFinding:
 
     ``inputs``: per tensor argument, in order, its forward record (for a backward record too: the forward values
     its gradient is computed at); ``gradients``: backward records only, the backward records of what took this
-    output on (its gradient is computed from theirs): the operations that used it, and the module call's output
-    record when the module returned it (a record of the same values), in forward order.
+    output on (its gradient is computed from theirs): the operations that used it, and the output records of the
+    modules that returned it (later records of the same values), in forward order.
     """
 
     rank: int

@@ -28,7 +28,7 @@ M = "blocks.0.attn"
 
 def attention_records(step: int, *, bug: dict[str, float] | None = None, decompose: bool = False,
                       extra: bool = False, gradient_bug: str | None = None, loss: float = 1.0,
-                      calls: int = 1, unused: bool = False) -> list[dict]:
+                      calls: int = 1, unused: bool = False, child: bool = False) -> list[dict]:
     """The forward and backward records of ``calls`` calls of an attention module ``M`` in one step: its input,
     its operations (linear q, k, v; einsum scores; softmax; einsum with v; linear out), its output.
 
@@ -37,7 +37,9 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
     ``mul`` by 1 after the softmax; ``gradient_bug``: the op whose output's gradient, as it flows on, is scaled
     by 1.01 (the backward of the operations that used it is wrong; its own gradient record is right); ``loss``:
     a factor on the loss (every gradient differs from the module's output on); ``unused``: an extra ``linear``
-    after the first, of another shape, whose output is not used (no gradient: no backward record)."""
+    after the first, of another shape, whose output is not used (no gradient: no backward record); ``child``: q
+    is the output of a submodule ``q_proj`` too (whose operations are not recorded apart), and the scores take
+    that record as their input."""
     bug = bug or {}
     made: list[tuple[str, str, torch.Tensor, list[str] | None]] = []
     weights = [torch.randn(8, 8, generator=torch.Generator().manual_seed(10 + i), dtype=torch.float64) / 3
@@ -61,6 +63,9 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
         inp = hidden * bug.get(entry, 1.0)
         made.append((entry, "input", inp, None))
         q, qn = op("linear", inp @ weights[0], [entry, ""])
+        if child:
+            qn = f"{M}.q_proj{suffix}.output.0"
+            made.append((qn, "output", q, None))
         if unused:
             op("linear", inp @ weights[0][:, :4], [entry, ""])
         k, kn = op("linear", inp @ weights[1], [entry, ""])
@@ -88,8 +93,9 @@ def attention_records(step: int, *, bug: dict[str, float] | None = None, decompo
 
 
 def _record(name: str, kind: str, phase: str, seq: int, tensor: torch.Tensor, inputs: list[str] | None) -> dict:
-    record = {"name": name, "phase": phase, "seq": seq, "kind": kind, "module": name.partition("/")[0] if kind == "op"
-              else M, "module_class": "Attention", **tensor_record(tensor.detach(), sample_count=8)}
+    module = op_name(name).module if kind == "op" else module_record(name)[0]
+    record = {"name": name, "phase": phase, "seq": seq, "kind": kind, "module": module, "module_class": "Attention",
+              **tensor_record(tensor.detach(), sample_count=8)}
     if inputs is not None:
         record["inputs"] = inputs
     return record
@@ -233,6 +239,15 @@ def test_a_gradient_reaching_the_module_is_found_at_its_output_and_its_last_oper
     assert found.name == op("linear", 3) and found.cause == "propagated"
     assert [(c.name, c.status) for c in found.gradients] == [(f"{M}.output.0", DIFFERS)]
     assert found.explained() == f"propagated: a gradient it is computed from already differs: {M}.output.0"
+
+    # q is a submodule's output too (its operation recorded in the module around it): its gradient comes from there.
+    base = write_dump(tmp_path / "child", {0: attention_records(0, child=True)})
+    other = write_dump(tmp_path / "child_other", {0: attention_records(0, child=True, loss=1.01)})
+    backward = compare_dumps(base, other).operations.modules[0]
+    q = next(finding for finding in backward.ops if finding.name == op("linear"))
+    assert [(c.name, c.status) for c in q.gradients] == [(f"{M}.q_proj.output.0", DIFFERS)]
+    assert [c.name for c in next(f for f in backward.ops if f.name == op("einsum")).inputs] == [
+        f"{M}.q_proj.output.0", op("linear", 1)]
 
 
 def test_a_run_without_provenance_takes_the_other_runs_inputs(tmp_path):
