@@ -12,7 +12,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 import torch
 
 from probes.cli import main
