@@ -143,14 +143,9 @@ def apply_renames(loaded: LoadedDump, renames: Iterable[Rename]) -> None:
                               .to_numpy(zero_copy_only=False))
     keys = loaded.keys(involved)
     taken = set(keys)
-    new_names = loaded.column("name")
-    renamed_from = loaded.column("renamed_from")
+    new_names = {}
     for row, (rank, step, phase, name) in zip(involved.tolist(), keys):
         new = by_name.get((phase, name))
         if new is not None and (rank, step, phase, new) not in taken:
             new_names[row] = new
-            renamed_from[row] = renamed_from[row] or name
-    table = loaded.table
-    table = table.set_column(table.schema.get_field_index("name"), "name", pa.array(new_names, pa.string()))
-    loaded.table = table.set_column(table.schema.get_field_index("renamed_from"), "renamed_from",
-                                    pa.array(renamed_from, pa.string()))
+    loaded.rename(new_names)

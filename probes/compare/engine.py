@@ -42,6 +42,8 @@ from .config import CompareConfig
 from .details import record_diffs
 from .matched import RecordDiffs
 from .metrics import NOISED, noise_level
+from .opalign import align_operations
+from .opfinding import find_operations
 from .pairs import context_of, from_records
 from .reading import LoadedDump, check_hashes
 from .report import Report
@@ -74,6 +76,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
         check_hashes(other)
     renamed = [Rename(None, original, new, "map", 1.0, "the name map")
                for original, new in other.renamed.items()]
+    renamed += align_operations(base, other)
     if config.fuzzy:
         paired = fuzzy_renames(base, other) if fuzzy is None else list(fuzzy)
         apply_renames(other, paired)
@@ -126,6 +129,9 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                     grad_norms={"base": _grad_norms(base), "other": _grad_norms(other)})
     report.noise_floor = noise_floor
     report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
+    report.operations = find_operations(base, other, pairs, records, (_in_common(only_in_base, base, other),
+                                                                      _in_common(only_in_other, other, base)),
+                                        report.first_divergence)
     report.first_nonfinite = {"base": _first_nonfinite(base), "other": _first_nonfinite(other)}
     if meter:
         meter.update(4)
@@ -214,7 +220,7 @@ def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> t
     In a step the other run never finished, every record is missing there: that is a different step
     count, so its zero gradients stay with the rest.
     """
-    candidates = rows[_finished_in_both(has.rank[rows], has.step[rows], has, lacks)]
+    candidates = _in_common(rows, has, lacks)
     if len(candidates):
         phase_codes, phases = has.codes("phase")
         gradient = np.isin(phase_codes[candidates], [i for i, p in enumerate(phases.to_pylist()) if p in GRADIENT_PHASES])
@@ -233,6 +239,11 @@ def _finished_in_both(rank: np.ndarray, step: np.ndarray, one: LoadedDump, other
     return np.isin(rank * (1 << 32) + step, pairs[:, 0] * (1 << 32) + pairs[:, 1])
 
 
+def _in_common(rows: np.ndarray, loaded: LoadedDump, counterpart: LoadedDump) -> np.ndarray:
+    """The rows (of ``loaded``, in one run only) in a (rank, step) both runs finished: divergences."""
+    return rows[_finished_in_both(loaded.rank[rows], loaded.step[rows], loaded, counterpart)]
+
+
 def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_in_base: np.ndarray,
                       only_in_other: np.ndarray) -> Divergence | None:
     """The earliest value or presence mismatch in execution order.
@@ -248,7 +259,7 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_
                            first_value.divergence()))
     for rows, loaded, present, missing in ((only_in_base, base, "present", "missing"),
                                            (only_in_other, other, "missing", "present")):
-        common = rows[_finished_in_both(loaded.rank[rows], loaded.step[rows], base, other)]
+        common = _in_common(rows, loaded, other if loaded is base else base)
         if len(common):  # rows are in execution order: the first one in a common step is the earliest
             row = int(common[0])
             rank, step, phase, name = loaded.key(row)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
 
 from ..utils.phases import phase_rank
+from .results import relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, StepSummary
 from .values import format_value
@@ -73,6 +74,60 @@ def _zero_grad_section(report: Report, limit: int = 500) -> str:
     return "".join(parts)
 
 
+def _first_operation_section(report: Report) -> str:
+    """The first diverging operation and what each record it is computed from says."""
+    operations, first = report.operations, report.first_divergence
+    if operations is None or first is None:
+        return ""
+    said = operations.first_line(first.name)
+    found = operations.first
+    if found is None:
+        return f'<p class="kind">Operations: {escape(said)}</p>' if said else ""
+    parts = ["<h3>First diverging operation</h3>",
+             _table(["rank", "step", "phase", "name", "metric", "ratio"],
+                    [(found.rank, found.step, found.phase, found.name, found.metric, found.ratio)], {0, 1, 5}),
+             f'<p class="kind">{escape(found.explained())}</p>']
+    checks = [(f"input {position}", check) for position, check in enumerate(found.inputs)]
+    checks += [("gradient from", check) for check in found.gradients]
+    if checks:
+        parts.append(_table(["", "record", "phase", "says", "metric", "ratio", "note"],
+                            [(label, check.name or "-", check.phase, check.status, check.metric, check.ratio,
+                              check.note) for label, check in checks], {5}))
+    return "".join(parts)
+
+
+def _operations_section(report: Report, limit: int) -> str:
+    """The diverged operations, each under a row of its module call (at most ``limit`` rows)."""
+    operations = report.operations
+    if operations is None or not operations.modules:
+        return ""
+    rows, shown = [], 0
+    for group in operations.modules:
+        if shown >= limit:
+            break
+        rows.append(f'<tr class="module"><td class=num>{group.rank}</td><td class=num>{group.step}</td>'
+                    f'<td>{escape(group.phase)}</td><td><b>{escape(group.label)}</b></td>'
+                    f'<td colspan="4">{escape(group.own())}</td></tr>')
+        for found in group.ops[:max(1, limit - shown)]:
+            inputs = "; ".join([*(check.describe(group.module) for check in found.inputs),
+                                *(f"gradient from {check.describe(group.module)}" for check in found.gradients)])
+            rows.append(f'<tr class="op"><td></td><td></td><td></td>'
+                        f'<td style="padding-left: 2em">{escape(relative_name(found.name, group.module))}</td>'
+                        f"<td>{escape(found.metric)}</td><td class=num>{escape(format_value(found.ratio))}</td>"
+                        f"<td>{escape(found.explained())}</td><td>{escape(inputs)}</td></tr>")
+        shown += 1 + len(group.ops)
+    hidden = sum(1 + len(group.ops) for group in operations.modules) - shown
+    head = "".join(f"<th>{escape(h)}</th>" for h in ("rank", "step", "phase", "module call / operation", "metric",
+                                                     "ratio", "cause", "inputs"))
+    return (f'<h2 id="operations">Diverged operations, by module call ({operations.diverged} of {operations.matched} '
+            "matched op records)</h2>"
+            '<p class="note">Each module call with diverged operations, its own records, then those operations in '
+            "execution order: what broke, and whether an input's record already differed (propagated) or every "
+            "recorded input agrees (the operation itself).</p>"
+            f'<div class="scroll"><table><tr>{head}</tr>{"".join(rows)}</table></div>'
+            + (f'<p class="note">{hidden} more rows in the JSON report (operations).</p>' if hidden > 0 else ""))
+
+
 def _shown_steps(summaries: list[StepSummary], report: Report, limit: int) -> list[StepSummary]:
     """At most ``limit`` steps, in step order: the first divergence's, those that diverged or miss records (the
     earliest first), then those of the largest worst ratio: a long run's table stays a page."""
@@ -97,6 +152,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     cfg = report.config
     first = report.first_divergence
     verdict_class = "agree" if report.agrees else "diverged"
+    hows = ["map", "fuzzy", *(["op"] if any(r.how == "op" for r in report.renamed) else [])]
     floor = noise_floor_line(report)
     summary = _table(None, [
         ("base", report.base), ("other", report.other), ("noise (calibration run)", report.noise or "-"),
@@ -107,8 +163,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
         ("materialised zero gradients (notes)", len(report.zero_grads)),
-        *((("names of other renamed (map / fuzzy)", f"{sum(r.how == 'map' for r in report.renamed)} / "
-                                                    f"{sum(r.how == 'fuzzy' for r in report.renamed)}"),)
+        *(((f"names of other renamed ({' / '.join(hows)})", " / ".join(str(sum(r.how == how for r in report.renamed))
+                                                                       for how in hows)),)
           if report.renamed else ()),
         *((f"first non-finite value, {side}", str(anomaly) if anomaly else "none")
           for side, anomaly in report.first_nonfinite.items() if any(report.first_nonfinite.values())),
@@ -141,6 +197,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
             parts.append(f'<p class="kind">Against the calibration run: {escape(first.noise_floor)} the noise '
                          "floor.</p>")
         parts.append(f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>')
+        parts.append(_first_operation_section(report))
+    parts.append(_operations_section(report, config.max_rows))
     parts.append("<h2>Relative error, step &times; layer</h2>")
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')

@@ -185,6 +185,14 @@ class RecordDiffs(Sequence[RecordDiff]):
                          None if nulls[row, 1] else value_o)
                 for row, (value_b, value_o) in zip(rows.tolist(), values)]
 
+    def worst_metrics(self, rows: Sequence[int]) -> list[str | None]:
+        """The metric of the largest ratio of ``rows`` where the arrays say it (a moment, the samples); None where
+        only the RecordDiff does (a structure field, a count, the hash; or no arrays)."""
+        if self._worst is None:
+            return [None] * len(rows)
+        names, codes = self._worst[0], self._worst[1]
+        return [names[code] if code > 1 else None for code in codes[np.asarray(rows, np.int64)].tolist()]
+
     def value(self, rows: np.ndarray, run: str, metric: str) -> list[Any]:
         """A moment's base ("base") or other ("other") value of ``rows`` (None where it was not compared)."""
         if self.moments is None:

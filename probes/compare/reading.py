@@ -17,6 +17,7 @@ row's execution-order sort key, and what each record's default tolerance depends
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -43,8 +44,10 @@ class MissingHashes(ValueError):
     """A bit-exact comparison of a dump whose records have no ``hash``."""
 
 # What comparing reads of a record: the key, what is compared, what reports and fuzzy alignment show, and
-# what keeps the rest exact (the *_int twins, nulls, extra). Not legacy_name, depth, finite, m2, neg, pos.
-COLUMNS = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "shape", "dtype",
+# what keeps the rest exact (the *_int twins, nulls, extra), an op record's inputs. Not legacy_name, depth, finite,
+# m2, neg, pos.
+COLUMNS = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "inputs", "shape",
+           "dtype",
            "layout", "stats_of", "unsupported", "numel", *dict.fromkeys((*MOMENTS, *COUNTS, "zero")),
            "samples", "sample_indices", "min_int", "max_int", "samples_int", "nulls", "extra", "hash")
 
@@ -127,6 +130,21 @@ class LoadedDump:
             if original is not None:
                 record["renamed_from"] = original  # type: ignore[typeddict-unknown-key]
         return records
+
+    def rename(self, new_names: Mapping[int, str]) -> None:
+        """Gives the rows of ``new_names`` (row -> name) their new names; a row's first name is kept as
+        ``renamed_from``."""
+        if not new_names:
+            return
+        names = self.column("name")
+        renamed_from = self.column("renamed_from")
+        for row, name in new_names.items():
+            renamed_from[row] = renamed_from[row] or names[row]
+            names[row] = name
+        table = self.table
+        table = table.set_column(table.schema.get_field_index("name"), "name", pa.array(names, pa.string()))
+        self.table = table.set_column(table.schema.get_field_index("renamed_from"), "renamed_from",
+                                      pa.array(renamed_from, pa.string()))
 
     def key(self, row: int) -> RecordKey:
         phase, name = (self.table.column(column)[row].as_py() for column in ("phase", "name"))

@@ -1,6 +1,7 @@
 """The report of a comparison (what ``compare_dumps`` returns) and its JSON document.
 
     report.agrees; report.first_divergence; report.per_step()
+    report.first_operation.explained()                    # with op records: "local: the operation itself (...)"
     report.first_divergence_kind().sentence               # "gradients agree, the update differs"
     json.dump(report.to_json(), file)                     # the schema of docs/compare.md
 """
@@ -20,6 +21,7 @@ from ..dump.record import RecordKey
 from .config import PRECISIONS, CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
+from .results import OpFinding, Operations
 from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
                       StepSummary)
 from .values import key_json
@@ -61,6 +63,9 @@ class Report:
     grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
     # With a calibration run (``noise``): the records beyond and within their noise floors; None without one.
     noise_floor: NoiseFloor | None = None
+    # When a run has op records (kind "op"): the diverged operations under their module calls, the first diverging
+    # operation and what its inputs' records say (``probes.compare.results``); None when neither run has op records.
+    operations: Operations | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.records, RecordDiffs):
@@ -148,6 +153,13 @@ class Report:
             lowest[step] = min(rank, lowest.get(step, rank))
         return {step: GradNorm(rank, base.get((rank, step)), other.get((rank, step))) for step, rank in lowest.items()}
 
+    @property
+    def first_operation(self) -> OpFinding | None:
+        """The first diverging operation, with its inputs' verdicts: the first divergence when it is an op record,
+        else the earliest diverged operation of the first divergence's module call (or of a module inside it);
+        None when there is none or no run has op records."""
+        return None if self.operations is None else self.operations.first
+
     def first_divergence_kind(self) -> DivergenceKind | None:
         """What kind of divergence the first one is (``probes.compare.kinds``), from the phases of its step."""
         first = self.first_divergence
@@ -211,6 +223,7 @@ class Report:
                         for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
             "per_step": [summary.to_json() for summary in self.per_step()],
             "divergences": [record.to_json() for record in self.records.take(self.records.diverged_rows())],
+            **({"operations": self.operations.to_json()} if self.operations is not None else {}),
         }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
 from .config import PRECISIONS, CompareConfig
+from .results import op_name, relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
 from .values import format_value
@@ -37,8 +38,9 @@ def verdict(report: Report) -> str:
         what = "differs in its bytes" if first.metric == "hash" else first.metric
         if first.noise_floor is not None:
             what += f", {first.noise_floor} the noise floor"
+        operations = None if report.operations is None else report.operations.first_line(first.name)
         return (f"DIVERGED at rank {first.rank}, step {first.step}, {first.phase}, {format_value(first.name)} "
-                f"({what})")
+                f"({what})" + (f"; {operations}" if operations else ""))
     return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
             f"{len(report.only_in_other)} only in other; matched records agree)")
 
@@ -79,6 +81,7 @@ def kind_line(report: Report) -> str | None:
 
 
 GRAD_NORM_HEADER = ["grad norm base", "grad norm other"]
+_RENAMED_BY = {"map": "the name map", "fuzzy": "fuzzy alignment", "op": "operation alignment"}  # Rename.how
 
 
 def grad_norm_cells(summaries: Sequence[StepSummary]) -> list[list[str]] | None:
@@ -183,14 +186,25 @@ def _name(name: str, width: int = 48) -> str:
     return clip(format_value(name), width)
 
 
-def _record_rows(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool) -> list[list[str]]:
+def _record_rows(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool,
+                 nest: bool = False) -> list[list[str]]:
+    """A row per record; ``nest``: op records under a row naming their module call, by their short names."""
     rows = []
+    site = None
     for record in records:
         worst = record.worst
+        parsed = op_name(record.name) if nest else None
+        if parsed is not None and (record.rank, record.step, record.phase, parsed.site) != site:
+            site = (record.rank, record.step, record.phase, parsed.site)
+            label = f"{parsed.module}{f'#{parsed.call}' if parsed.call else ''}/"
+            rows.append(["", *([""] if with_rank else []), "", "", "", _name(label), *[""] * 7])
+        elif parsed is None:
+            site = None
         row = [">>" if record.key == mark else ("x" if record.diverged else "")]
         if with_rank:
             row.append(str(record.rank))
-        row += [str(record.step), record.phase, str(record.seq), _name(record.name)]
+        row += [str(record.step), record.phase, str(record.seq),
+                _name(record.name) if parsed is None else "  " + _name(parsed.short, 46)]
         if worst is None:
             row += ["-"] * 5
         else:
@@ -201,12 +215,13 @@ def _record_rows(records: Sequence[RecordDiff], mark: RecordKey | None, with_ran
     return rows
 
 
-def _record_table(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool) -> list[str]:
+def _record_table(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool,
+                  nest: bool = False) -> list[str]:
     header = ["", *(["rank"] if with_rank else []), "step", "phase", "seq", "name", "worst", "base", "other",
               "|diff|", "rel", "ratio", "cos"]
     offset = 1 if with_rank else 0
     right = {1 + offset, 3 + offset, *range(6 + offset, 12 + offset)}
-    return text_table(header, _record_rows(records, mark, with_rank), right=right, indent="  ")
+    return text_table(header, _record_rows(records, mark, with_rank, nest), right=right, indent="  ")
 
 
 def _steps_text(steps: Mapping[int, list[int]]) -> str:
@@ -244,9 +259,8 @@ def _header(report: Report) -> list[str]:
         lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
                      f"only in other {ranges(report.steps_only_in_other)}")
     if report.renamed:
-        by_how = {how: sum(r.how == how for r in report.renamed) for how in ("map", "fuzzy")}
-        lines.append("  names: " + ", ".join(f"{count} {plural(count, 'name')} of other renamed by "
-                                             f"{'the name map' if how == 'map' else 'fuzzy alignment'}"
+        by_how = {how: sum(r.how == how for r in report.renamed) for how in _RENAMED_BY}
+        lines.append("  names: " + ", ".join(f"{count} {plural(count, 'name')} of other renamed by {_RENAMED_BY[how]}"
                                              for how, count in by_how.items() if count) + " (listed below)")
     if report.zero_grads:
         lines.append(f"  note: {len(report.zero_grads)} {plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
@@ -275,7 +289,7 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
                 f"  |diff| {format_value(first.abs_diff)}  rel {format_value(first.rel_diff)}  "
                 f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")
              + (f"  ({first.noise_floor} the noise floor)" if first.noise_floor is not None else ""),
-             f"  kind: {kind_line(report)}"]
+             f"  kind: {kind_line(report)}", *_first_operation(report)]
     neighbours = report.records.take(report.records.rows_where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)
     if at is None:  # a missing record: show the matched records that precede it
@@ -283,8 +297,44 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
     window = neighbours[max(0, at - 3): at + 8]
     if window:
         lines += ["", f"Around the first divergence (rank {first.rank}, step {first.step}, {first.phase}, "
-                      "in execution order; x = diverged):"]
-        lines += _record_table(window, (first.rank, first.step, first.phase, first.name), with_rank)
+                      "in execution order; x = diverged" + ("; operations under their module" if
+                                                           report.operations is not None else "") + "):"]
+        lines += _record_table(window, (first.rank, first.step, first.phase, first.name), with_rank,
+                               nest=report.operations is not None)
+    return lines
+
+
+def _first_operation(report: Report) -> list[str]:
+    """The first diverging operation and what each record it is computed from says."""
+    operations, first = report.operations, report.first_divergence
+    said = None if operations is None or first is None else operations.first_line(first.name)
+    if operations is None or first is None or said is None:
+        return []
+    found = operations.first
+    if found is None:
+        return [f"  operations: {said}"]
+    lines = [f"  operation: {said}" if found.name == first.name else f"  {format_value(said)}"]
+    lines += [f"    input {position}: {check.describe()}" for position, check in enumerate(found.inputs)]
+    lines += [f"    gradient from: {check.describe()}" for check in found.gradients]
+    return lines
+
+
+def _operation_lines(report: Report, limit: int = 10) -> list[str]:
+    """The diverged operations under their module calls (at most ``limit`` calls, ``limit`` operations each)."""
+    operations = report.operations
+    if operations is None or not operations.modules:
+        return []
+    lines = ["", f"Diverged operations, by module call ({operations.diverged} of {operations.matched} matched op "
+                 "records diverged; execution order):"]
+    for group in operations.modules[:limit]:
+        lines.append(f"  rank {group.rank} step {group.step} {group.phase}  {format_value(group.label)}  ({group.own()})")
+        rows = [[_name(relative_name(found.name, group.module)), found.metric, f"ratio {found.ratio:.3g}",
+                 found.explained()] for found in group.ops[:limit]]
+        lines += text_table(["operation", "worst", "", "cause"], rows, indent="    ")[1:]
+        if len(group.ops) > limit:
+            lines.append(f"    ... {len(group.ops) - limit} more (see --json)")
+    if len(operations.modules) > limit:
+        lines.append(f"  ... {len(operations.modules) - limit} more module calls (see --json)")
     return lines
 
 
@@ -336,6 +386,7 @@ def format_report(report: Report, top: int = 10) -> str:
     if report.zero_grads:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
         lines += _zero_grad_lines(report.zero_grads, with_rank)
+    lines += _operation_lines(report)
     lines += renamed_lines(report)
     lines += _per_step(report)
     lines += rank_lines(report)

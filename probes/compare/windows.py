@@ -43,6 +43,8 @@ from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded, noise_label
 from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
+from .opalign import align_operations
+from .results import Operations
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
 from .results import Damaged, Divergence, NoiseFloor, RecordDiff, Rename
@@ -86,6 +88,7 @@ class _Part:
     damaged: dict[str, list[Damaged]] = field(default_factory=dict)
     grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
     noise_floor: NoiseFloor | None = None
+    operations: Operations | None = None
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
@@ -131,8 +134,8 @@ def _reduced(window: _Window, directory: str, index: int) -> _Part:
                  None if records._worst is None else list(records._worst[0]), list(records.moments or ()),
                  records.built(np.concatenate(rows)), summary, report.only_in_base, report.only_in_other, report.base_steps,
                  report.other_steps, report.unfinished, report.noise_unmatched, report.zero_grads, first,
-                 report.first_nonfinite, [rename for rename in report.renamed if rename.how == "map"], report.damaged,
-                 report.grad_norms, report.noise_floor)
+                 report.first_nonfinite, [rename for rename in report.renamed if rename.how != "fuzzy"], report.damaged,
+                 report.grad_norms, report.noise_floor, report.operations)
 
 
 def windows_of(base: str | Path | DumpReader, other: str | Path | DumpReader,
@@ -223,10 +226,13 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
     records = SpilledRecordDiffs(directory, [(str(index), part.count, part.labels, part.worst_names, part.moments,
                                               part.built, part.summary) for index, part in enumerate(parts)], build)
     first = parts[0]
-    renamed: dict[str, Rename] = {}
-    for part in parts:
-        for rename in part.renamed:
-            renamed.setdefault(rename.other, rename)
+    renamed: dict[tuple[str, ...], Rename] = {}  # the name map's by name; operation pairs once each
+    for how in ("map", "op"):
+        for part in parts:
+            for rename in part.renamed:
+                if rename.how == how:
+                    renamed.setdefault((how, rename.other) if how == "map" else (how, str(rename.phase), rename.other,
+                                                                                   rename.base), rename)
     fuzzy = list(windows[0].fuzzy or ())
     damaged: dict[str, list[Damaged]] = {}
     for part in parts:
@@ -242,7 +248,11 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
                     renamed=[*renamed.values(), *fuzzy], damaged=damaged,
                     grad_norms={side: {key: value for part in parts for key, value in part.grad_norms.get(side, {}).items()}
                                 for side in ("base", "other")})
-    report.first_divergence = next((part.first_divergence for part in parts if part.first_divergence), None)
+    with_first = next((part for part in parts if part.first_divergence), None)
+    report.first_divergence = None if with_first is None else with_first.first_divergence
+    operations = [part.operations for part in parts if part.operations is not None]
+    report.operations = Operations.merged(operations, None if with_first is None else with_first.operations) \
+        if operations else None
     floors = [part.noise_floor for part in parts if part.noise_floor is not None]
     report.noise_floor = NoiseFloor.merged(floors) if floors else None
     report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
@@ -294,6 +304,7 @@ def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]],
             loaded_base = read_dump(base.only(first), reading, progress=False, skip_damaged=True)
             loaded_other = read_dump(other.only(first), reading, progress=False, name_map=name_map, skip_damaged=True)
             _drop_damaged(loaded_base, loaded_other)
+            align_operations(loaded_base, loaded_other)  # as every window does before fuzzy alignment
             return tuple(fuzzy_renames(loaded_base, loaded_other))
     return ()
 
