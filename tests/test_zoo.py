@@ -38,6 +38,9 @@ STEPS = 3
 # (scaled_dot_product_attention fails to export for some); the modern lane uses transformers' default.
 ATTENTION = "eager" if LANE == "ort" else "sdpa"
 COMPILE_BACKEND = "aot_eager"  # dynamo + AOT autograd + the partitioner: what probes meet; inductor: slow test
+# Every attention module's operations are recorded too (op records, ``ops=``): the class of modules whose code
+# differs most between architectures and backends (masks, casts, einsums, ``is_compiling()`` branches).
+OPS = "re:.*Attention"
 
 
 @dataclass
@@ -64,7 +67,8 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     witness = OrtWitness() if backend == "ort" else None
     if out is not None:
         manager = SubscriberManager()
-        manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True)] + ([witness] if witness else []))
+        manager.subscribe(model, [StatisticsSubscriber(out, override_output_dir=True, ops=OPS)]
+                          + ([witness] if witness else []))
     names: dict[int, list[str]] = collections.defaultdict(list)
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names[id(parameter)].append(name)

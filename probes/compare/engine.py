@@ -47,7 +47,7 @@ from .opfinding import find_operations
 from .pairs import context_of, from_records
 from .reading import LoadedDump, check_hashes
 from .report import Report
-from .results import Divergence, NoiseFloor, RecordDiff, Rename
+from .results import Divergence, NoiseFloor, RecordDiff, Rename, op_name
 from .vector import WORST, match, measure, noise_levels
 
 __all__ = ["compare_loaded", "compare_records", "is_zero_gradient", "noise_label"]
@@ -260,6 +260,10 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_
     for rows, loaded, present, missing in ((only_in_base, base, "present", "missing"),
                                            (only_in_other, other, "missing", "present")):
         common = _in_common(rows, loaded, other if loaded is base else base)
+        if len(common):  # an operation of one run only is listed, not a divergence (``Report.agrees``)
+            name_codes, names = loaded.codes("name")
+            is_op = np.array([op_name(name) is not None for name in names.to_pylist()], dtype=bool)
+            common = common[~is_op[name_codes[common]]] if len(is_op) else common
         if len(common):  # rows are in execution order: the first one in a common step is the earliest
             row = int(common[0])
             rank, step, phase, name = loaded.key(row)

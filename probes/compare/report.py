@@ -21,7 +21,7 @@ from ..dump.record import RecordKey
 from .config import PRECISIONS, CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
-from .results import OpFinding, Operations
+from .results import OpFinding, Operations, op_name
 from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
                       StepSummary)
 from .values import key_json
@@ -95,8 +95,16 @@ class Report:
 
     @property
     def agrees(self) -> bool:
-        """True when every record of both runs is matched and within tolerance."""
-        return self.first_divergence is None and not self.only_in_base and not self.only_in_other
+        """True when every record of both runs is matched and within tolerance. Op records of one run only are
+        listed, not counted (``ops_in_one_run``): decompositions differ between backends, and an operation that
+        changes a result shows in the records of the operations after it."""
+        return self.first_divergence is None and len(self.ops_in_one_run) == len(self.only_in_base) + len(
+            self.only_in_other)
+
+    @property
+    def ops_in_one_run(self) -> list[RecordKey]:
+        """The op records in ``only_in_base`` and ``only_in_other`` (docs/compare.md, operations of one run only)."""
+        return [key for key in (*self.only_in_base, *self.only_in_other) if op_name(key[3]) is not None]
 
     def per_rank(self) -> dict[int, Divergence | None]:
         """Per rank compared (``ranks=True``: each rank against rank 0): its first divergence, None where it agrees."""

@@ -32,6 +32,8 @@ def verdict(report: Report) -> str:
     if report.agrees:
         noted = f"; {len(report.zero_grads)} {plural(len(report.zero_grads), 'materialised zero gradient')} noted" \
             if report.zero_grads else ""
+        ops = len(report.ops_in_one_run)
+        noted += f"; {ops} op {plural(ops, 'record')} of one run only listed" if ops else ""
         within = "bit-identical" if report.config.exact else "within tolerance"
         return f"AGREE ({report.matched} records {within}{_floor_clause(report)}{noted})"
     if first is not None:
