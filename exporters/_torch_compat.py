@@ -468,6 +468,15 @@ def writes_or_aliases(func: Any) -> bool:
     return schema.is_mutable or any(ret.alias_info is not None for ret in schema.returns)
 
 
+def function_mode_stack() -> list[Any]:
+    """This thread's ``TorchFunctionMode`` stack, innermost last. The autograd engine restores it around each
+    backward node: a mode entered inside a backward (a checkpointed forward recomputed) is gone after it."""
+    stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+    if stack is None:
+        raise _missing("torch.overrides._get_current_function_mode_stack")
+    return stack()
+
+
 def dynamo_traces_function_modes() -> bool:
     """Whether dynamo traces a ``TorchFunctionMode`` entered inside the program it compiles (torch 2.4 cannot
     construct or enter one there; 2.6 and later trace its ``__torch_function__``)."""

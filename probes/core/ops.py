@@ -133,7 +133,8 @@ class OpRecorder(TorchFunctionMode):
     # Scopes ---------------------------------------------------------------------------------------
 
     def enter(self, scope: Scope) -> None:
-        if not self.scopes and not self._entered:
+        if not self._active():
+            self.scopes.clear()  # left by a forward that never reached its hook (see ``_active``)
             self.__enter__()
             self._entered = True
         self.scopes.append(scope)
@@ -145,17 +146,31 @@ class OpRecorder(TorchFunctionMode):
             if scopes[position].module_index == module_index:
                 del scopes[position:]
                 break
-        if not scopes and self._entered:
-            self._entered = False
-            self.__exit__(None, None, None)
+        if not scopes:
+            self._exit()
 
     def close(self) -> None:
         """Leaves the mode and forgets the step's provenance (the root's forward ended, or raised)."""
         self.scopes.clear()
         self._producers.clear()
-        if self._entered:
+        self._exit()
+
+    def _active(self) -> bool:
+        """Whether this mode is on the thread's mode stack now. Not always what ``_entered`` says: a forward
+        recomputed inside a backward (activation checkpointing) may stop before its module's forward hook, and
+        the autograd engine restores the mode stack around each backward node."""
+        if torch.compiler.is_compiling():
+            return self._entered
+        return self._entered and any(mode is self for mode in _torch_compat.function_mode_stack())
+
+    def _exit(self) -> None:
+        if not self._active():
+            self._entered = False
+            return
+        if torch.compiler.is_compiling() or _torch_compat.function_mode_stack()[-1] is self:
             self._entered = False
             self.__exit__(None, None, None)
+        # else: a mode entered after this one is still open (the user's): this one leaves when that one has
 
     @property
     def recording(self) -> bool:

@@ -247,3 +247,31 @@ def test_hugging_face_attention_ops_agree_between_two_identical_runs(tmp_path):
     assert sorted(name for name in recorder.names(0, "backward") if "/" in name) == sorted(ops)
     report = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert report.agrees and len(report.records) == len(load_dump(tmp_path / "a"))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_selected_module_records_its_ops_once_and_trains_unchanged(tmp_path, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = Attention(), torch.nn.Linear(D, 2)
+
+        def forward(self, x):  # a non-reentrant recompute stops before the module's forward hook
+            return self.head(checkpoint(self.attn, x, use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, D, requires_grad=True)
+    plain = copy.deepcopy(model)
+    recorder = Recorder(ops="attn")
+    with SubscriberManager().subscribe(model, [recorder]):
+        probed = losses_and_grads(model, x, steps=3)
+    expected = losses_and_grads(plain, x, steps=3)
+    for a, b in zip(expected[0] + sum(expected[1], []), probed[0] + sum(probed[1], [])):
+        assert torch.equal(a, b)
+    names = [op.replace("1/", "attn/") for op in ATTENTION_OPS]
+    for step in range(3):  # the head's linear is never taken for an op of the attention
+        assert [n for n in recorder.names(step, "forward") if "/" in n] == [f"{op}.output.0" for op in names]
+        assert sorted(n for n in recorder.names(step, "backward") if "/" in n) == sorted(f"{op}.output.0" for op in names)
+    assert torch._C._len_torch_function_stack() == 0
