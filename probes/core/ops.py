@@ -48,7 +48,7 @@ __all__ = ["OpRecorder", "Scope"]
 
 _INPLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                                 "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                                "__irshift__", "__setitem__", "__getitem__"})
+                                "__irshift__", "__setitem__"})
 _COPIES = frozenset({"clone", "contiguous", "detach", "detach_", "requires_grad_", "retain_grad", "data_ptr"})
 _CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
 _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -83,7 +83,9 @@ def _op_name(func: Callable) -> str | None:
     if getattr(func, "namespace", None) is not None:  # ``torch.ops.*`` (the probes' own compiled ops among them)
         return None
     if raw in _INPLACE_OPERATORS:
-        return _VIEW if raw == "__getitem__" else _INPLACE
+        return _INPLACE
+    if raw == "__getitem__":  # a view, or a gather whose values are its argument's: no record either way
+        return _VIEW
     if raw in _COPIES:
         return _INPLACE if raw.endswith("_") else _VIEW
     name = raw.strip("_")
@@ -117,8 +119,8 @@ class OpRecorder(TorchFunctionMode):
     """Sees the torch function calls made inside open scopes and passes their outputs through ``probe``.
 
     ``probe(scope, name, inputs, tensors)`` returns the tensors to continue with (the manager's probe of the op
-    site ``name``); ``inputs`` is the provenance list (None under dynamo). ``paused()`` while the probes' own code
-    runs inside a scope (hooks, subscribers), whose torch calls are not the model's.
+    site ``name``); ``inputs`` is the provenance list (None under dynamo). ``pause()``/``unpause()`` around the
+    probes' own code inside a scope (hooks, subscribers), whose torch calls are not the model's.
     """
 
     def __init__(self, probe: ProbeOp) -> None:
