@@ -78,7 +78,7 @@ class _Collectives:
 
 def _names(name: str) -> tuple:
     module, _, _ = name.rpartition(".")
-    return (name, 0, module or "<root>", "Linear" if module else "OddModel", "parameter", name.count("."), name)
+    return (name, 0, module or "<root>", "Linear" if module else "OddModel", "parameter", name.count("."), name, None)
 
 
 def _train(rank: int, clip: float, *, sub_groups: bool = False, offload: bool = False) -> dict:
