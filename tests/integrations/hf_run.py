@@ -33,3 +33,8 @@ if __name__ == "__main__":
     wrapped = type(trainer.model_wrapped).__name__
     weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).double().sum().item()
     print(f"rank {args.process_index} of {args.world_size} wrapped {wrapped} weights {weights:.12e}", flush=True)
+    # A gloo group left to the interpreter's exit may abort a rank ("terminate called without an active
+    # exception", seen once in a loaded suite): both ranks leave it together.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
