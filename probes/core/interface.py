@@ -18,7 +18,7 @@ only for the steps, sites and phases the subscriber selects (``start_step``/``en
 and never during an export:
 
 - ``on_forward(event, tensors)``: the tensors of a module's outputs (``event.site.kind ==
-  "output"``), of its inputs (``"input"``, only if ``observe_inputs`` or its operations are selected), of an
+  "output"``), of its inputs (``"input"``, only if ``observe_inputs``), of an
   ``inspect_activation`` call (``"inspect"``) or of an operation inside a module selected by ``ops``
   (``"op"``); ``tensors[i]`` is the i-th tensor of the flattened
   structure, named ``event.record_name(i)``.

@@ -267,15 +267,10 @@ class SubscriberManager:
         site = self.inspect_site(name, type(tensor).__name__)
         if not self.tracker.wants_site(site):
             return tensor
-        if not self._ops.scopes:
-            (probed,) = apply_probe(self._probes[site], tensor)
-            return probed
-        self._ops.pause()  # the subscribers' own torch calls are no operation of the model
-        try:
-            (probed,) = apply_probe(self._probes[site], tensor)
-        finally:
-            self._ops.unpause()
-        self._ops.produced((probed,), (site.record_name(0),))
+        # The subscribers' own torch calls are no operation of the model.
+        (probed,) = self._ops.run_paused(apply_probe, self._probes[site], tensor)
+        if self._ops.scopes:
+            self._ops.produced((probed,), (site.record_name(0),))
         return probed
 
     def inspect_site(self, name: str, tensor_class: str = "Tensor") -> ProbeSite:
@@ -299,7 +294,7 @@ class SubscriberManager:
             self._probes[site] = SiteProbe(self.tracker, site)
         return site
 
-    def _probe_op(self, scope: Scope, name: str, inputs: list[str] | None,
+    def _probe_op(self, name: str, inputs: list[str] | None,
                   tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor] | None:
         """The ``OpRecorder``'s probe: an operation's output tensors through the probe of its site."""
         if torch.compiler.is_compiling():
@@ -398,19 +393,11 @@ class SubscriberManager:
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
         if self._run_by_compiler(site):
             return args, kwargs
-        recorder = self._ops
-        if not recorder.scopes:
-            args, kwargs = self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
-        else:
-            recorder.pause()  # the probes' own torch calls are no operation of the model
-            try:
-                args, kwargs = self._pre_forward_hook(site, is_root, probe, module, args, kwargs)
-            finally:
-                recorder.unpause()
+        # The probes' own torch calls are no operation of the model.
+        args, kwargs = self._ops.run_paused(self._pre_forward_hook, site, is_root, probe, module, args, kwargs)
         if ops is not None:
             if probe:  # the op records name the module's inputs they read
-                tensors = TensorLeaves.of((args, kwargs), select=self._select()).tensors
-                recorder.produced(tensors, [site.record_name(i) for i in range(len(tensors))])
+                self._name_tensors(site, (args, kwargs))
             self._open_ops(ops)
         return args, kwargs
 
@@ -426,17 +413,9 @@ class SubscriberManager:
             return outputs
         if self._run_by_compiler(site):
             return outputs
-        if not recorder.scopes:
-            outputs = self._post_forward_hook(site, is_root, probe, module, args, outputs)
-        else:
-            recorder.pause()
-            try:
-                outputs = self._post_forward_hook(site, is_root, probe, module, args, outputs)
-            finally:
-                recorder.unpause()
+        outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
         if probe and self._records_ops and not is_root:  # op records name the module outputs they read
-            tensors = TensorLeaves.of(outputs, select=self._select()).tensors
-            recorder.produced(tensors, [site.record_name(i) for i in range(len(tensors))])
+            self._name_tensors(site, outputs)
         return outputs
 
     def _open_ops(self, site: ProbeSite) -> None:
@@ -444,10 +423,13 @@ class SubscriberManager:
         if torch.compiler.is_compiling() and not _torch_compat.dynamo_traces_function_modes():
             _warn_ops_uncompiled()
             return
-        self._ops.enter(Scope(site.name, site.module_index, site.depth, site.module_class))
+        self._ops.enter(Scope(site.name, site.module_index))
 
-    def _select(self) -> Callable[[Any], bool]:
-        return _is_probeable_traced if torch.jit.is_tracing() else _is_probeable
+    def _name_tensors(self, site: ProbeSite, structure: Any) -> None:
+        """The probed tensors of ``structure`` (``site``'s, just passed through its probe) are its records from now
+        on, for the ``inputs`` of the op records that read them (eager and export only)."""
+        tensors = TensorLeaves.of(structure, select=_selector(compiling=False)).tensors
+        self._ops.produced(tensors, [site.record_name(i) for i in range(len(tensors))])
 
     def _root_call_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
         """The context of the root's whole call: the schema run's (below), and closing the op recorder at its end,
@@ -539,8 +521,7 @@ class SubscriberManager:
         """Pass the tensors of a nested structure through ``site``'s probe (``boundary``: through the step
         boundary of the root's outputs); everything else is kept as is."""
         compiling = torch.compiler.is_compiling()
-        # A TorchScript trace (ORTModule's export) gives sizes as tensors: they stay out of the probes, as in eager.
-        select = _is_probeable_traced if not compiling and torch.jit.is_tracing() else _is_probeable
+        select = _selector(compiling)
         if isinstance(structure, torch.Tensor) and select(structure):  # the common case, no pytree round trip
             return self._pass(site, (structure,), boundary, compiling)[0]
         if compiling:
@@ -596,6 +577,12 @@ def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not running:
         return tensor
     return running[-1].inspect(name, tensor)
+
+
+def _selector(compiling: bool) -> Callable[[Any], bool]:
+    """Which leaves pass through a probe: tensors a Function can pass, and, inside a TorchScript trace (ORTModule's
+    export), not the tracer's stand-ins for sizes, which eager code holds as ints."""
+    return _is_probeable_traced if not compiling and torch.jit.is_tracing() else _is_probeable
 
 
 def _is_probeable(leaf: Any) -> bool:

@@ -2,6 +2,7 @@
 
     StatisticsSubscriber("out", ops="encoder.layers.0.*", steps=[0])   # what a user writes
     recorder = OpRecorder(manager._probe_op)                          # the manager owns one
+    outputs = recorder.run_paused(hook, *args)   # the probes' own code inside a scope: its torch calls are not the model's
     recorder.enter(scope)                # an op-selected module's forward begins (its pre-hook)
     recorder.leave(scope.module_index)   # ... and ends (its forward hook)
     recorder.close()                     # the root's call ended (also when it raised): no scope, no provenance
@@ -107,19 +108,17 @@ class Scope:
 
     module: str  # the module's qualified name
     module_index: int
-    depth: int
-    module_class: str
     counts: dict[str, int] = field(default_factory=dict)  # calls of each op so far in this call of the module
 
 
-ProbeOp = Callable[[Scope, str, "list[str] | None", Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+ProbeOp = Callable[[str, "list[str] | None", Sequence[torch.Tensor]], "Sequence[torch.Tensor] | None"]
 
 
 class OpRecorder(TorchFunctionMode):
     """Sees the torch function calls made inside open scopes and passes their outputs through ``probe``.
 
-    ``probe(scope, name, inputs, tensors)`` returns the tensors to continue with (the manager's probe of the op
-    site ``name``); ``inputs`` is the provenance list (None under dynamo). ``pause()``/``unpause()`` around the
+    ``probe(name, inputs, tensors)`` returns the tensors to continue with (the manager's probe of the op site
+    ``name``; None: unchanged); ``inputs`` is the provenance list (None under dynamo). ``run_paused`` runs the
     probes' own code inside a scope (hooks, subscribers), whose torch calls are not the model's.
     """
 
@@ -174,15 +173,15 @@ class OpRecorder(TorchFunctionMode):
             self.__exit__(None, None, None)
         # else: a mode entered after this one is still open (the user's): this one leaves when that one has
 
-    @property
-    def recording(self) -> bool:
-        return bool(self.scopes) and not self._paused
-
-    def pause(self) -> None:
+    def run_paused(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its torch calls not recorded (nothing to pause while no scope is open)."""
+        if not self.scopes:
+            return fn(*args)
         self._paused += 1
-
-    def unpause(self) -> None:
-        self._paused -= 1
+        try:
+            return fn(*args)
+        finally:
+            self._paused -= 1
 
     # Provenance -----------------------------------------------------------------------------------
 
@@ -248,11 +247,7 @@ class OpRecorder(TorchFunctionMode):
         scope.counts[name] = count + 1
         site_name = f"{scope.module}/{name}:{count}"
         inputs = None if torch.compiler.is_compiling() else [self._source(tensor) for tensor in arguments]
-        self._paused += 1
-        try:
-            probed = self._probe(scope, site_name, inputs, [outputs[i] for i in positions])
-        finally:
-            self._paused -= 1
+        probed = self.run_paused(self._probe, site_name, inputs, [outputs[i] for i in positions])
         if probed is None:
             return result
         replaced = list(outputs)
