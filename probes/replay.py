@@ -45,6 +45,7 @@ from .core.sites import ProbeSite
 from .dump.layout import safe_component, write_durably
 from .stats import StatisticsSubscriber
 from .utils.checks import check_int
+from .utils.tree import TensorLeaves
 
 __all__ = ["ModuleCapture", "replay_module"]
 
@@ -200,7 +201,7 @@ def _run(module: torch.nn.Module, meta: dict, stored: dict[str, torch.Tensor], b
             from onnxruntime.training.ortmodule import ORTModule
             runner = ORTModule(bound)
         outputs = runner(*(leaves[key] for key in keys))
-        tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+        tensors = TensorLeaves.of(outputs).tensors
         pairs = [(tensor, stored[f"grads/{index}"]) for index, tensor in enumerate(tensors)
                  if f"grads/{index}" in stored and tensor.requires_grad]
         if backward and pairs:
