@@ -263,7 +263,7 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_
         if len(common):  # an operation of one run only is listed, not a divergence (``Report.agrees``)
             name_codes, names = loaded.codes("name")
             is_op = np.array([op_name(name) is not None for name in names.to_pylist()], dtype=bool)
-            common = common[~is_op[name_codes[common]]] if len(is_op) else common
+            common = common[~is_op[name_codes[common]]]
         if len(common):  # rows are in execution order: the first one in a common step is the earliest
             row = int(common[0])
             rank, step, phase, name = loaded.key(row)
