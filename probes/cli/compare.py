@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..compare import Report, compare_dumps, format_report, load_name_map, write_html
-from ..compare.config import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW
+from ..compare.options import DEFAULT_ATOL, DEFAULT_NOISE_FACTOR, DEFAULT_RTOL, DEFAULT_WINDOW
 from ..compare.terminal import parse_steps
 from ..dump.trainer_steps import TrainerStep
 from ..utils.phases import PHASES

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
-from .config import PRECISIONS, CompareConfig
+from .options import PRECISIONS, CompareConfig
 from .results import op_name, relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary

@@ -39,7 +39,7 @@ from ..dump.record import RecordKey
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import fuzzy_renames
-from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
+from .options import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded, noise_label
 from .matched import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from probes.compare.config import MOMENTS
+from probes.compare.options import MOMENTS
 
 from probes.compare import compare_dumps
 from probes.compare.html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, HtmlConfig, render_html, write_html
