@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from probes.cli.compare import CompareCommand, parser
 from probes.compare import compare_dumps
 from probes.compare.options import CompareConfig
 from probes.compare.windows import CompareOptions
-from probes.utils.flags import COMMAND_LINE, OptionError, declared, given, help_of
+from probes.utils.flags import COMMAND_LINE, OptionError, declared, given, help_of, spelling
 
 PYTHON_ONLY = {"progress"}  # the command always shows progress
 REPORT_FLAGS = {"json", "html", "top"}  # where the command writes the report; compare_dumps returns it
@@ -90,3 +91,13 @@ def test_an_unknown_keyword_is_a_type_error_naming_the_close_one(tmp_path):
         compare_dumps(tmp_path, tmp_path, rtl=1e-3)
     with pytest.raises(ValueError, match="jobs must be a whole number of at least 1, got 0"):
         compare_dumps(tmp_path, tmp_path, jobs=0)
+
+
+def test_the_documented_options_are_the_declared_ones():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "compare.md").read_text()
+    table = re.search(r"\| keyword \| flag \| default \|\n\| --- .*?\n((?:\|.*\n)+)", text)[1]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.strip().splitlines()]
+    documented = {keyword.strip("`"): (flag.strip("`"), default.split()[0].strip("`")) for keyword, flag, default in rows}
+    expected = {f.name: (spelling(CompareOptions, f.name, COMMAND_LINE) if how.command_line else "(always on)",
+                         repr(f.default)) for f, how in declared(CompareOptions) if not how.positional}
+    assert documented == expected
