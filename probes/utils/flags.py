@@ -124,7 +124,8 @@ def settle(options: Any) -> None:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """The command-line arguments of ``cls``'s options, with their help; a flag not used is None (``given``)."""
+    """The command-line arguments of ``cls``'s options, with their help; a flag not used is None (``given``), a
+    field without a default a required flag (unless positional)."""
     for f, how in declared(cls, COMMAND_LINE):
         text = help_of(cls, how, COMMAND_LINE).replace("%", "%%")
         if how.positional:
@@ -136,7 +137,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             default = None if how.command_line_default is _UNSET else how.command_line_default
             parser.add_argument(flag_of(f, how), dest=f.name, type=how.parse or _parser_of(f), default=default,
                                 action=how.many or "store", nargs=how.nargs, choices=how.choices,
-                                metavar=how.metavar, help=text)
+                                metavar=how.metavar, required=f.default is dataclasses.MISSING, help=text)
 
 
 def _parser_of(f: dataclasses.Field) -> Callable[[str], Any]:
