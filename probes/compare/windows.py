@@ -386,9 +386,9 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, **options: 
         other = base
         found = sorted(rank for rank in DumpReader(base).steps() if rank is not None)
         if len(found) < 2 or found[0] != 0:
-            raise ValueError(f"{base}: --ranks compares every rank with rank 0 and needs rank 0 and at least one more "
-                             f"rank, found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of "
-                             "a multi-process run")
+            raise OptionError(CompareOptions, lambda say: (
+                f"{base}: {say('ranks')} compares every rank with rank 0 and needs rank 0 and at least one more rank, "
+                f"found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of a multi-process run"))
     config = chosen.config()
     mapping = as_name_map(chosen.name_map)
     paths = (str(base), str(other), tuple(str(path) for path in _runs(chosen.noise)))

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 PYTHON, COMMAND_LINE = "python", "command line"
 _KEY = "probes.option"
-_UNSET: Any = object()
 _PARSERS: dict[str, Callable[[str], Any]] = {"float": float, "int": int, "str": str, "Path": Path}
 
 
@@ -46,7 +45,7 @@ class Option:
     parse: Callable[[str], Any] | None = None  # a flag's text as a value (default: the field's type: int, float...)
     many: Literal["append", "extend"] | None = None  # repeatable; "extend": each use adds every value it parses to
     nargs: str | None = None  # e.g. "+": one use takes several values
-    command_line_default: Any = _UNSET  # where the command's default differs from the function's
+    command_line_default: Any = None  # where the command's default differs from the function's
     convert: Callable[[Any], Any] | None = None  # a given value (not None) as the field holds it
     check: Callable[[Any], str | None] | None = None  # the value's problem ("must be ..., got x"), None when fine
 
@@ -79,18 +78,9 @@ def spelling(cls: type, name: str, view: str) -> str:
     return f"{name}=True" if _is_switch(f) else name
 
 
-class _Spelled(dict):
-    def __init__(self, cls: type, view: str) -> None:
-        super().__init__()
-        self.cls, self.view = cls, view
-
-    def __missing__(self, name: str) -> str:
-        return spelling(self.cls, name, self.view)
-
-
 def help_of(cls: type, how: Option, view: str) -> str:
     """An option's help text, naming other options as ``view`` does."""
-    return how.help.format_map(_Spelled(cls, view))
+    return how.help.format(**{f.name: spelling(cls, f.name, view) for f, _ in declared(cls)})
 
 
 class OptionError(ValueError):
@@ -134,8 +124,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         elif _is_switch(f):
             parser.add_argument(flag_of(f, how), dest=f.name, action="store_true", help=text)
         else:
-            default = None if how.command_line_default is _UNSET else how.command_line_default
-            parser.add_argument(flag_of(f, how), dest=f.name, type=how.parse or _parser_of(f), default=default,
+            parser.add_argument(flag_of(f, how), dest=f.name, type=how.parse or _parser_of(f),
+                                default=how.command_line_default,
                                 action=how.many or "store", nargs=how.nargs, choices=how.choices,
                                 metavar=how.metavar, required=f.default is dataclasses.MISSING, help=text)
 
