@@ -26,7 +26,6 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,7 +36,7 @@ from ..dump import DumpFormatError, DumpReader
 from ..dump.anomaly import Anomaly
 from ..dump.reader import DamagedSteps, StepFile, listed_records
 from ..dump.record import RecordKey
-from ..utils.flags import OptionError, check_keywords, option, positive_int, takes_options, whole_number
+from ..utils.flags import OptionError, check_keywords, option, positive, positive_int, positive_or_none, takes_options
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import fuzzy_renames
@@ -336,11 +335,11 @@ class CompareOptions(CompareConfig):
         "a YAML or JSON name map (or, in Python, a NameMap or its rules): regular expressions rewriting {other}'s "
         "names into {base}'s before the {names} filter (docs/names.md)"))
     window: int | None = option(DEFAULT_WINDOW, parse=positive_int, metavar="RECORDS",
-                                check=partial(whole_number, none=True), help=(
+                                check=positive_or_none, help=(
         f"records of a dump read and compared at a time, whole steps (default {DEFAULT_WINDOW:,}; in Python None: "
         "all at once); bounds the memory a comparison takes, whatever the dumps' size"))
     jobs: int = option(1, parse=positive_int, command_line_default=os.cpu_count() or 1, metavar="N",
-                       check=whole_number, help=(
+                       check=positive, help=(
         "processes comparing windows at once (default: the cores there are; in Python 1)"))
     skip_damaged: bool = option(False, convert=bool, help=(
         "leave damaged step files out (of both runs) and list them as a note (default: they are an error naming "

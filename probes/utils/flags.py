@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from .checks import int_problem
+
 PYTHON, COMMAND_LINE = "python", "command line"
 _KEY = "probes.option"
 _PARSERS: dict[str, Callable[[str], Any]] = {"float": float, "int": int, "str": str, "Path": Path}
@@ -150,10 +152,10 @@ def keywords(cls: type) -> list[str]:
     return [f.name for f, how in declared(cls) if not how.positional]
 
 
-def check_keywords(cls: type, given: Mapping[str, Any], caller: str) -> None:
+def check_keywords(cls: type, options: Mapping[str, Any], caller: str) -> None:
     """A TypeError, as Python's own but with the close name and the known ones, for a keyword ``cls`` lacks."""
     known = keywords(cls)
-    for name in given:
+    for name in options:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -191,8 +193,11 @@ def positive_int(text: str) -> int:
     return value
 
 
-def whole_number(value: Any, *, none: bool = False) -> str | None:
-    """``check`` of an int option of at least 1 (``none``: or None)."""
-    if (value is None and none) or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return f"must be {'None or ' if none else ''}a whole number of at least 1, got {value!r}"
+def positive(value: Any) -> str | None:
+    """``check`` of an option that is an int of at least 1."""
+    return int_problem(value, minimum=1)
+
+
+def positive_or_none(value: Any) -> str | None:
+    """``check`` of an option that is None or an int of at least 1."""
+    return None if value is None else int_problem(value, minimum=1)

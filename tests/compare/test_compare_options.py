@@ -87,7 +87,7 @@ def test_an_unknown_keyword_is_a_type_error_naming_the_close_one(tmp_path):
     with pytest.raises(TypeError, match=r"compare_dumps\(\) got an unexpected keyword argument 'rtl'; did you mean "
                                         r"'rtol'\?"):
         compare_dumps(tmp_path, tmp_path, rtl=1e-3)
-    with pytest.raises(ValueError, match="jobs must be a whole number of at least 1, got 0"):
+    with pytest.raises(ValueError, match="jobs must be a positive int, got 0"):
         compare_dumps(tmp_path, tmp_path, jobs=0)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from probes.utils.flags import (COMMAND_LINE, PYTHON, OptionError, add_flags, check_keywords, given, keywords, option,
-                                positive_int, settle, takes_options, whole_number)
+                                positive_int, settle, takes_options, positive)
 
 
 def _at_most_ten(value):
@@ -26,7 +26,7 @@ class Example:
                                     help="a name (repeatable)")
     steps: frozenset[int] | None = option(None, flag="--step", many="extend", parse=lambda text: {int(text)},
                                           convert=frozenset, help="a step (repeatable)")
-    count: int = option(1, parse=positive_int, check=whole_number, command_line_default=4, help="how many")
+    count: int = option(1, parse=positive_int, check=positive, command_line_default=4, help="how many")
     loud: bool = option(False, convert=bool, help="louder than {path}")
     stream: object = option(None, command_line=False, help="Python only")
 
@@ -68,7 +68,7 @@ def test_errors_name_the_option_as_the_caller_wrote_it() -> None:
     assert caught.value.spelled(COMMAND_LINE) == "--loud takes no --step"
     again = pickle.loads(pickle.dumps(caught.value))  # from a worker process: the message survives
     assert isinstance(again, ValueError) and str(again) == "loud=True takes no steps"
-    with pytest.raises(ValueError, match=r"count must be a whole number of at least 1, got 0"):
+    with pytest.raises(ValueError, match=r"count must be a positive int, got 0"):
         Example(path="in", count=0)
     with pytest.raises(TypeError, match=r"f\(\) got an unexpected keyword argument 'scal'; did you mean 'scale'\?"):
         check_keywords(Example, {"scale": 1.0, "scal": 2.0}, "f")
