@@ -104,7 +104,8 @@ def _check_common_records(report: Report, args: CompareCommand) -> None:
     if report.matched or not (report.only_in_base and report.only_in_other):
         return
     filters = " after --step/--name" if args.steps is not None or args.names else ""
-    hint = "check the --map patterns" if args.name_map is not None else "map the names that changed (--map FILE, --fuzzy)"
+    hint = ("check the --map patterns" if args.name_map is not None
+            else "map the names that changed (--map FILE, --fuzzy)")
     example_base, example_other = report.only_in_base[0][3], report.only_in_other[0][3]
     raise CommandError(
         f"{args.base} and {args.other} have no record in common{filters} ({len(report.only_in_base)} records "

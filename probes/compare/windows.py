@@ -373,11 +373,11 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, **options: 
     The keywords are ``CompareOptions``' fields, listed below (``probes compare``'s flags); a bad one, or a bad
     combination, is a ValueError (OptionError) naming it. ``name_map`` and ``fuzzy`` pairs are listed in
     ``report.renamed``; materialised zero gradients in ``report.zero_grads``; with ``skip_damaged`` the damaged step
-    files in ``report.damaged`` (without it they raise one DamagedSteps naming every one). Raises DumpFormatError (naming file and line) or OSError when a dump
-    cannot be read, NameMapError for a name map that cannot be used, MissingHashes (a ValueError) with ``exact``
-    for a record without a hash. With ``ranks`` the report's records carry the rank compared, and
-    ``report.first_divergence`` is the first rank, step and record that differ (ValueError for a dump with one
-    rank).
+    files in ``report.damaged`` (without it they raise one DamagedSteps naming every one). Raises DumpFormatError
+    (naming file and line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used,
+    MissingHashes (a ValueError) with ``exact`` for a record without a hash. With ``ranks`` the report's records
+    carry the rank compared, and ``report.first_divergence`` is the first rank, step and record that differ
+    (OptionError for a dump with one rank).
     """
     check_keywords(CompareOptions, options, "compare_dumps")
     chosen = CompareOptions(base=base, other=other, **options)
@@ -387,7 +387,8 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, **options: 
         if len(found) < 2 or found[0] != 0:
             raise OptionError(CompareOptions, lambda say: (
                 f"{base}: {say('ranks')} compares every rank with rank 0 and needs rank 0 and at least one more rank, "
-                f"found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of a multi-process run"))
+                f"found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of a multi-process "
+                "run"))
     config = chosen.config()
     mapping = as_name_map(chosen.name_map)
     paths = (str(base), str(other), tuple(str(path) for path in _runs(chosen.noise)))

@@ -176,7 +176,8 @@ def takes_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any
         lines = [textwrap.fill(f"``{f.name}={f.default!r}``: {help_of(cls, how, PYTHON)}", 116,
                                initial_indent="    ", subsequent_indent="        ")
                  for f, how in declared(cls) if not how.positional]
-        function.__doc__ = (function.__doc__ or "").rstrip() + f"\n\n    Keywords ({cls.__name__}):\n\n" + "\n".join(lines)
+        heading = f"\n\n    Keywords ({cls.__name__}):\n\n"
+        function.__doc__ = (function.__doc__ or "").rstrip() + heading + "\n".join(lines)
         return function
 
     return decorate

@@ -95,7 +95,8 @@ def test_the_documented_options_are_the_declared_ones():
     text = (Path(__file__).resolve().parents[2] / "docs" / "compare.md").read_text()
     table = re.search(r"\| keyword \| flag \| default \|\n\| --- .*?\n((?:\|.*\n)+)", text)[1]
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.strip().splitlines()]
-    documented = {keyword.strip("`"): (flag.strip("`"), default.split()[0].strip("`")) for keyword, flag, default in rows}
+    documented = {keyword.strip("`"): (flag.strip("`"), default.split()[0].strip("`"))
+                  for keyword, flag, default in rows}
     expected = {f.name: (spelling(CompareOptions, f.name, COMMAND_LINE) if how.command_line else "(always on)",
                          repr(f.default)) for f, how in declared(CompareOptions) if not how.positional}
     assert documented == expected
