@@ -4,8 +4,8 @@
     report = compare_dumps("eager", "ort")
     print(format_report(report)); write_html(report, "report.html")
 
-Everything else is imported from its room (``from probes.compare.config import CompareConfig``).
-Rooms: ``config`` (tolerances, filters, the compared statistic groups), ``reading`` (a dump as one keyed
+Everything else is imported from its room (``from probes.compare.options import CompareConfig``).
+Rooms: ``options`` (tolerances, filters, the compared statistic groups), ``reading`` (a dump as one keyed
 table), ``names`` (the name map), ``align`` (fuzzy pairing of renamed records), ``opalign`` (operations
 aligned where two runs' decompositions differ), ``opfinding`` (diverged operations and their inputs),
 ``rules`` (the comparison rules, once, on arrays: tolerance, difference, ratio, sample pairing), ``pairs``

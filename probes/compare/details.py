@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..dump.hashes import HASH, hex_hash
-from .config import COUNTS, MOMENTS, STRUCTURE, CompareConfig
+from .options import COUNTS, MOMENTS, STRUCTURE, CompareConfig
 from .metrics import NOISED, evaluate
 from .pairs import from_records
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff

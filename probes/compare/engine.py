@@ -38,7 +38,7 @@ from ..dump.statistics import global_norms
 from ..utils.phases import GRAD, GRADIENT_PHASES
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
-from .config import CompareConfig
+from .options import CompareConfig
 from .details import record_diffs
 from .matched import RecordDiffs
 from .metrics import NOISED, noise_level

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import AGGREGATES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
+from .options import AGGREGATES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
 from .pairs import Pairs, SampleBlock
 from .rules import as_floats, bounds, difference, distance, finite, ratio, same, tolerance
 

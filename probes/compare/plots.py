@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..utils.phases import phase_rank
-from .config import MOMENTS
+from .options import MOMENTS
 from .matched import RecordDiffs, Row
 from .report import Report
 from .results import CellView

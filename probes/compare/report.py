@@ -18,7 +18,7 @@ import numpy as np
 
 from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
-from .config import PRECISIONS, CompareConfig
+from .options import PRECISIONS, CompareConfig
 from .kinds import DivergenceKind, divergence_kind
 from .matched import RecordDiffs
 from .results import OpFinding, Operations, op_name

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..dump.record import RecordKey
 from ..utils.phases import GRADIENT_PHASES
-from .config import MOMENTS
+from .options import MOMENTS
 from .values import format_value, is_finite_number, json_value
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts

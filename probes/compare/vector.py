@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import MOMENTS, CompareConfig
+from .options import MOMENTS, CompareConfig
 from .metrics import Evaluation, evaluate, noise_level
 from .pairs import context_of, from_columns, from_records
 from .reading import LoadedDump, one_key
