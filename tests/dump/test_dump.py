@@ -265,6 +265,9 @@ def test_sigkill_mid_write_keeps_finished_steps(tmp_path):
     assert child.returncode == -signal.SIGKILL
 
     assert list_steps(out) == {0: {"finished": [0, 1], "unfinished": [2]}}
+    journal = out / "rank_0" / "step_000002.parquet.partial"  # what the flush reached: its Parquet journal
+    assert [p.name for p in journal.iterdir()] == ["part_000000.parquet"]
+    assert not list((out / "rank_0").glob("*.jsonl*"))  # no JSON on the way
     loaded = load_dump(out)
     assert [(r["step"], r["name"]) for r in loaded] == [(s, f"layer{i}") for s in (0, 1) for i in range(50)]
     with_partial = load_dump(out, include_partial=True)
