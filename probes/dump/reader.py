@@ -103,8 +103,8 @@ class DumpReader:
 
     def _list(self, path: Path) -> None:
         self.path = path
-        self._lone = path.is_file()
         self._ranks, self._files = _scan(path)
+        self._lone = path.is_file() or _is_journal(path)
 
     def with_finished_steps(self, steps: frozenset[int] | set[int]) -> "DumpReader":
         """The same dump listed with only the finished files of ``steps`` (and every unfinished one), not listed
@@ -328,8 +328,8 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
             expected = "expected step_<NNNNNN>.parquet, step_<NNNNNN>.jsonl or step_<NNNNNN>.jsonl.partial"
             raise DumpFormatError(path, None, f"not a step file ({expected})")
         return _lone(path, match)
-    if (match := STEP_FILE_RE.fullmatch(path.name)) and match[3]:
-        return _lone(path, match)  # the journal of an unfinished Parquet step
+    if _is_journal(path):
+        return _lone(path, cast(re.Match[str], STEP_FILE_RE.fullmatch(path.name)))
     if os.path.lexists(path / MANIFEST_NAME):
         _check_manifest(path)
         rank_dirs = [
@@ -358,6 +358,12 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
                 continue  # a finished file supersedes a leftover partial of the same step
             files.append(StepFile(file_path, rank, step, finished))
     return [rank for rank, _ in rank_dirs], files
+
+
+def _is_journal(path: Path) -> bool:
+    """Whether ``path`` is the journal of an unfinished Parquet step (a directory of parts)."""
+    match = STEP_FILE_RE.fullmatch(path.name)
+    return bool(match and match[2] == "parquet" and match[3]) and path.is_dir()
 
 
 def _lone(path: Path, match: re.Match[str]) -> tuple[list[int | None], list[StepFile]]:

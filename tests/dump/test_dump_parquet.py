@@ -162,6 +162,8 @@ def test_a_synced_step_is_journaled_as_parquet_parts_until_it_is_finished(tmp_pa
     assert [r["name"] for r in load_dump(out, include_partial=True)] == ["plain"]
     write_record(writer, 0, AWKWARD[1])
     assert [r["name"] for r in load_dump(journal, include_partial=True)] == ["plain", "ints"]  # a reader syncs
+    with pytest.raises(ValueError, match="is an unfinished step; load it with include_partial=True"):
+        load_dump(journal)
     assert sorted(p.name for p in journal.iterdir()) == ["part_000000.parquet", "part_000001.parquet"]
     expected = [{**record, "step": 0, "rank": 0} for record in AWKWARD[:2]]
     for got, want in zip(load_dump(out, include_partial=True), expected, strict=True):
