@@ -184,7 +184,7 @@ class DumpWriter:
             self._put((_KEEP_ALL, _NO_STEP, None))
 
     def flush(self) -> None:
-        """Blocks until everything queued so far is written and fsync'ed (open steps stay .partial)."""
+        """Blocks until everything queued so far is written and fsync'ed (open steps: their journals)."""
         if self._closed or not self._usable(_NO_STEP):
             return
         done = threading.Event()
@@ -396,5 +396,5 @@ class DumpWriter:
             reason = f"{type(error).__name__}: {reason}"
         return (
             f"probes dump: {action} {path}: {reason}. Dumping stopped; steps finished before this "
-            f"error are intact, unfinished ones stay as .partial files in {self.rank_dir}."
+            f"error are intact, unfinished ones stay .partial (what was synced of them) in {self.rank_dir}."
         )
