@@ -49,3 +49,17 @@ def test_the_scan_finds_a_write_to_stderr():
 def test_the_probes_logger_is_silent_until_configured():
     handlers = logging.getLogger("probes").handlers
     assert any(isinstance(handler, logging.NullHandler) for handler in handlers)
+
+
+def test_the_command_line_shows_the_library_diagnostics(tmp_path, capsys):
+    from probes.cli.common import run_command, command_parser
+
+    def body(args):
+        logging.getLogger("probes.dump.writer").warning("a diagnostic of the library")
+        logging.getLogger("probes.dump.writer").info("detail for a configured logger only")
+        return 0
+
+    assert run_command("show", command_parser("show", "test", examples=[]), [], body) == 0
+    assert capsys.readouterr().err == "probes show: warning: a diagnostic of the library\n"
+    logging.getLogger("probes.dump.writer").warning("outside a command")
+    assert capsys.readouterr().err == ""

@@ -12,6 +12,8 @@ file. Errors are one line on stderr, ``probes <command>: error: <what is wrong>;
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
@@ -45,12 +47,40 @@ def command_parser(name: str, description: str, *, examples: Sequence[str]) -> a
                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+class _Diagnostic(logging.Formatter):
+    """A ``probes`` log record as the command's line: ``probes <command>: warning: <message>``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.command = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{PROG} {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _diagnostics_on_stderr(name: str):
+    """While a command runs, the library's diagnostics (the ``probes`` logger, warning and up) are lines on
+    stderr: the command line is where the library's logging meets a terminal."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_Diagnostic(name))
+    logger = logging.getLogger("probes")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def run_command(name: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                 body: Callable[[argparse.Namespace], int]) -> int:
-    """Parses ``argv`` and runs ``body``; bad input of any kind is one line on stderr and exit code 2."""
+    """Parses ``argv`` and runs ``body``; bad input of any kind is one line on stderr and exit code 2; the
+    library's diagnostics are lines on stderr too."""
     try:
         args = parser.parse_args(argv)
-        return body(args)
+        with _diagnostics_on_stderr(name):
+            return body(args)
     except SystemExit as exit_:  # --help (0); argparse's own exits
         return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Sequence
 
@@ -36,7 +35,6 @@ def merge(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    logging.basicConfig(format="%(levelname)s: %(message)s")
     config = MergeConfig(**given(MergeConfig, args))
     open_dump(config.pt_dir)  # a bad dump fails before the output directory is touched
     open_dump(config.ort_dir)
