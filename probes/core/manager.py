@@ -44,8 +44,8 @@ from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteProbe, apply_boundary, apply_probe, can_probe
 from .ops import OpRecorder, Scope
 from .steps import StepTracker
-from .interface import SubscriberBase
-from .sites import ProbeSite
+from .interface import SubscriberBase, wanted_events
+from .sites import ProbeEvent, ProbeSite
 
 ROOT_NAME = "<root>"
 
@@ -157,6 +157,10 @@ class SubscriberManager:
                     f"subscribers[{position}]: start_step ({subscriber.start_step}) is greater than "
                     f"end_step ({subscriber.end_step})"
                 )
+            try:
+                wanted_events(subscriber)
+            except ValueError as error:
+                raise ValueError(f"subscribers[{position}]: {error}") from None
 
         root = wrappers.unwrap(model)
         exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
@@ -165,8 +169,10 @@ class SubscriberManager:
         if previous is not None:
             previous.unsubscribe()
 
+        subscribed = ProbeEvent(None, 0, kind="subscribe", model=root)
         for subscriber in subscribers:
-            subscriber.on_subscribe(root)
+            if "subscribe" in wanted_events(subscriber):
+                subscriber.on_event(subscribed)
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
         self._register_hooks(root)
