@@ -31,14 +31,14 @@ stop training): every other subscriber still gets its call first, then the first
 the phase ended (out of the model's forward, out of ``backward()``). Any other error raised there is one
 ``ProbeFailureWarning``: a probe never stops training by accident.
 
-Which events a subscriber gets is declared, never guessed: ``events`` (a set of kinds; probes are inserted
+Which events a subscriber gets is declared, never guessed: ``event_kinds`` (a set of kinds; probes are inserted
 only when one wants ``"forward"`` or ``"backward"``). Left at None, a class that overrides ``on_event`` gets
 every kind.
 
 The seed's named methods keep working: ``on_forward(event, tensors)``, ``on_backward(event, grads)``,
 ``on_forward_end(step)``, ``on_step_end(step)``, ``on_site_failed(event, reason)``, ``on_subscribe(model)``,
 ``on_step_start(step)``. A class that overrides one gets that event through it, with its old arguments (and,
-left at None, ``events`` is the set of those it overrides). Where a class overrides a named method below a
+left at None, ``event_kinds`` is the set of those it overrides). Where a class overrides a named method below a
 parent that overrides ``on_event`` (a subclass of ``StatisticsSubscriber`` overriding ``on_step_end``), the
 named method wins for its event, and its ``super().on_step_end(step)`` reaches the parent's ``on_event``; a
 class's own ``on_event`` calling ``super().on_event(event)`` reaches the named methods of its parents.
@@ -56,7 +56,7 @@ Function into its graph as a PythonOp and calls its Python code on every step:
 Usage::
 
     class PrintShapes(SubscriberBase):
-        events = {"forward"}
+        event_kinds = {"forward"}
 
         def on_event(self, event):
             print(event.step, event.record_name(0), tuple(event.tensors[0].shape))
@@ -66,8 +66,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Collection, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 
@@ -117,7 +118,7 @@ class Routes:
       every override of that method.
     - ``named_below[kind]``: what ``super().on_event(event)`` reaches, the named method of a parent below
       every ``on_event``.
-    - ``default_events``: the kinds taken when ``events`` is None.
+    - ``default_events``: the kinds taken when ``event_kinds`` is None.
 
     Each fallback lies strictly below what falls back to it, so no pair of them calls the other back.
     """
@@ -176,18 +177,18 @@ def _route_named_methods(cls: type, routes: Routes) -> None:
 
 
 def wanted_events(subscriber: "SubscriberBase") -> frozenset[str]:
-    """The kinds of event ``subscriber`` takes: its ``events``, or (None) its class's default; and always the
+    """The kinds of event ``subscriber`` takes: its ``event_kinds``, or (None) its class's default; and always the
     named methods it overrides. A kind that does not exist is a ValueError."""
     routes = type(subscriber)._routes
-    declared = subscriber.events
+    declared = subscriber.event_kinds
     if declared is None:
         return routes.default_events
     if isinstance(declared, str) or not isinstance(declared, Collection):
-        raise ValueError(f"{type(subscriber).__qualname__}.events must be a set of event kinds (e.g. "
+        raise ValueError(f"{type(subscriber).__qualname__}.event_kinds must be a set of event kinds (e.g. "
                          f"{{'forward', 'step_end'}}) or None, got {declared!r}")
     unknown = sorted(set(declared) - set(EVENT_KINDS))
     if unknown:
-        raise ValueError(f"{type(subscriber).__qualname__}.events names no event kind: {', '.join(map(repr, unknown))}; "
+        raise ValueError(f"{type(subscriber).__qualname__}.event_kinds names no event kind: {', '.join(map(repr, unknown))}; "
                          f"the kinds are {', '.join(map(repr, EVENT_KINDS))}")
     return frozenset(declared) | frozenset(routes.named)
 
@@ -224,7 +225,7 @@ class SubscriberBase:
     selection: Selection = Selection()  # subclasses that never call __init__ record everything
     # The kinds of event this subscriber takes (``EventKind``); None: every kind for a class overriding on_event,
     # else those of the named methods it overrides. Probes go into the model only for "forward" or "backward".
-    events: ClassVar[Collection[str] | None] = None
+    event_kinds: Collection[str] | None = None
     _routes: ClassVar[Routes]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

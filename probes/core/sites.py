@@ -90,7 +90,7 @@ class ProbeEvent(NamedTuple):
     seq: int = -1  # execution order within the step; every phase shares one counter
     call: int = 0  # how many times this site fired earlier in the step (see ``record_name``)
     forward_step: int | None = None  # backward only: the step of the forward it differentiates, if another
-    kind: EventKind = "forward"
+    kind: EventKind = "forward"  # (a default only for events made by hand as before kinds existed: the manager's say)
     reason: str | None = None  # "site_failed": why the site was switched off
     model: "torch.nn.Module | None" = None  # "subscribe": the user's module, wrappers removed
     tensors: Sequence[Any] = ()  # "forward": the tensors; "backward": their gradients (None where none came)
