@@ -50,6 +50,9 @@ Receivers = tuple[tuple[SubscriberBase, "Callable | None"], ...]
 
 
 _QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward
+# A probe firing's events are made with tuple's own constructor from all of ``ProbeEvent``'s fields in order: it skips
+# the named tuple's argument binding, a third of the cost of an event, made once or twice per probe call.
+_new_tuple = tuple.__new__
 
 
 @dataclass(eq=False)
@@ -226,12 +229,13 @@ class StepTracker:
             state.inspected.add(site.name)
         call = state.calls.get(id(site), 0)
         state.calls[id(site)] = call + 1
-        event = ProbeEvent(site, step, "forward", state.seq, call, None, "forward")
+        fields = (site, step, "forward", state.seq, call, None, "forward", None, None)
+        event = _new_tuple(ProbeEvent, fields + ((),))
         state.seq += 1
         state.unmatched.setdefault(id(site), []).append(event)
         receivers = self._receivers(site, step, "forward")
         if receivers:
-            self._deliver(receivers, event, tensors)
+            self._deliver(receivers, fields, tensors, event)
         return event
 
     def probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
@@ -257,15 +261,15 @@ class StepTracker:
         site = forward.site
         if forward.step == step and id(forward) not in state.backward_done:
             state.backward_done.add(id(forward))
-            event = ProbeEvent(site, step, "backward", state.seq, forward.call, None, "backward")
+            fields = (site, step, "backward", state.seq, forward.call, None, "backward", None, None)
         else:  # another backward of a forward already differentiated: a new call in this step
             call = state.calls.get(id(site), 0)
             state.calls[id(site)] = call + 1
-            event = ProbeEvent(site, step, "backward", state.seq, call, forward.step, "backward")
+            fields = (site, step, "backward", state.seq, call, forward.step, "backward", None, None)
         state.seq += 1
         receivers = self._receivers(site, step, "backward")
         if receivers:
-            self._deliver(receivers, event, grads)
+            self._deliver(receivers, fields, grads)
 
     def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
         """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``); its event waits
@@ -373,19 +377,25 @@ class StepTracker:
             self._active_in = (step, active, len(active) == len(self._observers))
         return self._active_in
 
-    def _deliver(self, receivers: Receivers, event: ProbeEvent, tensors: Sequence) -> None:
-        """A probe firing's event (``event``, without its tensors) to its receivers; one that raises loses this
-        site, and training goes on."""
-        full = None  # the event with its tensors, made once for the subscribers that take ``on_event``
+    def _deliver(self, receivers: Receivers, fields: tuple, tensors: Sequence, event: ProbeEvent | None = None) -> None:
+        """A probe firing to its receivers: ``fields`` are its event's but the last (the tensors), ``event`` the event
+        without its tensors if made already. The event with its tensors (for ``on_event``) and without them (for the
+        seed's methods, which get the tensors apart) are each made once, where a receiver needs them. A subscriber
+        that raises loses this site, and training goes on."""
+        full = None
         for subscriber, named in receivers:
             try:
-                if named is not None:
-                    named(subscriber, event, tensors)
-                else:
+                if named is None:
                     if full is None:
-                        full = _with_tensors(event, tensors)
+                        full = _new_tuple(ProbeEvent, fields + (tensors,))
                     subscriber.on_event(full)
+                else:
+                    if event is None:
+                        event = _new_tuple(ProbeEvent, fields + ((),))
+                    named(subscriber, event, tensors)
             except Exception as error:
+                if event is None:
+                    event = _new_tuple(ProbeEvent, fields + ((),))
                 self.failures.switch_off(event.site, subscriber, event, error)
 
     def _wanting_at(self, site: ProbeSite) -> dict[str, Receivers]:
@@ -412,9 +422,9 @@ class StepTracker:
         if wanted:
             count = state.recomputes.get(id(site), 0)
             state.recomputes[id(site)] = count + 1
-            event = ProbeEvent(site, step, "recompute", state.seq, count, None, "forward")
+            fields = (site, step, "recompute", state.seq, count, None, "forward", None, None)
             state.seq += 1
-            self._deliver(wanted, event, tensors)
+            self._deliver(wanted, fields, tensors)
         return token
 
     def _match_recomputed(self) -> None:
@@ -455,11 +465,3 @@ class StepTracker:
             return
         self.close_open_step()
 
-
-def _with_tensors(event: ProbeEvent, tensors: Sequence) -> ProbeEvent:
-    """``event`` with its ``tensors`` (the last field): the one an ``on_event`` subscriber gets. Made with tuple's own
-    constructor, which skips the named tuple's argument binding (this runs once per probe call)."""
-    return _new_tuple(ProbeEvent, event[:-1] + (tensors,))
-
-
-_new_tuple = tuple.__new__

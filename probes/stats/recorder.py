@@ -34,8 +34,6 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import torch
-
 from ..core import ProbeEvent, SubscriberBase
 from ..dump.writer import DumpWriter
 from ..utils.checks import check_int
@@ -167,9 +165,14 @@ class StatisticsSubscriber(SubscriberBase):
                 if any(tensor is not None for tensor in event.tensors):
                     self._warn_closed(event.step)
                 return
-            for index, tensor in enumerate(event.tensors):
+            rows = self._rows
+            for index, tensor in enumerate(event.tensors):  # (once per record: no call in between)
                 if tensor is not None:
-                    self._add(event, index, tensor)
+                    self._next_seq = event.seq + 1
+                    error = rows.add(event, index, tensor)
+                    if error is not None:  # an unsupported record (warned once per site, index, phase)
+                        self._warn_unsupported((event.site.name, event.site.kind, index, event.phase),
+                                               event.record_name(index), event.phase, error)
         elif kind == "step_end":
             self._step_ended(event.step)
         elif kind == "forward_end":
@@ -238,14 +241,6 @@ class StatisticsSubscriber(SubscriberBase):
             SubscriberClosedWarning,
             stacklevel=2,
         )
-
-    def _add(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
-        """The tensor's row; on failure an unsupported record (warned once per site, index, phase)."""
-        self._next_seq = event.seq + 1
-        error = self._rows.add(event, index, tensor)
-        if error is not None:
-            self._warn_unsupported((event.site.name, event.site.kind, index, event.phase), event.record_name(index),
-                                   event.phase, error)
 
     def _warn_parameter(self, name: str, phase: str, error: BaseException) -> None:
         self._warn_unsupported((name, phase), name, phase, error)
