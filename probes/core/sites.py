@@ -79,9 +79,9 @@ class ProbeEvent(NamedTuple):
     ``"step_end"``) have no site; ``"site_failed"`` repeats the failed firing's fields with the ``reason``;
     ``"subscribe"`` carries the ``model``.
 
-    A named tuple: one is made per probe call, and a tuple is the cheapest immutable record Python makes.
-    The tensors are the live ones: read them during the call, keep no reference (``event._replace(tensors=())``
-    keeps the rest).
+    A named tuple: one is made per probe call, and a tuple is the cheapest immutable record Python makes (the step
+    tracker builds them by position: a new field goes before ``tensors``, which stays last). The tensors are the live
+    ones: read them during the call, keep no reference (``event._replace(tensors=())`` keeps the rest).
     """
 
     site: ProbeSite | None  # None for a step's events and "subscribe"
