@@ -67,6 +67,8 @@ class ModuleCapture(SubscriberBase):
         capture = ModuleCapture("captured", module="blocks.0.attn", step=0)
     """
 
+    event_kinds = frozenset({"forward", "backward", "step_end"})
+
     def __init__(self, output_dir: str | os.PathLike, *, module: str, step: int) -> None:
         if not isinstance(module, str) or not module:
             raise ValueError(f"module must be a module's qualified name (e.g. 'blocks.0.attn'), got {module!r}")
@@ -86,8 +88,6 @@ class ModuleCapture(SubscriberBase):
         if site.name == self.module and not self.captured and not torch.compiler.is_compiling():
             self._call = (args, kwargs, module.state_dict(keep_vars=True))
         return args, kwargs
-
-    event_kinds = frozenset({"forward", "backward", "step_end"})
 
     def on_event(self, event: ProbeEvent) -> None:
         kind = event.kind
