@@ -148,10 +148,7 @@ class Ends(SubscriberBase):
 
 @pytest.mark.filterwarnings("ignore::probes.core.failures.ProbeFailureWarning")
 def test_declared_events_decide_the_probes_and_the_calls():
-    torch.manual_seed(0)
-    model = TinyTransformer(CONFIG)
-    ends = Ends()
-    manager = SubscriberManager()
+    ends, manager, model = Ends(), SubscriberManager(), TinyTransformer(CONFIG)
     with manager.subscribe(model, [ends]):
         assert manager.tracker.observers == ()  # nothing takes tensors: no probe is inserted
         train(model, 2)
