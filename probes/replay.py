@@ -41,7 +41,7 @@ import torch
 
 from .compare import Report, compare_dumps
 from .core import SubscriberBase, SubscriberManager
-from .core.sites import ProbeSite
+from .core.sites import ProbeEvent, ProbeSite
 from .dump.layout import safe_component, write_durably
 from .stats import StatisticsSubscriber
 from .utils.checks import check_int
@@ -67,6 +67,8 @@ class ModuleCapture(SubscriberBase):
         capture = ModuleCapture("captured", module="blocks.0.attn", step=0)
     """
 
+    event_kinds = frozenset({"forward", "backward", "step_end"})
+
     def __init__(self, output_dir: str | os.PathLike, *, module: str, step: int) -> None:
         if not isinstance(module, str) or not module:
             raise ValueError(f"module must be a module's qualified name (e.g. 'blocks.0.attn'), got {module!r}")
@@ -87,7 +89,18 @@ class ModuleCapture(SubscriberBase):
             self._call = (args, kwargs, module.state_dict(keep_vars=True))
         return args, kwargs
 
-    def on_forward(self, event: Any, tensors: Any) -> None:
+    def on_event(self, event: ProbeEvent) -> None:
+        kind = event.kind
+        if kind == "forward":
+            self._forward(event)
+        elif kind == "backward":
+            pending = self._pending
+            if pending is not None and event.step == self.step and event.call == 0:
+                pending["grads"] = [None if grad is None else _host(grad) for grad in event.tensors]
+        elif kind == "step_end" and event.step == self.step:
+            self._write()
+
+    def _forward(self, event: ProbeEvent) -> None:
         call, self._call = self._call, None
         if (call is None or self._pending is not None or self.captured or event.step != self.step
                 or event.site.kind != "output" or event.call != 0 or torch.jit.is_tracing()):
@@ -104,18 +117,8 @@ class ModuleCapture(SubscriberBase):
         leaves.update({f"state/{name}": value for name, value in state.items()})
         self._pending = {"structure": structure, "tensors": {key: _host(value) for key, value in leaves.items()},
                          "requires_grad": {key: bool(value.requires_grad) for key, value in leaves.items()},
-                         "state": sorted(state), "outputs": [_host(tensor) for tensor in tensors],
-                         "grads": [None] * len(tensors)}
-
-    def on_backward(self, event: Any, grads: Any) -> None:
-        pending = self._pending
-        if pending is None or event.step != self.step or event.call != 0:
-            return
-        pending["grads"] = [None if grad is None else _host(grad) for grad in grads]
-
-    def on_step_end(self, step: int) -> None:
-        if step == self.step:
-            self._write()
+                         "state": sorted(state), "outputs": [_host(tensor) for tensor in event.tensors],
+                         "grads": [None] * len(event.tensors)}
 
     def close(self) -> None:
         self._write()

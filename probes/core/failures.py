@@ -4,14 +4,14 @@ Probes run inside the user's forward and backward: in eager PyTorch, in ORT's Py
 the body of a compiled custom op. An exception there would end the training step (under ORTModule as
 an unreadable "Get null result"). Instead the site is switched off for the rest of the subscription, for
 the subscriber that raised or, when the probe's own bookkeeping raised, for all of them; one
-``ProbeFailureWarning`` names the site and the reason, and the subscriber's ``on_site_failed`` call
-lets its records say so (``StatisticsSubscriber`` writes a record whose ``unsupported`` field gives it).
+``ProbeFailureWarning`` names the site and the reason, and the subscriber's ``"site_failed"`` event
+(``event.reason``) lets its records say so (``StatisticsSubscriber`` writes a record whose ``unsupported`` field gives it).
 
     failures = SiteFailures()
     failures.switch_off(site, subscriber, event, error)   # in an except clause, never raises
     failures.is_off(site, subscriber)                     # True from then on
 
-Where a phase ends (``on_forward_end``, ``on_step_end``) only errors meant to stop training, whose class
+Where a phase ends (``"forward_end"``, ``"step_end"``) only errors meant to stop training, whose class
 sets ``stops_training = True`` (the anomaly sentinel's ``AnomalyError``), are raised; any other error there
 is one ``ProbeFailureWarning`` per subscriber (``phase_failed``).
 """
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import warnings
 from typing import TYPE_CHECKING
+
+from .interface import wanted_events
 
 if TYPE_CHECKING:
     from .interface import SubscriberBase
@@ -90,8 +92,10 @@ class SiteFailures:
         )
         if event is None:
             return
+        failed = event._replace(kind="site_failed", reason=reason, tensors=())
         for told in (subscriber,) if subscriber is not None else subscribers:
-            try:
-                told.on_site_failed(event, reason)
-            except Exception:  # the subscriber is broken already: nothing more to tell it
-                pass
+            if "site_failed" in wanted_events(told):
+                try:
+                    told.on_event(failed)
+                except Exception:  # the subscriber is broken already: nothing more to tell it
+                    pass

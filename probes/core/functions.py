@@ -5,10 +5,10 @@ ONNX graph as ``com.microsoft::PythonOp`` (see ``exporters/``), so ORT calls the
 ``backward`` on every step that eager PyTorch calls. Their non-tensor arguments are passed by pointer
 and are therefore live state, not constants frozen at export.
 
-    outputs = TensorProbe.apply(SiteProbe(tracker, site), *tensors)   # per-step on_forward / on_backward calls
-    outputs = StepBoundary.apply(tracker, *tensors)                   # end of the root module's forward; its
-                                                                      # backward makes the step close when that
-                                                                      # backward pass ends
+    outputs = TensorProbe.apply(SiteBinding(tracker, site), *tensors)   # per-step "forward" / "backward" events
+    outputs = StepBoundary.apply(tracker, *tensors)                     # end of the root module's forward; its
+                                                                        # backward makes the step close when that
+                                                                        # backward pass ends
 
 ``tracker`` is the subscription's ``probes.core.steps.StepTracker``, which both report to through its
 public calls; ``site`` is plain data (``ProbeSite``) naming where the probe sits.
@@ -89,8 +89,10 @@ def can_probe(tensor: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True, eq=False)
-class SiteProbe:
-    """A TensorProbe's one non-tensor argument: the tracker it reports to, and where it sits.
+class SiteBinding:
+    """One site bound to its subscription: a TensorProbe's one non-tensor argument, the ``ProbeSite`` where it sits
+    and the ``StepTracker`` it reports to (as ``probes.zero3.gathering.ModuleBinding`` binds a module for its
+    Functions).
 
     One per site and subscription, made by the manager. One argument, passed to ORT as one pointer.
     """
@@ -103,14 +105,14 @@ class TensorProbe(torch.autograd.Function):
     """Identity that reports its tensors (forward) and their gradients (backward) to subscribers."""
 
     @staticmethod
-    def forward(ctx: Any, probe: SiteProbe, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, probe: SiteBinding, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None
         if not _ort_compat.is_exporting():
             tracker = probe.tracker
             if tracker.observed_now():  # a left-out step records nothing (ORT's graph runs every probe)
                 ctx.tracker = tracker
                 ctx.event = tracker.probe_forward(probe.site, tensors)
-        elif isinstance(probe, SiteProbe):  # ORT's eager schema run: which tensors eager differentiates
+        elif isinstance(probe, SiteBinding):  # ORT's eager schema run: which tensors eager differentiates
             probe.tracker.differentiable.learn(probe.site, tensors)  # (probes.core.differentiable)
         outputs = tuple(passes_through(tensor) for tensor in tensors)
         mark_frozen(ctx, outputs, tensors)
@@ -145,7 +147,7 @@ class StepBoundary(torch.autograd.Function):
 def _describe_site(non_tensor_args: Sequence[Any]) -> str:
     """A TensorProbe's site name, for its PythonOp's ``comment`` attribute."""
     probe = non_tensor_args[0] if non_tensor_args else None
-    if not isinstance(probe, SiteProbe):
+    if not isinstance(probe, SiteBinding):
         return ""
     site = probe.site
     return site.name if site.kind == "inspect" else f"{site.name}.{site.kind}"

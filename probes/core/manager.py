@@ -41,11 +41,11 @@ from exporters.handles import Handle
 from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
 from . import aliases, compiled, rootcall, wrappers
-from .functions import SiteProbe, apply_boundary, apply_probe, can_probe
+from .functions import SiteBinding, apply_boundary, apply_probe, can_probe
 from .ops import OpRecorder, Scope
 from .steps import StepTracker
-from .interface import SubscriberBase
-from .sites import ProbeSite
+from .interface import SubscriberBase, wanted_events
+from .sites import ProbeEvent, ProbeSite
 
 ROOT_NAME = "<root>"
 
@@ -117,7 +117,7 @@ class SubscriberManager:
         self._handles: list[RemovableHandle | Handle] = []
         self._module_sites: list[tuple[ProbeSite, ProbeSite]] = []  # (input, output) per module index
         self._inspect_sites: dict[str, ProbeSite] = {}
-        self._probes: dict[ProbeSite, SiteProbe] = {}  # each site's TensorProbe argument
+        self._probes: dict[ProbeSite, SiteBinding] = {}  # each site's TensorProbe argument
         self._unobserved_warned: set[ProbeSite] = set()
         self._uncompilable_warned: set[str] = set()  # module names
         self._subscription: Subscription | None = None
@@ -157,6 +157,10 @@ class SubscriberManager:
                     f"subscribers[{position}]: start_step ({subscriber.start_step}) is greater than "
                     f"end_step ({subscriber.end_step})"
                 )
+            try:
+                wanted_events(subscriber)
+            except ValueError as error:
+                raise ValueError(f"subscribers[{position}]: {error}") from None
 
         root = wrappers.unwrap(model)
         exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
@@ -165,8 +169,10 @@ class SubscriberManager:
         if previous is not None:
             previous.unsubscribe()
 
+        subscribed = ProbeEvent(None, 0, kind="subscribe", model=root)
         for subscriber in subscribers:
-            subscriber.on_subscribe(root)
+            if "subscribe" in wanted_events(subscriber):
+                subscriber.on_event(subscribed)
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
         self._register_hooks(root)
@@ -278,7 +284,7 @@ class SubscriberManager:
         site = self._inspect_sites.get(name)
         if site is None:
             site = self._inspect_sites[name] = ProbeSite(name, "inspect", -1, -1, tensor_class)
-            self._probes[site] = SiteProbe(self.tracker, site)
+            self._probes[site] = SiteBinding(self.tracker, site)
         return site
 
     def op_site(self, name: str, inputs: list[str] | None = None) -> ProbeSite | None:
@@ -291,7 +297,7 @@ class SubscriberManager:
                 return None
             module = self._module_sites[index][1]
             site = self._op_sites[name] = ProbeSite(name, "op", index, module.depth + 1, module.module_class, inputs)
-            self._probes[site] = SiteProbe(self.tracker, site)
+            self._probes[site] = SiteBinding(self.tracker, site)
         return site
 
     def _probe_op(self, name: str, inputs: list[str] | None,
@@ -325,7 +331,7 @@ class SubscriberManager:
                                for kind in ("input", "output"))
             self._module_sites.append((inputs, outputs))
             self._module_indices[qualified] = index
-            self._probes.update({site: SiteProbe(self.tracker, site) for site in (inputs, outputs)})
+            self._probes.update({site: SiteBinding(self.tracker, site) for site in (inputs, outputs)})
             probe_inputs = self.tracker.wants_site(inputs)
             probe_outputs = self.tracker.wants_site(outputs)
             ops = self.tracker.wants_ops(outputs)

@@ -1,8 +1,9 @@
-"""Where a probe sits and what one firing is: plain data, the vocabulary every other core module shares.
+"""Where a probe sits and what happens to a subscriber: plain data, the vocabulary every other core module shares.
 
     site = ProbeSite("encoder.layers.0", "output", module_index=3, depth=3, module_class="Layer")
     site.record_name(1)                           # "encoder.layers.0.output.1"
-    event = ProbeEvent(site, step=0, phase="forward", seq=7)
+    event = ProbeEvent(site, step=0, phase="forward", seq=7, kind="forward", tensors=(tensor,))
+    ProbeEvent(None, step=3, kind="step_end")     # a step's event: no site
 
 Imports nothing of probes.core, so that any core module may name a site, even for annotations only.
 """
@@ -10,11 +11,20 @@ Imports nothing of probes.core, so that any core module may name a site, even fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Sequence
 
 from ..utils.phases import Phase
 
+if TYPE_CHECKING:
+    import torch
+
 SiteKind = Literal["input", "output", "inspect", "op"]
+# What happened: a probe fired (its tensors, in the forward or a recomputation: "forward"; their gradients:
+# "backward"), the root's forward returned, a step opened or ended, a site was switched off, the model was
+# subscribed. One list, in the order a step meets them (``subscribe`` once, first).
+EventKind = Literal["subscribe", "step_start", "forward", "backward", "forward_end", "step_end", "site_failed"]
+EVENT_KINDS: tuple[EventKind, ...] = ("subscribe", "step_start", "forward", "backward", "forward_end", "step_end",
+                                      "site_failed")
 
 
 @dataclass(eq=False)
@@ -60,15 +70,30 @@ class ProbeSite:
 
 
 class ProbeEvent(NamedTuple):
-    """One probe firing: a site, in a step, in a phase. (A named tuple: one is made per probe call, and a
-    tuple is the cheapest immutable record Python makes.)"""
+    """What a subscriber is told: one event, the one argument of ``SubscriberBase.on_event``.
 
-    site: ProbeSite
+    ``kind`` says what happened (``EventKind``). A probe firing (``"forward"``, ``"backward"``) has its site,
+    step, phase (``"forward"``, ``"recompute"`` or ``"backward"``), execution order and call, and the
+    ``tensors`` (forward: the site's tensors, ``tensors[i]`` named ``record_name(i)``; backward: their
+    gradients, None where one got none). A step's events (``"step_start"``, ``"forward_end"``,
+    ``"step_end"``) have no site; ``"site_failed"`` repeats the failed firing's fields with the ``reason``;
+    ``"subscribe"`` carries the ``model``.
+
+    A named tuple: one is made per probe call, and a tuple is the cheapest immutable record Python makes (the step
+    tracker builds them by position: a new field goes before ``tensors``, which stays last). The tensors are the live
+    ones: read them during the call, keep no reference (``event._replace(tensors=())`` keeps the rest).
+    """
+
+    site: ProbeSite | None  # None for a step's events and "subscribe"
     step: int
-    phase: Phase
-    seq: int  # execution order within the step; every phase shares one counter
+    phase: Phase | None = None  # None for a step's events and "subscribe"
+    seq: int = -1  # execution order within the step; every phase shares one counter
     call: int = 0  # how many times this site fired earlier in the step (see ``record_name``)
     forward_step: int | None = None  # backward only: the step of the forward it differentiates, if another
+    kind: EventKind = "forward"  # (a default only for events made by hand as before kinds existed: the manager's say)
+    reason: str | None = None  # "site_failed": why the site was switched off
+    model: "torch.nn.Module | None" = None  # "subscribe": the user's module, wrappers removed
+    tensors: Sequence[Any] = ()  # "forward": the tensors; "backward": their gradients (None where none came)
 
     def record_name(self, tensor_index: int) -> str:
         return self.site.record_name(tensor_index, self.call)

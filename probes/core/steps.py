@@ -1,13 +1,13 @@
 """The step machine of one subscription: which step a probe firing belongs to, and when a step ends.
 
 The probe Functions (``probes.core.functions``) are its only callers, in eager PyTorch and inside
-ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on_step_end``).
+ORTModule alike; it tells the subscribers (``on_event``: ``"forward"``, ``"backward"``, ``"step_end"``...).
 
     tracker = StepTracker(forward_running=lambda: False)
     tracker.reset(subscribers)                         # a new subscription: counting starts at step 0
     event = tracker.probe_forward(site, tensors)       # TensorProbe.forward
     tracker.probe_backward(event, grads)               # TensorProbe.backward
-    tracker.forward_returned()                         # StepBoundary.forward: the root forward returned (on_forward_end)
+    tracker.forward_returned()                         # StepBoundary.forward: the root forward returned ("forward_end")
     tracker.backward_reached_root()                    # StepBoundary.backward
     tracker.close_open_step()                          # the manager's flush()
     tracker.pause(); tracker.resume()                  # the manager's pause()/resume(): evaluation, say
@@ -15,7 +15,7 @@ ORTModule alike; it tells the subscribers (``on_forward``, ``on_backward``, ``on
 
 The rules (docs/training.md says what each training set-up gives):
 
-- A step opens at the first probe of a forward (``on_step_start`` to every subscriber). It closes when the backward pass that reaches it
+- A step opens at the first probe of a forward (``"step_start"`` to every subscriber). It closes when the backward pass that reaches it
   ends (the autograd engine's graph task finishes), so its dump is complete when ``backward()``
   returns. A forward that no backward follows (evaluation, ``torch.no_grad``) closes when the next
   forward starts, or on ``close_open_step()`` (the manager's ``flush()``/``unsubscribe()``).
@@ -41,11 +41,18 @@ from exporters import _torch_compat
 
 from .differentiable import EagerDifferentiable
 from .failures import SiteFailures
-from .interface import SubscriberBase
+from .interface import TENSOR_EVENTS, SubscriberBase, named_method, wanted_events
 from .sites import ProbeEvent, ProbeSite
+
+# The observers that take one site's calls of one phase, each with the seed's method that takes them, if the
+# subscriber's class is written that way (called as before, with the event and the tensors apart), or None.
+Receivers = tuple[tuple[SubscriberBase, "Callable | None"], ...]
 
 
 _QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward
+# A probe firing's events are made with tuple's own constructor from all of ``ProbeEvent``'s fields in order: it skips
+# the named tuple's argument binding, a third of the cost of an event, made once or twice per probe call.
+_new_tuple = tuple.__new__
 
 
 @dataclass(eq=False)
@@ -101,8 +108,9 @@ class StepTracker:
         self.state = RunState()
         self._subscribers: tuple[SubscriberBase, ...] = ()
         self._observers: tuple[SubscriberBase, ...] = ()
+        self._taking: dict[str, tuple[SubscriberBase, ...]] = {}  # per event kind, the subscribers that take it
         # Per site and phase, the observers whose selection wants it (steps are asked per call).
-        self._wanting: dict[ProbeSite, dict[str, tuple[SubscriberBase, ...]]] = {}
+        self._wanting: dict[ProbeSite, dict[str, Receivers]] = {}
         # The observers active in one step (``_receivers``): (step, them, whether they are all the observers).
         self._active_in: tuple[int | None, tuple[SubscriberBase, ...], bool] = (None, (), True)
         self._forward_running = forward_running
@@ -120,7 +128,10 @@ class StepTracker:
         self._queued.clear()
         self._taken.clear()
         self._subscribers = tuple(subscribers)
-        self._observers = tuple(s for s in subscribers if s.observes_tensors)
+        wanted = [wanted_events(s) for s in subscribers]
+        self._taking = {kind: tuple(s for s, kinds in zip(subscribers, wanted) if kind in kinds)
+                        for kind in ("step_start", "forward", "backward", "forward_end", "step_end")}
+        self._observers = tuple(s for s, kinds in zip(subscribers, wanted) if not TENSOR_EVENTS.isdisjoint(kinds))
         self._wanting.clear()
         self._active_in = (None, (), True)
         self.failures.clear()
@@ -141,6 +152,7 @@ class StepTracker:
         count of steps begun stays until the next ``reset``)."""
         self.close_open_step()
         self._subscribers = self._observers = ()
+        self._taking = {}
         self._wanting.clear()
         self._active_in = (None, (), True)
         self._queued.clear()
@@ -157,7 +169,7 @@ class StepTracker:
 
     @property
     def observers(self) -> tuple[SubscriberBase, ...]:
-        """The subscribers that get tensors (``on_forward``/``on_backward``), so probes are inserted."""
+        """The subscribers that take tensors ("forward"/"backward" events), so probes are inserted."""
         return self._observers
 
     def wants_site(self, site: ProbeSite) -> bool:
@@ -217,11 +229,13 @@ class StepTracker:
             state.inspected.add(site.name)
         call = state.calls.get(id(site), 0)
         state.calls[id(site)] = call + 1
-        event = ProbeEvent(site, step, "forward", state.seq, call)
+        fields = (site, step, "forward", state.seq, call, None, "forward", None, None)
+        event = _new_tuple(ProbeEvent, fields + ((),))
         state.seq += 1
         state.unmatched.setdefault(id(site), []).append(event)
-        for subscriber in self._receivers(site, step, "forward"):
-            self._deliver(subscriber, subscriber.on_forward, event, tensors)
+        receivers = self._receivers(site, step, "forward")
+        if receivers:
+            self._deliver(receivers, fields, tensors, event)
         return event
 
     def probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
@@ -247,14 +261,15 @@ class StepTracker:
         site = forward.site
         if forward.step == step and id(forward) not in state.backward_done:
             state.backward_done.add(id(forward))
-            event = ProbeEvent(site, step, "backward", state.seq, forward.call)
+            fields = (site, step, "backward", state.seq, forward.call, None, "backward", None, None)
         else:  # another backward of a forward already differentiated: a new call in this step
             call = state.calls.get(id(site), 0)
             state.calls[id(site)] = call + 1
-            event = ProbeEvent(site, step, "backward", state.seq, call, forward_step=forward.step)
+            fields = (site, step, "backward", state.seq, call, forward.step, "backward", None, None)
         state.seq += 1
-        for subscriber in self._receivers(site, step, "backward"):
-            self._deliver(subscriber, subscriber.on_backward, event, grads)
+        receivers = self._receivers(site, step, "backward")
+        if receivers:
+            self._deliver(receivers, fields, grads)
 
     def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
         """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``); its event waits
@@ -283,7 +298,7 @@ class StepTracker:
             return  # the root itself recomputed by a checkpoint
         step = self._begin_forward_work()
         self.state.forward_done = True
-        self._tell_each(step, lambda subscriber: subscriber.on_forward_end(step))
+        self._tell_each(ProbeEvent(None, step, kind="forward_end"))
 
     def backward_reached_root(self) -> None:
         """The backward pass reached the root's outputs: the step closes when that pass ends."""
@@ -291,21 +306,22 @@ class StepTracker:
         self._watch_backward()
 
     def close_open_step(self) -> None:
-        """Finish the open step now (``on_step_end`` to the subscribers active in it)."""
+        """Finish the open step now ("step_end" to the subscribers active in it)."""
         step = self.state.end_step()
         if step is None:
             return
-        self._tell_each(step, lambda subscriber: subscriber.on_step_end(step))
+        self._tell_each(ProbeEvent(None, step, kind="step_end"))
 
-    def _tell_each(self, step: int, call: Callable[[SubscriberBase], None]) -> None:
-        """``call`` on every subscriber active in ``step``; one that raises does not stop the others
-        (their step must still be finished). Once all were called, the first error meant to stop training
+    def _tell_each(self, event: ProbeEvent) -> None:
+        """``event`` to every subscriber that takes it and is active in its step; one that raises does not stop the
+        others (their step must still be finished). Once all were called, the first error meant to stop training
         (``stops_training``, the anomaly sentinel's) is raised; any other is one ``ProbeFailureWarning``."""
         error: BaseException | None = None
-        for subscriber in self._subscribers:
+        step = event.step
+        for subscriber in self._taking.get(event.kind, ()):
             if subscriber.is_active(step):
                 try:
-                    call(subscriber)
+                    subscriber.on_event(event)
                 except Exception as raised:
                     if getattr(raised, "stops_training", False):
                         error = error or raised
@@ -323,11 +339,14 @@ class StepTracker:
             return state.open_step
         step = state.open_step = state.step
         state.step += 1
-        for subscriber in self._subscribers:  # every subscriber, selected or not: the previous step is over
-            try:
-                subscriber.on_step_start(step)
-            except Exception as error:
-                self.failures.phase_failed(subscriber, step, error)
+        takers = self._taking.get("step_start")
+        if takers:  # every subscriber, selected or not: the previous step is over
+            event = ProbeEvent(None, step, kind="step_start")
+            for subscriber in takers:
+                try:
+                    subscriber.on_event(event)
+                except Exception as error:
+                    self.failures.phase_failed(subscriber, step, error)
         return step
 
     def _begin_forward_work(self) -> int:
@@ -341,7 +360,7 @@ class StepTracker:
         state.backward_tasks.clear()
         return self._open()
 
-    def _receivers(self, site: ProbeSite, step: int | None, phase: str) -> tuple[SubscriberBase, ...]:
+    def _receivers(self, site: ProbeSite, step: int | None, phase: str) -> Receivers:
         """The observers that get this site's ``phase`` call in ``step``."""
         if step is None:
             return ()
@@ -349,7 +368,7 @@ class StepTracker:
         _, active, all_active = self._active_observers(step)
         if all_active and not self.failures.any():  # the common case: nothing to filter
             return wanting
-        return tuple(s for s in wanting if s in active and not self.failures.is_off(site, s))
+        return tuple(r for r in wanting if r[0] in active and not self.failures.is_off(site, r[0]))
 
     def _active_observers(self, step: int) -> tuple[int | None, tuple[SubscriberBase, ...], bool]:
         """(step, the observers active in it, whether those are all the observers), worked out once per step."""
@@ -358,23 +377,39 @@ class StepTracker:
             self._active_in = (step, active, len(active) == len(self._observers))
         return self._active_in
 
-    def _deliver(self, subscriber: SubscriberBase, call: Callable, event: ProbeEvent, tensors: Sequence) -> None:
-        """One per-step call; a subscriber that raises loses this site, and training goes on."""
-        try:
-            call(event, tensors)
-        except Exception as error:
-            self.failures.switch_off(event.site, subscriber, event, error)
+    def _deliver(self, receivers: Receivers, fields: tuple, tensors: Sequence, event: ProbeEvent | None = None) -> None:
+        """A probe firing to its receivers: ``fields`` are its event's but the last (the tensors), ``event`` the event
+        without its tensors if made already. The event with its tensors (for ``on_event``) and without them (for the
+        seed's methods, which get the tensors apart) are each made once, where a receiver needs them. A subscriber
+        that raises loses this site, and training goes on."""
+        full = None
+        for subscriber, named in receivers:
+            try:
+                if named is None:
+                    if full is None:
+                        full = _new_tuple(ProbeEvent, fields + (tensors,))
+                    subscriber.on_event(full)
+                else:
+                    if event is None:
+                        event = _new_tuple(ProbeEvent, fields + ((),))
+                    named(subscriber, event, tensors)
+            except Exception as error:
+                if event is None:
+                    event = _new_tuple(ProbeEvent, fields + ((),))
+                self.failures.switch_off(event.site, subscriber, event, error)
 
-    def _wanting_at(self, site: ProbeSite) -> dict[str, tuple[SubscriberBase, ...]]:
+    def _wanting_at(self, site: ProbeSite) -> dict[str, Receivers]:
         wanting = self._wanting.get(site)
         if wanting is None:
             eligible = [s for s in self._observers
                         if (site.kind != "input" or s.observe_inputs) and s.selection.wants_site(site)]
-            wanting = self._wanting[site] = {
-                phase: tuple(s for s in eligible if s.selection.wants_phase(phase)
-                             and (phase != "recompute" or s.observe_recompute))
-                for phase in ("forward", "backward", "recompute")
-            }
+            wanting = self._wanting[site] = {}
+            for phase in ("forward", "backward", "recompute"):
+                kind = "backward" if phase == "backward" else "forward"
+                takers = self._taking.get(kind, ())
+                wanting[phase] = tuple((s, named_method(s, kind)) for s in eligible
+                                       if s in takers and s.selection.wants_phase(phase)
+                                       and (phase != "recompute" or s.observe_recompute))
         return wanting
 
     def _recomputed_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> Recomputed:
@@ -387,10 +422,9 @@ class StepTracker:
         if wanted:
             count = state.recomputes.get(id(site), 0)
             state.recomputes[id(site)] = count + 1
-            event = ProbeEvent(site, step, "recompute", state.seq, count)
+            fields = (site, step, "recompute", state.seq, count, None, "forward", None, None)
             state.seq += 1
-            for subscriber in wanted:
-                self._deliver(subscriber, subscriber.on_forward, event, tensors)
+            self._deliver(wanted, fields, tensors)
         return token
 
     def _match_recomputed(self) -> None:
@@ -430,3 +464,4 @@ class StepTracker:
         if state.backward_tasks or self._forward_running():
             return
         self.close_open_step()
+

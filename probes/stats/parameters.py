@@ -1,9 +1,9 @@
 """Parameter, gradient and optimizer-state records: what an optimizer's update used and produced.
 
     records = ParameterRecords(rows, selection=selection, optimizer_state=True, finish=finish, warn=warn)
-    records.attach(model)              # on_subscribe: the parameters and their names; torch's global optimizer hooks
-    records.step_started(step)         # on_step_start: a step waiting for its update is over: finish its file
-    if not records.step_ended(step, seq=next_seq):  # on_step_end: True when the step's file waits for the update
+    records.attach(model)              # "subscribe": the parameters and their names; torch's global optimizer hooks
+    records.step_started(step)         # "step_start": a step waiting for its update is over: finish its file
+    if not records.step_ended(step, seq=next_seq):  # "step_end": True when the step's file waits for the update
         finish(step)
     records.settle()                   # flush()/close(): a waiting step is finished now
     records.detach()                   # close(): the hooks are removed

@@ -34,8 +34,6 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import torch
-
 from ..core import ProbeEvent, SubscriberBase
 from ..dump.writer import DumpWriter
 from ..utils.checks import check_int
@@ -160,43 +158,40 @@ class StatisticsSubscriber(SubscriberBase):
         self._parameters = ParameterRecords(self._rows, selection=self.selection, optimizer_state=optimizer_state,
                                             finish=self._finish, warn=self._warn_parameter) if parameters else None
 
-    def on_subscribe(self, model: torch.nn.Module) -> None:
-        if self._parameters is not None and not self._closed:
-            self._parameters.attach(model)
+    def on_event(self, event: ProbeEvent) -> None:
+        kind = event.kind
+        if kind == "forward" or kind == "backward":  # the tensors, or their gradients (None where none came)
+            if self._closed:
+                if any(tensor is not None for tensor in event.tensors):
+                    self._warn_closed(event.step)
+                return
+            rows = self._rows
+            for index, tensor in enumerate(event.tensors):  # (once per record: no call in between)
+                if tensor is not None:
+                    self._next_seq = event.seq + 1
+                    error = rows.add(event, index, tensor)
+                    if error is not None:  # an unsupported record (warned once per site, index, phase)
+                        self._warn_unsupported((event.site.name, event.site.kind, index, event.phase),
+                                               event.record_name(index), event.phase, error)
+        elif kind == "step_end":
+            self._step_ended(event.step)
+        elif kind == "forward_end":
+            if self.watch is not None and not self._closed:
+                if self._check_rows():
+                    self._send()
+                    self._writer.flush()  # the anomalous step's records are on disk before the error leaves
+                self.watch.phase_end("forward", kept=str(self.output_dir))
+        elif kind == "step_start":
+            if self._parameters is not None and not self._closed:
+                self._parameters.step_started(event.step)
+        elif kind == "site_failed":
+            if not self._closed:
+                self._rows.add_unsupported(event, 0, None, f"probe switched off: {event.reason}")
+        elif kind == "subscribe":
+            if self._parameters is not None and not self._closed:
+                self._parameters.attach(event.model)
 
-    def on_step_start(self, step: int) -> None:
-        if self._parameters is not None and not self._closed:
-            self._parameters.step_started(step)
-
-    def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
-        if self._closed:
-            if tensors:
-                self._warn_closed(event.step)
-            return
-        for index, tensor in enumerate(tensors):
-            self._add(event, index, tensor)
-
-    def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
-        if self._closed:
-            if any(grad is not None for grad in grads):
-                self._warn_closed(event.step)
-            return
-        for index, grad in enumerate(grads):
-            if grad is not None:
-                self._add(event, index, grad)
-
-    def on_site_failed(self, event: ProbeEvent, reason: str) -> None:
-        if not self._closed:
-            self._rows.add_unsupported(event, 0, None, f"probe switched off: {reason}")
-
-    def on_forward_end(self, step: int) -> None:
-        if self.watch is not None and not self._closed:
-            if self._check_rows():
-                self._send()
-                self._writer.flush()  # the anomalous step's records are on disk before the error leaves
-            self.watch.phase_end("forward", kept=str(self.output_dir))
-
-    def on_step_end(self, step: int) -> None:
+    def _step_ended(self, step: int) -> None:
         # After close() there is nothing to finish: close() finished every step that had records,
         # and records that arrived later were dropped with a warning.
         if not self._closed:
@@ -246,14 +241,6 @@ class StatisticsSubscriber(SubscriberBase):
             SubscriberClosedWarning,
             stacklevel=2,
         )
-
-    def _add(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> None:
-        """The tensor's row; on failure an unsupported record (warned once per site, index, phase)."""
-        self._next_seq = event.seq + 1
-        error = self._rows.add(event, index, tensor)
-        if error is not None:
-            self._warn_unsupported((event.site.name, event.site.kind, index, event.phase), event.record_name(index),
-                                   event.phase, error)
 
     def _warn_parameter(self, name: str, phase: str, error: BaseException) -> None:
         self._warn_unsupported((name, phase), name, phase, error)

@@ -28,7 +28,6 @@ import warnings
 from typing import Iterable, Literal, Sequence
 
 import numpy as np
-import torch
 
 from exporters import _ort_compat
 
@@ -170,6 +169,8 @@ class AnomalySentinel(SubscriberBase):
     ``found`` counts anomalous records, ``first`` is the run's first ``Anomaly``.
     """
 
+    event_kinds = frozenset({"forward", "backward", "forward_end", "step_end"})
+
     def __init__(self, *, action: Action = "raise", max_abs: float | None = None, start_step: int | None = None,
                  end_step: int | None = None, observe_inputs: bool = False, every_n_steps: int | None = None,
                  steps: Iterable[int] | None = None, modules: str | Sequence[str] | None = None,
@@ -190,20 +191,16 @@ class AnomalySentinel(SubscriberBase):
     def found(self) -> int:
         return self.watch.found
 
-    def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
-        for index, tensor in enumerate(tensors):
-            self._rows.add(event, index, tensor)  # a tensor without readable data: no row, nothing to check
-
-    def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
-        for index, grad in enumerate(grads):
-            if grad is not None:
-                self._rows.add(event, index, grad)
-
-    def on_forward_end(self, step: int) -> None:
-        self.watch.check_rows(self._rows, rank=self.rank)
-        self.watch.phase_end("forward")
-
-    def on_step_end(self, step: int) -> None:
-        self.watch.check_rows(self._rows, rank=self.rank)
-        self._rows.clear()
-        self.watch.phase_end("backward")
+    def on_event(self, event: ProbeEvent) -> None:
+        kind = event.kind
+        if kind == "forward" or kind == "backward":
+            for index, tensor in enumerate(event.tensors):
+                if tensor is not None:  # a gradient that never came
+                    self._rows.add(event, index, tensor)  # a tensor without readable data: no row, nothing to check
+        elif kind == "forward_end":
+            self.watch.check_rows(self._rows, rank=self.rank)
+            self.watch.phase_end("forward")
+        elif kind == "step_end":
+            self.watch.check_rows(self._rows, rank=self.rank)
+            self._rows.clear()
+            self.watch.phase_end("backward")

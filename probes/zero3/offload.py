@@ -3,7 +3,7 @@
     subscriber = ZeROOffloadSubscriber(engine.optimizer.parameter_offload)   # usually made by the patch
 
 Its graph-building calls wrap every module DeepSpeed manages in ``ZeroPreForward``/``ZeroPostForward``
-(``probes.zero3.functions``), which do the gathering and releasing on every step.
+(``probes.zero3.gathering``), which do the gathering and releasing on every step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from exporters.handles import Handle
 from ..core import ProbeSite, SubscriberBase, wrappers
 from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
-from .functions import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
+from .gathering import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
 
 _exiting = False  # set in the first exit stage, before the subscriptions close
 

@@ -15,7 +15,7 @@ import torch
 from exporters import _deepspeed_compat, _ort_compat, partitioned_embedding_export, register_probe_function
 from exporters import zero3 as zero3_export
 
-from .functions import ZeroPostForward, ZeroPreForward, describe_binding
+from .gathering import ZeroPostForward, ZeroPreForward, describe_binding
 
 
 class _ManagedRoots:

@@ -28,7 +28,7 @@ from probes import SubscriberBase, SubscriberManager  # noqa: E402
 from probes.testing import assert_parity  # noqa: E402
 from probes.models import TinyTransformer, TransformerConfig, make_batch  # noqa: E402
 from probes.core.interface import ProbeSite  # noqa: E402
-from probes.zero3.functions import ModuleBinding  # noqa: E402
+from probes.zero3.gathering import ModuleBinding  # noqa: E402
 from probes.zero3 import (
     DeepCopiedModuleError, ZeROOffloadSubscriber, configure_ort_compatible_zero_stage3, restore_zero_stage3_hooks,
 )  # noqa: E402
