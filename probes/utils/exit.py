@@ -5,11 +5,12 @@ is exiting before subscriptions close, the open step must be finished before the
 Instead of several ``atexit`` hooks whose order depends on who registered last, each part registers
 here under its stage and one ``atexit`` hook runs the stages in this order:
 
-1. ``"exiting"``: note that the process is exiting (nothing is torn down yet);
+1. ``"exiting"``: work before anything is torn down (``exiting()`` is already true);
 2. ``"subscriptions"``: finish open steps and remove subscriptions;
 3. ``"writers"``: close dump writers (last: the steps just finished are written).
 
     handle = at_exit("writers", writer.close)     # handle.remove() when the writer closes by itself
+    if exiting(): ...                              # the sequence has begun: the process is going away
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class _ExitSequence:
     def __init__(self) -> None:
         self._callbacks: dict[str, dict[int, Callable[[], None]]] = {stage: {} for stage in STAGES}
         self._keys = itertools.count()
+        self.started = False
 
     def add(self, stage: str, callback: Callable[[], None]) -> Handle:
         if stage not in self._callbacks:
@@ -42,6 +44,7 @@ class _ExitSequence:
         return Handle(lambda: callbacks.pop(key, None))
 
     def run(self) -> None:
+        self.started = True
         for stage in STAGES:
             callbacks = self._callbacks[stage]
             while callbacks:  # callbacks may register or remove others; each runs once
@@ -56,3 +59,8 @@ atexit.register(_SEQUENCE.run)
 def at_exit(stage: str, callback: Callable[[], None]) -> Handle:
     """Run ``callback()`` at interpreter exit in ``stage`` (see the module doc); ``remove()`` cancels it."""
     return _SEQUENCE.add(stage, callback)
+
+
+def exiting() -> bool:
+    """True once the exit sequence has begun (the interpreter is exiting)."""
+    return _SEQUENCE.started

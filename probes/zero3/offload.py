@@ -17,20 +17,9 @@ from exporters import _deepspeed_compat, _ort_compat
 from exporters.handles import Handle
 
 from ..core import ProbeSite, SubscriberBase, wrappers
-from ..utils.exit import at_exit
+from ..utils.exit import exiting
 from ..utils.tree import TensorLeaves
 from .gathering import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
-
-_exiting = False  # set in the first exit stage, before the subscriptions close
-
-
-def _mark_exiting() -> None:
-    global _exiting
-    _exiting = True
-
-
-at_exit("exiting", _mark_exiting)
-
 
 class DeepCopiedModuleError(RuntimeError):
     """A ZeRO-3 hook ran on a copy of the model (ORTModule's deep copy before export)."""
@@ -110,7 +99,7 @@ class ZeROOffloadSubscriber(SubscriberBase):
         # Closed while an engine still holds these hooks, and not at exit (subscribing the model again
         # replaced this subscription, or unsubscribe() by hand): the live engine lost its parameter hooks.
         held_by_engine = self.engine_handle is not None and self.engine_handle.active
-        if held_by_engine and not self.closed and not _exiting:
+        if held_by_engine and not self.closed and not exiting():
             warnings.warn(
                 "the ZeRO-3 parameter hooks of a live DeepSpeed engine were unsubscribed (was the model subscribed "
                 "again? that replaces the subscription); pass extra subscribers with "

@@ -47,7 +47,14 @@ class Zero3Settings:
     stats_options: dict[str, Any] = field(default_factory=dict)  # more StatisticsSubscriber options
 
 
-_settings: Zero3Settings | None = None
+class _Configured:
+    """The settings of the last ``configure_ort_compatible_zero_stage3`` still in force (None: not configured).
+    Process-wide, as the patch is: DeepSpeed's class reads them for every engine created afterwards."""
+
+    settings: Zero3Settings | None = None
+
+
+_CONFIGURED = _Configured()
 
 
 def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
@@ -71,7 +78,7 @@ def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
 
 def _setup_zero_stage3_hooks_with_probes(offload: Any) -> None:
     """Replacement for ``DeepSpeedZeRoOffload.setup_zero_stage3_hooks`` (called by its __init__)."""
-    settings = _settings or Zero3Settings()
+    settings = _CONFIGURED.settings or Zero3Settings()
     model = _deepspeed_compat.offload_root(offload)
     hooks = ZeROOffloadSubscriber(offload)
     manager = SubscriberManager()
@@ -94,7 +101,7 @@ class Zero3Patch(Handle):
 
     @property
     def active(self) -> bool:
-        return _settings is self.settings and _deepspeed_compat.setup_hooks_replaced()
+        return _CONFIGURED.settings is self.settings and _deepspeed_compat.setup_hooks_replaced()
 
     def restore(self) -> None:
         self.remove()
@@ -117,7 +124,6 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
     Raises ImportError when DeepSpeed is not installed, DeepSpeedVersionError when its version is
     outside ``exporters._deepspeed_compat.SUPPORTED_RANGE``.
     """
-    global _settings
     _deepspeed_compat.require_deepspeed()
     options = dict(stats_options or {})
     if options and not debug:
@@ -128,14 +134,13 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
     inspect.signature(StatisticsSubscriber).bind(stats_output_dir, **options)  # an unknown option fails here, not at the engine
     settings = Zero3Settings(bool(debug), os.fspath(stats_output_dir), bool(stats_overwrite), options)
     _deepspeed_compat.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
-    _settings = settings
+    _CONFIGURED.settings = settings
     return Zero3Patch(settings)
 
 
 def restore_zero_stage3_hooks() -> bool:
     """Give DeepSpeed back its own ZeRO-3 hooks for engines created from now on; False if not patched."""
-    global _settings
-    _settings = None
+    _CONFIGURED.settings = None
     return _deepspeed_compat.restore_setup_hooks()
 
 
