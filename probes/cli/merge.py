@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..compare.merge import MergeConfig, generate_summaries_per_step, prepare_output_dir
+from ..compare.summaries import MergeConfig, generate_summaries_per_step, prepare_output_dir
 from ..dump import load_dump
 from .common import EXIT_NEGATIVE, EXIT_OK, command_parser, open_dump, run_command
 

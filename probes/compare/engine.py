@@ -40,7 +40,7 @@ from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
 from .details import record_diffs
-from .matched import RecordDiffs
+from .recorddiffs import RecordDiffs, WorstMetric
 from .metrics import NOISED, noise_level
 from .opalign import align_operations
 from .opfinding import find_operations
@@ -92,7 +92,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     position[base.order] = np.arange(len(base))
     in_order = np.argsort(position[natural[0]], kind="stable")
     pairs = (natural[0][in_order], natural[1][in_order])
-    measured = measured.take(in_order)
+    measured = measured.reordered(in_order)
     levels = None if levels is None else levels[in_order]
     noise_floor = None if levels is None or measured.noise_ratio is None else \
         _noise_floor(levels, measured.noise_ratio, lambda row: base.key(int(pairs[0][row])))
@@ -100,7 +100,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
         meter.update(2)
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
-        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config,
+        return record_diffs(base.records_at(pairs[0][rows]), other.records_at(pairs[1][rows]), config,
                             None if levels is None else levels[rows], context_of(base, pairs[0][rows]))
 
     phase_codes, phases = base.codes("phase")
@@ -109,8 +109,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                           phase=phase_codes[pairs[0]], name=name_codes[pairs[0]],
                           labels=(phases.to_pylist(), names.to_pylist()), ratio=measured.ratio,
                           diverged=measured.diverged, rel_error=measured.rel_error, build=build,
-                          worst=(WORST, measured.worst, measured.worst_base, measured.worst_other,
-                                 measured.worst_null),
+                          worst_metric=WorstMetric(WORST, measured.worst, measured.worst_base, measured.worst_other,
+                                                   measured.worst_null),
                           moments=measured.moments)
     only_in_base = _unmatched(base, pairs[0])
     only_in_other = _unmatched(other, pairs[1])
@@ -225,7 +225,7 @@ def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> t
         phase_codes, phases = has.codes("phase")
         gradient = np.isin(phase_codes[candidates], [i for i, p in enumerate(phases.to_pylist()) if p in GRADIENT_PHASES])
         candidates = candidates[gradient]
-    zeros = [row for row, record in zip(candidates.tolist(), has.take(candidates)) if is_zero_gradient(record)]
+    zeros = [row for row, record in zip(candidates.tolist(), has.records_at(candidates)) if is_zero_gradient(record)]
     return rows[~np.isin(rows, zeros)], zeros
 
 
@@ -281,4 +281,4 @@ def _first_nonfinite(loaded: LoadedDump) -> Anomaly | None:
     with np.errstate(invalid="ignore"):
         maybe = (np.nan_to_num(nan) > 0) | (np.nan_to_num(inf) > 0)
     maybe |= pc.is_valid(table.column("extra")).to_numpy(zero_copy_only=False)
-    return first_anomaly(loaded.take(np.flatnonzero(maybe)))
+    return first_anomaly(loaded.records_at(np.flatnonzero(maybe)))

@@ -21,7 +21,7 @@ from ..utils.phases import phase_rank
 from .results import relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, StepSummary
-from .values import format_value
+from .results import format_value
 from .plots import BASE_COLOR, MARK_COLOR, OTHER_COLOR, Grid, HtmlConfig, escape, heatmap, trajectories
 from .terminal import (GRAD_NORM_HEADER, damaged_lines, grad_norm_cells, kind_line, noise_floor_line, precision_table,
                        rule_line, verdict)

@@ -18,10 +18,10 @@ import numpy as np
 
 from ..utils.phases import phase_rank
 from .config import MOMENTS
-from .matched import RecordDiffs, Row
+from .recorddiffs import RecordDiffs, Row
 from .report import Report
 from .results import CellView
-from .values import format_value
+from .results import format_value
 from .terminal import clip
 
 __all__ = ["BASE_COLOR", "MARK_COLOR", "OTHER_COLOR", "Grid", "HtmlConfig", "escape", "heatmap", "trajectories"]
@@ -46,7 +46,7 @@ class HtmlConfig:
     max_columns: int = 200  # heatmap columns; more steps are binned (a cell shows the worst of its bin)
     max_cells: int = 10000  # per heatmap: fewer columns for many rows, to keep the page light
     trajectories: int = 6  # layers with trajectory plots
-    max_points: int = 200  # steps of a trajectory drawn point by point (hover each); beyond: reduced, see _reduced
+    max_points: int = 200  # steps of a trajectory drawn point by point (hover each); beyond: thinned, see _thinned
     max_steps: int = 500  # rows of the per-step table: steps that diverged or miss records first, then the worst
 
 
@@ -323,7 +323,7 @@ def _heat_legend(x: float, y: float) -> str:
     return "".join(parts)
 
 
-def _reduced(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _thinned(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """A line of more points than pixels: per pixel column its lowest and highest point, in step order, so the
     line looks the same and its size stays that of the chart, whatever the steps."""
     columns: dict[int, list[tuple[float, float]]] = {}
@@ -339,7 +339,7 @@ def _reduced(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, str, list[Any], str]],
                 mark_step: int | None, diverged_steps: set[int], max_points: int = 10 ** 9) -> str:
     """A small SVG line chart of values over steps; ``series``: (label, color, values, dash). Over ``max_points``
-    steps the lines are ``_reduced`` and only the diverged steps are points to hover."""
+    steps the lines are ``_thinned`` and only the diverged steps are points to hover."""
     width, height = 230.0, 130.0
     left, right, top, bottom = 52.0, 8.0, 18.0, 20.0
     values = [v for _, _, vals, _ in series for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
@@ -377,7 +377,7 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
                   if isinstance(v, (int, float)) and math.isfinite(v)]
         reduced = len(steps) > max_points
         if reduced:
-            points = _reduced(points)
+            points = _thinned(points)
         if len(points) > 1:
             path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""

@@ -2,7 +2,7 @@
 
     loaded = read_dump("pt_out", CompareConfig(steps=frozenset({3})), progress=True)
     loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
-    loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.take([0, 1])        # rows, and records of rows
+    loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.records_at([0, 1])  # rows, and records of rows
     loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]                  # every record as a dict (small dumps)
     base, other = rank_pairs(read_dump("ddp_out"))     # rank 0's records once per other rank, and those ranks'
     check_hashes(loaded)                               # MissingHashes unless every record has its ``hash``
@@ -121,7 +121,7 @@ class LoadedDump:
         data = self.table.column(name)
         return (data if rows is None else data.take(pa.array(rows, pa.int64()))).to_pylist()
 
-    def take(self, rows: np.ndarray | list[int]) -> list[Record]:
+    def records_at(self, rows: np.ndarray | list[int]) -> list[Record]:
         """The records of ``rows``, as the dump holds them (with ``renamed_from`` when a name map renamed them)."""
         rows = np.asarray(rows, dtype=np.int64)
         part = self.table.take(rows)
@@ -157,13 +157,13 @@ class LoadedDump:
     def step_records(self, rank: int, step: int) -> dict[RecordKey, Record]:
         """The records of one rank and step, by key."""
         rows = np.flatnonzero((self.rank == rank) & (self.step == step))
-        return dict(zip(self.keys(rows), self.take(rows)))
+        return dict(zip(self.keys(rows), self.records_at(rows)))
 
     @property
     def records(self) -> dict[RecordKey, Record]:
         """Every record by key, in file order. Materialises the whole dump: for small dumps and tests."""
         rows = np.arange(len(self))
-        return dict(zip(self.keys(rows), self.take(rows)))
+        return dict(zip(self.keys(rows), self.records_at(rows)))
 
     def where(self, row: int) -> tuple[Path, int]:
         """(file, 1-based line or row) of a row, for messages."""
@@ -358,7 +358,7 @@ def _check_keys(loaded: LoadedDump) -> None:
         missing = pc.is_null(table.column(column)).to_numpy(zero_copy_only=False)
         if missing.any():
             row = int(np.argmax(missing))
-            (record,) = loaded.take([row])
+            (record,) = loaded.records_at([row])
             path, line = loaded.where(row)
             text = (f"record {record.get('name')!r} {problem}" if column == "phase"
                     else f"the record's 'name' is not a string: {record.get('name')!r}")

@@ -81,7 +81,7 @@ class Measured:
 
     _PER_PAIR = ("ratio", "diverged", "rel_error", "worst", "worst_base", "worst_other", "worst_null", "noise_ratio")
 
-    def take(self, order: np.ndarray) -> "Measured":
+    def reordered(self, order: np.ndarray) -> "Measured":
         """The same, pairs reordered."""
         return Measured(*(getattr(self, name)[order] for name in self._PER_PAIR[:-1]),
                         {key: values[order] for key, values in self.moments.items()},
@@ -174,7 +174,7 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     found = verdicts(evaluate(pairs, config, noise, summaries=False), config.noise_factor)
     odd = np.flatnonzero(exact)
     if len(odd):
-        part = verdicts(evaluate(from_records(base.take(rows[0][odd]), other.take(rows[1][odd]),
+        part = verdicts(evaluate(from_records(base.records_at(rows[0][odd]), other.records_at(rows[1][odd]),
                                               context_of(base, rows[0][odd])), config,
                                  None if noise is None else noise[odd], summaries=False), config.noise_factor)
         part.worst[:] = WORST.index("structure")  # plots build these records to show them
@@ -210,5 +210,5 @@ def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np
     levels = noise_level(pairs)
     odd = np.flatnonzero(exact)
     if len(odd):
-        levels[odd] = noise_level(from_records(base.take(rows[0][odd]), noise.take(rows[1][odd])))
+        levels[odd] = noise_level(from_records(base.records_at(rows[0][odd]), noise.records_at(rows[1][odd])))
     return levels
