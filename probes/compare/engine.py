@@ -39,16 +39,14 @@ from ..utils.phases import GRAD, GRADIENT_PHASES
 from ..utils.progress import progress_meter
 from .align import apply_renames, fuzzy_renames
 from .config import CompareConfig
-from .details import record_diffs
+from .evaluation import NOISED, WORST, measure, noise_levels, record_diffs
 from .recorddiffs import RecordDiffs, WorstMetric
-from .metrics import NOISED, noise_level
 from .opalign import align_operations
 from .opfinding import find_operations
-from .pairs import context_of, from_records
+from .pairs import match
 from .reading import LoadedDump, check_hashes
 from .report import Report
 from .results import Divergence, NoiseFloor, RecordDiff, Rename, op_name
-from .vector import WORST, match, measure, noise_levels
 
 __all__ = ["compare_loaded", "compare_records", "is_zero_gradient", "noise_label"]
 
@@ -57,8 +55,10 @@ def compare_records(base: Record, other: Record, config: CompareConfig = Compare
                     noise: Record | None = None) -> RecordDiff:
     """Compares one matched pair of records (same rank, step, phase and name); ``noise``: the base record's
     counterpart in a calibration run, whose difference from ``base`` gives the noise levels."""
-    levels = None if noise is None else noise_level(from_records([base], [noise]))
-    return record_diffs([base], [other], config, levels)[0]
+    loaded = [LoadedDump.of_records([record]) for record in (base, other, noise) if record is not None]
+    rows = (np.zeros(1, np.int64), np.zeros(1, np.int64))
+    levels = None if noise is None else noise_levels(loaded[0], loaded[2], rows)
+    return record_diffs(loaded[0], loaded[1], rows, config, levels)[0]
 
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
@@ -100,8 +100,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
         meter.update(2)
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
-        return record_diffs(base.records_at(pairs[0][rows]), other.records_at(pairs[1][rows]), config,
-                            None if levels is None else levels[rows], context_of(base, pairs[0][rows]))
+        return record_diffs(base, other, (pairs[0][rows], pairs[1][rows]), config,
+                            None if levels is None else levels[rows])
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")

@@ -17,11 +17,11 @@ row's execution-order sort key, and what each record's default tolerance depends
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from ..dump import DumpFormatError, DumpReader, Record
 from ..dump.reader import StepFile
 from ..dump.record import RecordKey
-from ..dump.columns import SCHEMA, table_to_records
+from ..dump.columns import records_to_table, table_to_records
 from ..utils.phases import PARAMETER_PHASES, phase_rank
 from .config import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
@@ -67,6 +67,15 @@ class LoadedDump:
     damaged: list[Damaged] = field(default_factory=list)  # step files left out (skip_damaged)
     _codes: dict[str, tuple[pa.Table, tuple[np.ndarray, pa.Array]]] = field(default_factory=dict, repr=False,
                                                                             compare=False)
+
+    @classmethod
+    def of_records(cls, records: Sequence[Mapping[str, Any]]) -> "LoadedDump":
+        """Records at hand as a dump (``engine.compare_records``): their columns, and the context of their default
+        tolerance taken from these records alone."""
+        table = records_to_table(records).select(list(COLUMNS))
+        loaded = cls(Path("."), table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())), {}, {})
+        _add_context(loaded)
+        return loaded
 
     def __len__(self) -> int:
         return self.table.num_rows
