@@ -14,11 +14,12 @@ fixed (``atol + rtol * |base|``) or, given calibration runs (the base run again 
 ``probes.rounding``), at least the statistic's noise floor: noise_factor times how much calibration moved it.
 The first divergence is searched in execution order: earliest step, then its phases in the order they run
 (forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase the base run's order
-(``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
+(``seq``), across ranks; ``report.divergence_kind`` says in plain words which part of the step differs.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
-The rules are ``rules``, applied to every pair at once by ``vector`` (verdicts) and ``details`` (the
-RecordDiff objects a report shows; ``compare_records`` is the same for records at hand). The result model is
-``results``, ``matched`` and ``report``, reading ``reading``, the terminal summary ``terminal``.
+The rules are ``rules``, applied to every pair at once by ``evaluation`` (the verdicts, and the RecordDiff
+objects a report shows), on the dumps' columns; ``compare_records`` makes columns of records at hand and takes
+the same path. The result model is ``results``, ``recorddiffs`` and ``report``, reading ``reading``, the
+terminal summary ``terminal``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ from ..dump.record import execution_order
 from ..dump.statistics import global_norms
 from ..utils.phases import GRAD, GRADIENT_PHASES
 from ..utils.progress import progress_meter
-from .align import apply_renames, fuzzy_renames
+from .align import align_operations, apply_renames, fuzzy_renames
 from .config import CompareConfig
 from .evaluation import NOISED, WORST, measure, noise_levels, record_diffs
 from .recorddiffs import RecordDiffs, WorstMetric
-from .opalign import align_operations
 from .opfinding import find_operations
 from .pairs import match
 from .reading import LoadedDump, check_hashes
@@ -67,7 +67,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     """Compares two loaded dumps (see ``compare_dumps``); ``noise``: the calibration runs; with ``config.fuzzy``,
     renames ``other``'s records (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
 
-    The checks run on whole columns (``vector``); only the records a report shows become RecordDiff objects.
+    The checks run on whole columns (``evaluation``); only the records a report shows become RecordDiff objects.
     With ``config.exact`` the verdict of a pair is whether its hashes are equal; MissingHashes when a record
     of either dump has none.
     """

@@ -81,7 +81,7 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     (``NOISED``, a column each) the noise level, nan where there is none (``noise_level``).
 
     ``summaries=False``: the samples' worst index, count, largest |diff| and cosine, which only a RecordDiff
-    shows, are left at their defaults (None, 0, 0, 1); the verdicts (``vector``) do not read them.
+    shows, are left at their defaults (None, 0, 0, 1); the verdicts (``verdicts``) do not read them.
     """
     unequal = np.zeros(pairs.count, dtype=bool)
     for found in pairs.unequal.values():

@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..dump.record import execution_order
 from ..utils.phases import GRADIENT_PHASES
 from .recorddiffs import RecordDiffs
-from .opalign import op_rows
+from .align import op_rows
 from .reading import LoadedDump
 from .results import (AGREES, DIFFERS, NO_RECORD, Check, Divergence, ModuleOps, OpFinding, Operations, module_record,
                       op_name)

@@ -1,8 +1,8 @@
 """The matched record pairs of two dumps, both sides as arrays: what the rules (``rules``) are applied to.
 
-    rows = match(base, other)                                           # (base rows, other rows) with the same key
-    pairs, exact = from_columns(base, other, rows)                      # float64 columns; ``exact``: the pairs
-    pairs = from_records(base.records_at(rows[0][exact]), ...)         # they cannot hold, as Python values
+    rows = match(base, other)                        # (base rows, other rows) with the same key
+    pairs, exact = from_columns(base, other, rows)   # float64 columns; ``exact``: the pairs they cannot hold,
+    pairs = from_records(base.records_at(rows[0][exact]), other.records_at(rows[1][exact]))  # as Python values
 
 A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
 ``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them

@@ -1,11 +1,13 @@
 """The matched records of a comparison as arrays (RecordDiffs): verdicts for all, RecordDiff objects on demand.
 
     records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
-    records[0]; records.at([3, 7]); records.worst(10)   # RecordDiff objects, built when read
+    records[0]; records.at([3, 7]); records.worst(10)     # RecordDiff objects, built when read
     for offset, chunk in records.chunks(): ...           # the arrays a part at a time (what reports read)
+    spill(records, "3.arrow")                            # a window's arrays as one Arrow IPC file
 
-A comparison read in windows keeps its arrays on disk, a file per window and array (SpilledRecordDiffs): the
-report's tables and plots read them a window at a time (``chunks``), so memory does not grow with the dumps.
+A comparison read in windows keeps its arrays on disk, one Arrow IPC file per window (SpilledRecordDiffs,
+memory-mapped): the report's tables and plots read them a window at a time (``chunks``), so memory does not
+grow with the dumps.
 """
 
 from __future__ import annotations

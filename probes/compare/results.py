@@ -398,7 +398,7 @@ class NoiseFloor:
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
-UNPAIRED = " (unpaired)"  # an op record of OTHER whose name a paired record took (``opalign``) is listed with it
+UNPAIRED = " (unpaired)"  # an op record of OTHER whose name a paired record took (op alignment, ``align``) is listed with it
 _OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)"
                  r"(?P<unpaired> \(unpaired\))?$")
 _MODULE = re.compile(r"^(?P<module>.+?)(?:#(?P<call>\d+))?\.(?:input|output)\.\d+$")

@@ -9,8 +9,8 @@
 Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look
 at one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about
 ``window`` records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and
-reduced: its arrays (verdicts, keys, the moments the plots read) written to a temporary directory, a file
-per array (``matched.spill``), and the RecordDiffs a report shows built (every diverged record, each step's
+reduced: its arrays (verdicts, keys, the moments the plots read) written to a temporary directory, one
+Arrow IPC file per window (``recorddiffs.spill``), and the RecordDiffs a report shows built (every diverged record, each step's
 worst, the worst records, those around the window's first divergence). The windows are joined in step order,
 which is execution order, as a SpilledRecordDiffs whose tables and plots read the arrays a window at a time:
 memory grows with the window, not with the dumps. A record nobody built is rebuilt by comparing its window
@@ -36,12 +36,11 @@ from ..dump import DumpFormatError, DumpReader
 from ..dump.reader import DamagedSteps, StepFile, listed_records
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
-from .align import fuzzy_renames
+from .align import align_operations, fuzzy_renames
 from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded, noise_label
 from .recorddiffs import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
-from .opalign import align_operations
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
 from .results import Damaged, NoiseFloor, Operations, RecordDiff, Rename
