@@ -11,7 +11,7 @@ See docs/exporters.md.
 """
 
 from .embedding import partitioned_embedding_export
-from .export import export_onnx
+from .standalone import export_onnx
 from .ort import inference_session, install_for_ort, ortmodule_threads
 from .pythonop import ProbeExportWarning, PythonOpExportError
 from .registry import register_probe_function

@@ -68,12 +68,20 @@ def check_version(version_text: str) -> None:
         )
 
 
-_checked = False
+class _DeepSpeedState:
+    """What this adapter keeps per imported DeepSpeed: whether its internals were checked, and the
+    ``setup_zero_stage3_hooks`` that ``replace_setup_hooks`` took off DeepSpeed's class."""
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.original_setup: Callable | None = None
+
+
+_DEEPSPEED = _DeepSpeedState()
 
 
 def require_deepspeed() -> ModuleType:
     """Import DeepSpeed, check its version and the ZeRO-3 internals probes uses; return the package."""
-    global _checked
     try:
         import deepspeed
     except ImportError as error:
@@ -81,7 +89,7 @@ def require_deepspeed() -> ModuleType:
             "probes.zero3 needs the 'deepspeed' package, which is not installed "
             f"(pip install 'deepspeed{SUPPORTED_RANGE}', or pip install 'probes[zero3]')"
         ) from error
-    if not _checked:
+    if not _DEEPSPEED.checked:
         check_version(getattr(deepspeed, "__version__", "unknown"))
         offload = offload_class()
         missing = [name for name in _OFFLOAD_METHODS if not callable(getattr(offload, name, None))]
@@ -92,7 +100,7 @@ def require_deepspeed() -> ModuleType:
             )
         if not isinstance(getattr(_offload_module(), "FWD_MODULE_STACK", None), list):
             raise DeepSpeedInternalsError(f"{_OFFLOAD_MODULE}.FWD_MODULE_STACK is missing or no longer a list")
-        _checked = True
+        _DEEPSPEED.checked = True
     return deepspeed
 
 
@@ -127,30 +135,25 @@ def offload_class() -> type:
 
 # Replacing DeepSpeedZeRoOffload.setup_zero_stage3_hooks ----------------------------------------
 
-_original_setup: Callable | None = None
-
-
 def replace_setup_hooks(setup: Callable[[Any], None]) -> None:
     """Make every DeepSpeedZeRoOffload created from now on call ``setup(offload)`` to install its hooks."""
-    global _original_setup
     cls = offload_class()
-    if _original_setup is None:
-        _original_setup = cls.__dict__[_SETUP_HOOKS]
+    if _DEEPSPEED.original_setup is None:
+        _DEEPSPEED.original_setup = cls.__dict__[_SETUP_HOOKS]
     setattr(cls, _SETUP_HOOKS, setup)
 
 
 def restore_setup_hooks() -> bool:
     """Put DeepSpeed's own setup_zero_stage3_hooks back; False when it was not replaced."""
-    global _original_setup
-    if _original_setup is None:
+    if _DEEPSPEED.original_setup is None:
         return False
-    setattr(offload_class(), _SETUP_HOOKS, _original_setup)
-    _original_setup = None
+    setattr(offload_class(), _SETUP_HOOKS, _DEEPSPEED.original_setup)
+    _DEEPSPEED.original_setup = None
     return True
 
 
 def setup_hooks_replaced() -> bool:
-    return _original_setup is not None
+    return _DEEPSPEED.original_setup is not None
 
 
 # What DeepSpeed's own setup does besides registering hooks --------------------------------------

@@ -5,11 +5,16 @@
 
 The names below are imported when first used, so the ``probes`` command's dump tools (show, compare, merge)
 start without importing torch.
+
+Diagnostics go to the ``probes`` logger (each module logs to ``probes.<module>``), which has a
+``NullHandler`` as a library's should: configure ``logging`` to see them. What a user must act on is a
+``warnings.warn``; only the command line prints.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,6 +46,8 @@ _HOME = {  # public name -> the sub-package that defines it
 }
 
 __all__ = sorted(_HOME)
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:

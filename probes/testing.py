@@ -26,7 +26,7 @@ import torch
 from exporters.handles import Handle
 
 from .compare import Report, compare_dumps
-from .compare.config import DEFAULT_NOISE_FACTOR
+from .compare.options import DEFAULT_NOISE_FACTOR
 from .compare.results import ZERO_GRAD_NOTE
 from .compare.names import NameMapLike
 from .compare.terminal import counts_line, noise_floor_line, verdict

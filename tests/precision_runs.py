@@ -141,7 +141,7 @@ def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
     import numpy as np
 
     from probes.compare import compare_dumps
-    from probes.compare.config import AGGREGATES, MOMENTS, PRECISIONS
+    from probes.compare.options import AGGREGATES, MOMENTS, PRECISIONS
     from probes.compare.pairs import from_columns
     from probes.compare.reading import read_dump
     from probes.compare.pairs import match

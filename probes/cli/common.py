@@ -19,6 +19,7 @@ from typing import Callable, NoReturn, Sequence
 from ..dump import DumpFormatError, DumpReader
 from ..dump.reader import StepFile
 from ..dump.trainer_steps import TrainerStep, read_trainer_steps
+from ..utils.flags import COMMAND_LINE, OptionError
 
 EXIT_OK, EXIT_NEGATIVE, EXIT_BAD_INPUT = 0, 1, 2
 PROG = "probes"  # also ``python -m probes``
@@ -57,6 +58,8 @@ def run_command(name: str, parser: argparse.ArgumentParser, argv: Sequence[str] 
         return 130
     except CommandError as error:
         return fail(name, str(error))
+    except OptionError as error:  # bad options, named as flags
+        return fail(name, error.spelled(COMMAND_LINE))
     except FileNotFoundError as error:
         return fail(name, f"{error.filename or error}: no such file or directory")
     except (OSError, ValueError) as error:  # DumpFormatError is a ValueError naming file and line

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from ..compare.summaries import MergeConfig, generate_summaries_per_step, prepare_output_dir
 from ..dump import load_dump
+from ..utils.flags import add_flags, given
 from .common import EXIT_NEGATIVE, EXIT_OK, command_parser, open_dump, run_command
 
 EXAMPLES = [
@@ -26,11 +26,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                                      "(the original onnxruntime merge_activation_summary's flags).", examples=EXAMPLES)
     if prog is not None:
         parser.prog = prog
-    parser.add_argument("--pt_dir", required=True, help="root of the PyTorch (baseline) run's probes dump")
-    parser.add_argument("--ort_dir", required=True, help="root of the ORTModule run's probes dump")
-    parser.add_argument("--output_dir", required=True, help="where merge_pt/ and merge_ort/ are written")
-    parser.add_argument("--overwrite", action="store_true", help="replace merge_pt/ and merge_ort/ if present")
-    parser.add_argument("--rank", type=int, help="the rank to merge (default: the baseline's lowest rank)")
+    add_flags(parser, MergeConfig)
     return parser
 
 
@@ -41,8 +37,7 @@ def merge(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(levelname)s: %(message)s")
-    config = MergeConfig(pt_dir=Path(args.pt_dir), ort_dir=Path(args.ort_dir), output_dir=Path(args.output_dir),
-                         overwrite=args.overwrite, rank=args.rank)
+    config = MergeConfig(**given(MergeConfig, args))
     open_dump(config.pt_dir)  # a bad dump fails before the output directory is touched
     open_dump(config.ort_dir)
     base_records = load_dump(config.pt_dir)

@@ -4,8 +4,8 @@
     report = compare_dumps("eager", "ort")
     print(format_report(report)); write_html(report, "report.html")
 
-Everything else is imported from its room (``from probes.compare.config import CompareConfig``).
-Rooms, in the order a comparison runs: ``config`` (tolerances, filters, the compared statistic groups),
+Everything else is imported from its room (``from probes.compare.options import CompareConfig``).
+Rooms, in the order a comparison runs: ``options`` (tolerances, filters, the compared statistic groups),
 ``reading`` (a dump as one keyed table), ``names`` (the name map), ``align`` (renamed records and operations
 paired with their base names), ``pairs`` (matching, and both sides of matched pairs as arrays), ``rules`` (the
 comparison rules, once, on arrays), ``evaluation`` (every metric of every pair, the verdicts, the RecordDiff

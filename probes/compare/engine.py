@@ -39,7 +39,7 @@ from ..dump.statistics import global_norms
 from ..utils.phases import GRAD, GRADIENT_PHASES
 from ..utils.progress import progress_meter
 from .align import align_operations, apply_renames, fuzzy_renames
-from .config import CompareConfig
+from .options import CompareConfig
 from .evaluation import NOISED, WORST, measure, noise_levels, record_diffs
 from .recorddiffs import RecordDiffs, WorstMetric
 from .opfinding import find_operations

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..dump.hashes import HASH, hex_hash
-from .config import AGGREGATES, COUNTS, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
+from .options import AGGREGATES, COUNTS, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
 from .pairs import Pairs, SampleBlock, context_of, from_columns, from_records
 from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff

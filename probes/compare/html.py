@@ -25,7 +25,7 @@ from typing import Any, Collection, Iterable, Sequence
 import numpy as np
 
 from ..utils.phases import phase_rank
-from .config import MOMENTS
+from .options import MOMENTS
 from .recorddiffs import RecordDiffs, Row
 from .report import Report
 from .results import ZERO_GRAD_NOTE, CellView, StepSummary, format_value, relative_name

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import COUNTS, MOMENTS, STRUCTURE, precision_of
+from .options import COUNTS, MOMENTS, STRUCTURE, precision_of
 from .reading import LoadedDump, one_key
 from .rules import pair_samples
 

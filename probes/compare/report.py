@@ -24,7 +24,7 @@ import numpy as np
 from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
 from ..utils.phases import PHASES, RECOMPUTE, phase_rank
-from .config import PRECISIONS, CompareConfig
+from .options import PRECISIONS, CompareConfig
 from .recorddiffs import RecordDiffs
 from .results import OpFinding, Operations, op_name
 from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,

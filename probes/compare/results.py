@@ -21,7 +21,7 @@ from typing import Any
 
 from ..dump.record import RecordKey
 from ..utils.phases import GRADIENT_PHASES
-from .config import MOMENTS
+from .options import MOMENTS
 from ..utils.tables import printable
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts

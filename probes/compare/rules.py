@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import EXACT, MOMENT_PASSES, PRECISIONS, CompareConfig, coarseness, precision_of
+from .options import EXACT, MOMENT_PASSES, PRECISIONS, CompareConfig, coarseness, precision_of
 from .results import is_finite_number
 
 __all__ = ["as_floats", "bounds", "difference", "distance", "finite", "pair_samples", "precisions", "ratio",

@@ -31,6 +31,7 @@ from pathlib import Path
 from ..dump import Record
 from ..dump.legacy import legacy_block
 from ..dump.record import execution_order
+from ..utils.flags import option, settle
 
 logger = logging.getLogger("probes.merge_activation_summary")
 
@@ -39,11 +40,16 @@ OrderKey = tuple[str, str]  # name, phase
 
 @dataclass(frozen=True)
 class MergeConfig:
-    pt_dir: Path
-    ort_dir: Path
-    output_dir: Path
-    overwrite: bool = False
-    rank: int | None = None
+    """What to merge and where; each field is also a flag of ``probes merge`` (``probes.utils.flags``)."""
+
+    pt_dir: Path = option(flag="--pt_dir", convert=Path, help="root of the PyTorch (baseline) run's probes dump")
+    ort_dir: Path = option(flag="--ort_dir", convert=Path, help="root of the ORTModule run's probes dump")
+    output_dir: Path = option(flag="--output_dir", convert=Path, help="where merge_pt/ and merge_ort/ are written")
+    overwrite: bool = option(False, help="replace merge_pt/ and merge_ort/ if present")
+    rank: int | None = option(None, help="the rank to merge (default: the baseline's lowest rank)")
+
+    def __post_init__(self) -> None:
+        settle(self)
 
 
 def _by_step(records: Sequence[Record], rank: int) -> dict[int, dict[OrderKey, Record]]:

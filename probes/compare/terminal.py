@@ -7,12 +7,11 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
-from .config import PRECISIONS, CompareConfig
+from .options import PRECISIONS, CompareConfig, parse_steps  # noqa: F401 (the --step syntax ranges() writes)
 from .results import op_name, relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
@@ -158,21 +157,6 @@ def ranges(values: Iterable[int]) -> str:
         if value is not None:
             start = prev = value
     return f"{','.join(spans)} ({len(values)})"
-
-
-def parse_steps(text: str) -> frozenset[int]:
-    """``"3"``, ``"0-4"`` or ``"1,3,5-7"`` as a set of steps."""
-    steps: set[int] = set()
-    for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        try:
-            start, end = int(first), int(last) if dash else int(first)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a step, range or list of steps: {text!r}") from None
-        if start < 0 or end < start:
-            raise argparse.ArgumentTypeError(f"bad step range {part!r}")
-        steps.update(range(start, end + 1))
-    return frozenset(steps)
 
 
 # --------------------------------------------------------------------------------------------- terminal

@@ -34,10 +34,11 @@ import pyarrow as pa
 
 from ..dump import DumpFormatError, DumpReader
 from ..dump.reader import DamagedSteps, StepFile, listed_records
+from ..utils.flags import OptionError, check_keywords, option, positive, positive_int, positive_or_none, takes_options
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import align_operations, fuzzy_renames
-from .config import DEFAULT_NOISE_FACTOR, DEFAULT_WINDOW, CompareConfig
+from .options import DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded, noise_label
 from .recorddiffs import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
@@ -45,7 +46,7 @@ from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
 from .results import Damaged, NoiseFloor, Operations, RecordDiff, Rename
 
-__all__ = ["compare_dumps", "compare_windows", "windows_of"]
+__all__ = ["CompareOptions", "compare_dumps", "compare_windows", "windows_of"]
 
 
 @dataclass(frozen=True)
@@ -286,69 +287,97 @@ def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]],
     return ()
 
 
-def compare_dumps(base: str | Path, other: str | Path | None = None, *, rtol: float | None = None,
-                  atol: float | None = None,
-                  noise: str | Path | Sequence[str | Path] | None = None, noise_factor: float = DEFAULT_NOISE_FACTOR,
-                  steps: Iterable[int] | None = None, names: Sequence[str] = (),
-                  progress: bool | TextIO = False, strict_zero_grads: bool = False,
-                  name_map: NameMapLike | None = None, fuzzy: bool = False, window: int | None = DEFAULT_WINDOW,
-                  jobs: int = 1, skip_damaged: bool = False, exact: bool = False, ranks: bool = False,
-                  phases: Iterable[str] | None = None) -> Report:
-    """Compares the dump ``other`` against the dump ``base``; ``noise``: the dump of a calibration run (the base run
-    again under ``probes.testing.perturbed_rounding``), or several: each record's noise levels are the largest the
-    runs give (docs/compare.md, Noise floor).
+@dataclass(frozen=True, kw_only=True)
+class CompareOptions(CompareConfig):
+    """Every option of a comparison of dumps: ``compare_dumps``' arguments and ``probes compare``'s, declared once.
 
-    ``rtol``, ``atol``: one fixed rule ``atol + rtol * |x|`` for every record (the one not given: 1e-4, 1e-6);
-    neither: each record's per-dtype default (docs/compare.md, Tolerance).
+        options = CompareOptions(base="pt_out", other="ort_out", rtol=1e-3, window=10_000)
+        options.config()                           # the CompareConfig every window compares with
 
-    ``name_map``: OTHER's names rewritten into BASE's (a NameMap, its rules, or a YAML/JSON file;
-    ``probes.compare.names``), before the ``names`` filter. ``fuzzy``: names still found in one run only
-    are paired by module class, shape and execution order (``probes.compare.align``). Both are listed
-    in ``report.renamed``.
-
-    ``strict_zero_grads``: a gradient exactly zero in one run and absent in the other diverges
-    (by default it is only noted in ``report.zero_grads``). ``window``: about how many records of a dump
-    are read at a time (whole steps; None: all at once); ``jobs``: processes comparing windows at once.
-    ``skip_damaged``: step files that cannot be read are left out (of both runs) and listed in
-    ``report.damaged``; without it they raise one DamagedSteps naming every one. Raises DumpFormatError (naming
-    file and line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used.
-
-    ``exact``: a record agrees when its bytes are bit-identical (the records' hashes, ``hash=True``), whatever
-    the tolerances; MissingHashes (a ValueError) when a record has none. ``phases``: only records of these
-    phases. ``ranks``: ``base`` is one dump whose every rank is compared with its rank 0 (``other`` not given);
-    the phases default to those that must agree across data-parallel ranks (``PARAMETER_PHASES``: grad,
-    param, optim); the report's records carry the rank compared, and ``report.first_divergence`` is the first
-    rank, step and record that differ (ValueError for a dump with one rank).
+    ``ranks``: ``base`` is one dump whose ranks are compared with its rank 0 (no ``other``, ``noise``, ``name_map``
+    or ``fuzzy``); its phases default to ``PARAMETER_PHASES``. A bad combination is an OptionError naming the
+    options as the caller wrote them.
     """
-    if ranks:
-        if other is not None or _runs(noise) or name_map is not None or fuzzy:
-            raise ValueError("ranks=True compares the ranks of one dump: give no other dump, noise, name_map or fuzzy")
+
+    base: str | os.PathLike = option(positional=True, metavar="BASE",
+                                     help="the reference dump (directory, rank_<r> directory or step file)")
+    other: str | os.PathLike | None = option(None, positional=True, metavar="OTHER",
+                                             help="the dump to check against {base} (not with {ranks})")
+    noise: tuple[str | os.PathLike | DumpReader, ...] | None = option(
+        None, many="extend", nargs="+", parse=str, metavar="CALIBRATION", convert=_runs, help=(
+        "calibration runs: {base} again under probes.testing.perturbed_rounding (one or several); each statistic's "
+        "tolerance is then max(its default or fixed tolerance, k*noise), k*noise its noise floor (docs/compare.md, "
+        "Noise floor)"))
+    name_map: NameMapLike | None = option(None, flag="--map", parse=Path, metavar="FILE", help=(
+        "a YAML or JSON name map (or, in Python, a NameMap or its rules): regular expressions rewriting {other}'s "
+        "names into {base}'s before the {names} filter (docs/names.md)"))
+    window: int | None = option(DEFAULT_WINDOW, parse=positive_int, metavar="RECORDS",
+                                check=positive_or_none, help=(
+        f"records of a dump read and compared at a time, whole steps (default {DEFAULT_WINDOW:,}; in Python None: "
+        "all at once); bounds the memory a comparison takes, whatever the dumps' size"))
+    jobs: int = option(1, parse=positive_int, command_line_default=os.cpu_count() or 1, metavar="N",
+                       check=positive, help=(
+        "processes comparing windows at once (default: the cores there are; in Python 1)"))
+    skip_damaged: bool = option(False, convert=bool, help=(
+        "leave damaged step files out (of both runs) and list them as a note (default: they are an error naming "
+        "every one)"))
+    progress: bool | TextIO = option(False, command_line=False, help=(
+        "progress bars for long reads and compares: True on stderr, or on this stream"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.ranks and self.other is None:
+            raise OptionError(CompareOptions, lambda say: (
+                f"give the dump {say('other')} to compare with {say('base')}, or {say('ranks')} to compare the ranks "
+                f"of {say('base')}"))
+        if self.ranks and self.other is not None:
+            raise OptionError(CompareOptions, lambda say: (
+                f"{say('ranks')} compares the ranks of one dump: give {say('base')} only, not {str(self.other)!r}"))
+        if self.ranks and (self.noise or self.name_map is not None or self.fuzzy):
+            raise OptionError(CompareOptions, lambda say: (
+                f"{say('ranks')} compares the ranks of one dump: {say('noise')}, {say('name_map')} and "
+                f"{say('fuzzy')} do not apply"))
+        if self.ranks and self.phases is None:
+            object.__setattr__(self, "phases", PARAMETER_PHASES)
+
+
+@takes_options(CompareOptions)
+def compare_dumps(base: str | Path, other: str | Path | None = None, **options: Any) -> Report:
+    """Compares the dump ``other`` against the dump ``base``.
+
+        report = compare_dumps("pt_out", "ort_out", rtol=1e-3, noise=["noise_1"], window=10_000, jobs=4)
+
+    The keywords are ``CompareOptions``' fields, listed below (``probes compare``'s flags); a bad one, or a bad
+    combination, is a ValueError (OptionError) naming it. ``name_map`` and ``fuzzy`` pairs are listed in
+    ``report.renamed``; materialised zero gradients in ``report.zero_grads``; with ``skip_damaged`` the damaged step
+    files in ``report.damaged`` (without it they raise one DamagedSteps naming every one). Raises DumpFormatError
+    (naming file and line) or OSError when a dump cannot be read, NameMapError for a name map that cannot be used,
+    MissingHashes (a ValueError) with ``exact`` for a record without a hash. With ``ranks`` the report's records
+    carry the rank compared, and ``report.first_divergence`` is the first rank, step and record that differ
+    (OptionError for a dump with one rank).
+    """
+    check_keywords(CompareOptions, options, "compare_dumps")
+    chosen = CompareOptions(base=base, other=other, **options)
+    if chosen.ranks:
         other = base
         found = sorted(rank for rank in DumpReader(base).steps() if rank is not None)
         if len(found) < 2 or found[0] != 0:
-            raise ValueError(f"{base}: --ranks compares every rank with rank 0 and needs rank 0 and at least one more "
-                             f"rank, found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of "
-                             "a multi-process run")
-        if phases is None:
-            phases = PARAMETER_PHASES
-    elif other is None:
-        raise ValueError("give the dump to compare with base (or ranks=True to compare the ranks of base)")
-    config = CompareConfig(rtol=rtol, atol=atol, noise_factor=noise_factor,
-                           steps=frozenset(steps) if steps is not None else None, names=tuple(names),
-                           strict_zero_grads=bool(strict_zero_grads), fuzzy=bool(fuzzy), exact=bool(exact),
-                           phases=None if phases is None else (phases,) if isinstance(phases, str) else tuple(phases),
-                           ranks=bool(ranks))
-    mapping = as_name_map(name_map)
-    paths = (str(base), str(other), tuple(str(path) for path in _runs(noise)))
+            raise OptionError(CompareOptions, lambda say: (
+                f"{base}: {say('ranks')} compares every rank with rank 0 and needs rank 0 and at least one more rank, "
+                f"found rank(s) {', '.join(map(str, found)) or 'none'}; give the dump directory of a multi-process "
+                "run"))
+    config = chosen.config()
+    mapping = as_name_map(chosen.name_map)
+    paths = (str(base), str(other), tuple(str(path) for path in _runs(chosen.noise)))
     # Each dump is listed once, here: a window's reader is narrowed to its steps (listing a dump of ten thousand
     # step files in every window would cost more than comparing them).
     opened = {path: DumpReader(path) for path in (*paths[:2], *paths[2])}
     readers = (opened[paths[0]], opened[paths[1]], tuple(opened[path] for path in paths[2]))
-    chosen = windows_of(*readers, config, window)
-    pairs = _fuzzy_pairs(readers, config, mapping) if fuzzy and len(chosen) > 1 else None
+    windows = windows_of(*readers, config, chosen.window)
+    pairs = _fuzzy_pairs(readers, config, mapping) if config.fuzzy and len(windows) > 1 else None
     report = compare_windows([_Window(paths, _narrowed(readers, steps_of), config.fields(), steps_of, mapping, pairs)
-                              for steps_of in chosen], jobs=jobs, progress=progress)
-    if not skip_damaged and any(report.damaged.values()):
+                              for steps_of in windows], jobs=chosen.jobs, progress=chosen.progress)
+    if not chosen.skip_damaged and any(report.damaged.values()):
         raise DamagedSteps([(StepFile(Path(item.path), item.rank, item.step, True),
                              DumpFormatError(item.path, item.line, item.problem))
                             for side in ("base", "other", "noise") for item in report.damaged.get(side, [])])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -141,3 +142,20 @@ def test_the_console_script(runs):
     assert done.returncode == 0 and "verdict: AGREE" in done.stdout
     done = subprocess.run([script, "show", str(runs[0] / "nothing")], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("probes show: error: ") and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["compare", "merge"])
+def test_the_flags_are_the_declared_options(command):
+    """Each flag of these commands, its help and its default come from one dataclass field (probes.utils.flags)."""
+    from probes.cli.compare import CompareCommand, parser as compare_parser
+    from probes.cli.merge import parser as merge_parser
+    from probes.compare.summaries import MergeConfig
+    from probes.utils.flags import COMMAND_LINE, declared, help_of
+
+    parser, cls = {"compare": (compare_parser, CompareCommand), "merge": (merge_parser, MergeConfig)}[command]
+    actions = {action.dest: action for action in parser()._actions if action.dest != "help"}
+    fields = declared(cls, COMMAND_LINE)
+    assert list(actions) == [f.name for f, _ in fields]
+    for f, how in fields:
+        assert actions[f.name].help.replace("%%", "%") == help_of(cls, how, COMMAND_LINE)
+        assert actions[f.name].required == (f.default is dataclasses.MISSING)  # a positional one too

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.compare.config import MOMENTS
+from probes.compare.options import MOMENTS
 import torch
 from torch import nn
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from probes.compare.config import MOMENTS
+from probes.compare.options import MOMENTS
 
 from probes.compare import compare_dumps
 from probes.compare.html import BASE_COLOR, MARK_COLOR, OTHER_COLOR, HtmlConfig, render_html, write_html
@@ -76,7 +76,7 @@ def test_html_report_reduces_big_dumps_visibly(tmp_path):
 
 
 def test_the_html_report_reads_the_result_model_never_the_engine():
-    result_model = {"config", "results", "recorddiffs", "report"}
+    result_model = {"options", "results", "recorddiffs", "report"}
     for module in ("html", "terminal", *result_model):  # what the page reads, and what that reads
         imports = imported_names(ROOT / "probes" / "compare" / f"{module}.py")
         compare_modules = {name.split(".")[2] for name in imports if name.startswith("probes.compare.")}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.compare.config import CompareConfig
+from probes.compare.options import CompareConfig
 from probes.compare.reading import read_dump
 from probes.utils.progress import Progress
 from probes.utils.progress import progress_meter

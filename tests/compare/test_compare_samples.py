@@ -17,7 +17,7 @@ import pytest
 
 from probes.compare import compare_dumps
 from probes.compare.engine import compare_records
-from probes.compare.config import CompareConfig
+from probes.compare.options import CompareConfig
 from probes.compare.results import CellView
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from probes.compare import compare_dumps, format_report, write_html
-from probes.compare.config import PRECISIONS, CompareConfig
+from probes.compare.options import PRECISIONS, CompareConfig
 from probes.compare.engine import compare_records
 from probes.dump.writer import DumpWriter
 from probes.stats.record import tensor_record

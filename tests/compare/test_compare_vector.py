@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from probes.compare import compare_dumps
-from probes.compare.config import CompareConfig
+from probes.compare.options import CompareConfig
 from probes.compare.results import CellView, MetricDiff, RecordDiff
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter

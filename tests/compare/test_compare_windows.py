@@ -12,7 +12,7 @@ from probes.cli import main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import render_html
 from probes.compare.windows import windows_of
-from probes.compare.config import CompareConfig
+from probes.compare.options import CompareConfig
 from probes.stats.recorder import tensor_record
 from test_compare import synthetic_records, write_dump
 

@@ -81,7 +81,7 @@ def test_missing_deepspeed_raises_importerror_naming_it(monkeypatch):
 @pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0"])
 def test_unsupported_version_names_version_and_range(monkeypatch, version):
     monkeypatch.setattr(deepspeed, "__version__", version)
-    monkeypatch.setattr(_deepspeed, "_checked", False)
+    monkeypatch.setattr(_deepspeed._DEEPSPEED, "checked", False)
     with pytest.raises(_deepspeed.DeepSpeedVersionError) as error:
         configure_ort_compatible_zero_stage3()
     assert version in str(error.value) and _deepspeed.SUPPORTED_RANGE in str(error.value)

@@ -1,4 +1,4 @@
-"""The configuration of a comparison: tolerances, filters, and which statistics are compared how.
+"""The options of a comparison, each declared once: tolerances, filters, and which statistics are compared how.
 
     config = CompareConfig()                                          # the per-dtype default tolerances
     config = CompareConfig(rtol=1e-3, atol=1e-5)                      # one fixed rule: atol + rtol * |x|
@@ -7,22 +7,29 @@
     STRUCTURE, COUNTS, MOMENTS                                        # compared equal, equal, within the tolerance
 
 The rules themselves (tolerance, difference, noise, sample pairing) are ``rules``'s; docs/compare.md
-(Tolerance) gives the default rule, the constants and the measurements behind them.
+(Tolerance) gives the default rule, the constants and the measurements behind them. Each field of
+``CompareConfig`` is an option (``probes.utils.flags``): ``compare_dumps``' keyword, ``probes compare``'s flag,
+their help and their check come from it (the options of the run itself: ``windows.CompareOptions``).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from ..dump.statistics import STATISTICS, names
+from ..utils.flags import option, settle
 from ..utils.patterns import check_patterns, name_matcher
 from ..utils.phases import PHASES
 
 __all__ = ["AGGREGATES", "COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "DEFAULT_WINDOW", "EXACT",
-           "MOMENT_PASSES", "MOMENTS", "OPTIONAL_MOMENTS", "PRECISIONS", "STRUCTURE", "CompareConfig", "Precision",
-           "coarseness", "precision_of"]
+           "MOMENT_PASSES", "MOMENTS", "OPTIONAL_MOMENTS", "PRECISIONS", "STRUCTURE", "CompareConfig",
+           "Precision", "coarseness", "parse_steps", "precision_of"]
 
 STRUCTURE = ("shape", "dtype", "numel")
 COUNTS = names(compared="count")  # ("nan", "inf"): exact
@@ -105,52 +112,91 @@ def coarseness(precision: Precision) -> tuple[float, float]:
     return precision.eps, precision.tiny
 
 
-@dataclass(frozen=True)
+def _tolerance(value: Any, *, none: bool = True) -> str | None:
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        return f"must be a finite number >= 0, got {value!r}"
+    return None
+
+
+def _phases(value: Any) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _known_phases(phases: tuple[str, ...] | None) -> str | None:
+    unknown = [phase for phase in phases or () if phase not in PHASES]
+    return f"has an unknown phase {unknown[0]!r}; the phases are {', '.join(PHASES)}" if unknown else None
+
+
+def parse_steps(text: str) -> frozenset[int]:
+    """``"3"``, ``"0-4"`` or ``"1,3,5-7"`` as a set of steps (the ``--step`` syntax; ``terminal.ranges`` writes it)."""
+    steps: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            start, end = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a step, range or list of steps: {text!r}") from None
+        if start < 0 or end < start:
+            raise argparse.ArgumentTypeError(f"bad step range {part!r}")
+        steps.update(range(start, end + 1))
+    return frozenset(steps)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompareConfig:
-    """Tolerances and filters of a comparison.
+    """Tolerances and filters of a comparison: what every window of it is compared with.
 
     A statistic ``x`` of the base run and ``y`` of the other run agree when ``|x - y| <= max(fixed,
     noise_factor * noise)``, where ``noise`` is the statistic's noise level measured from calibration runs
-    (``probes.rounding``; 0 without one), ``noise_factor * noise`` its noise floor, and ``fixed`` the default of the record's precision (``PRECISIONS``: its dtype, or a less
-    precise one its step computed in) unless ``rtol`` or ``atol`` is given: then ``atol + rtol * |x|`` for
-    every record (the one not given: ``DEFAULT_RTOL``, ``DEFAULT_ATOL``). See docs/compare.md.
-    ``steps``: only these steps (None: all). ``names``: only record names matching one of these patterns (globs, or ``"re:<regex>"``).
-    ``strict_zero_grads``: a gradient that is exactly zero in one run and absent in the other counts
-    as a record on one side only (a divergence) instead of a note. ``fuzzy``: names found in one run
-    only are paired by module class, shape and execution order (``probes.compare.align``).
-    ``exact``: a record agrees when its tensor's bytes are bit-identical (the records' ``hash``, recorded
-    with ``hash=True``); the tolerances are not used. ``phases``: only records of these phases (None: all).
-    ``ranks``: every rank of one dump is compared with its rank 0 (``compare_dumps(dump, ranks=True)``).
+    (``probes.rounding``; 0 without one), ``noise_factor * noise`` its noise floor, and ``fixed`` the default of
+    the record's precision (``PRECISIONS``: its dtype, or a less precise one its step computed in) unless ``rtol``
+    or ``atol`` is given: then ``atol + rtol * |x|`` for every record (the one not given: ``DEFAULT_RTOL``,
+    ``DEFAULT_ATOL``). See docs/compare.md. Each field is an option (``probes.utils.flags``): its help is
+    ``probes compare --help``'s and ``compare_dumps``'.
     """
 
-    rtol: float | None = None
-    atol: float | None = None
-    noise_factor: float = DEFAULT_NOISE_FACTOR
-    steps: frozenset[int] | None = None
-    names: tuple[str, ...] = ()
-    strict_zero_grads: bool = False
-    fuzzy: bool = False
-    exact: bool = False
-    phases: tuple[str, ...] | None = None
-    ranks: bool = False
+    rtol: float | None = option(None, check=_tolerance, help=(
+        "one fixed rule atol + rtol*|x| for every record (default: each record's per-dtype tolerance, "
+        f"docs/compare.md; with {{atol}} alone rtol is {DEFAULT_RTOL:g})"))
+    atol: float | None = option(None, check=_tolerance, help=(
+        f"absolute tolerance of the fixed rule (with {{rtol}} alone: {DEFAULT_ATOL:g})"))
+    noise_factor: float = option(DEFAULT_NOISE_FACTOR, metavar="K", check=partial(_tolerance, none=False),
+                                 help=f"k of the noise floor (default {DEFAULT_NOISE_FACTOR:g})")
+    steps: frozenset[int] | None = option(None, flag="--step", many="extend", parse=parse_steps, metavar="STEPS",
+                                          convert=frozenset,
+                                          help="only these steps: N, A-B or a comma list (repeatable; default all)")
+    names: tuple[str, ...] = option((), flag="--name", many="append", metavar="GLOB", convert=tuple, help=(
+        "only records whose name matches this glob, e.g. 'blocks.1.*', or 're:<regex>' (repeatable)"))
+    strict_zero_grads: bool = option(False, convert=bool, help=(
+        "a gradient exactly zero in one run and absent in the other is a divergence (default: a note)"))
+    fuzzy: bool = option(False, convert=bool, help=(
+        "pair the records still found in one run only by module class, shape and execution order, and list the "
+        "pairs with their confidence (probes.compare.align)"))
+    exact: bool = option(False, convert=bool, help=(
+        "a record agrees only when bit-identical (its hash; both runs recorded with hash=True); tolerances are "
+        "not used"))
+    phases: tuple[str, ...] | None = option(None, flag="--phase", many="append", choices=PHASES, metavar="PHASE",
+                                            convert=_phases, check=_known_phases, help=(
+        f"only records of this phase ({', '.join(PHASES)}; repeatable); with {{ranks}} it replaces grad, param, "
+        "optim"))
+    ranks: bool = option(False, convert=bool, help=(
+        "compare every rank of the one dump {base} with its rank 0 (data-parallel runs); by default the phases "
+        "that must agree across ranks: grad, param, optim"))
     _wants_name: Callable[[str], bool] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        settle(self)
         object.__setattr__(self, "_wants_name", name_matcher(check_patterns(self.names or None, "names"), "names"))
-        for label in ("rtol", "atol", "noise_factor"):
-            value = getattr(self, label)
-            if value is None and label != "noise_factor":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
-        unknown = [phase for phase in self.phases or () if phase not in PHASES]
-        if unknown:
-            raise ValueError(f"unknown phase {unknown[0]!r}; the phases are {', '.join(PHASES)}")
 
     def fields(self) -> dict[str, object]:
         """The arguments that make this config again (it pickles through them: a window run in another process)."""
-        return {name: getattr(self, name) for name in ("rtol", "atol", "noise_factor", "steps", "names",
-                                                        "strict_zero_grads", "fuzzy", "exact", "phases", "ranks")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CompareConfig) if f.init}
+
+    def config(self) -> CompareConfig:
+        """The comparison's own config (without the options of the run, when ``self`` is ``CompareOptions``)."""
+        return CompareConfig(**self.fields())  # type: ignore[arg-type]
 
     @property
     def fixed(self) -> tuple[float, float] | None:
@@ -167,4 +213,3 @@ class CompareConfig:
 
     def wants_phase(self, phase: str) -> bool:
         return self.phases is None or phase in self.phases
-
