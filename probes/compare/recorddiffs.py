@@ -12,6 +12,7 @@ grow with the dumps.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import tempfile
@@ -370,20 +371,8 @@ class SpilledRecordDiffs(RecordDiffs):
 
     def _window(self, path: Path, phases: np.ndarray, names: np.ndarray, summary: Summary, offset: int
                 ) -> RecordDiffs:
-        """One window's RecordDiffs from its file, phase and name codes turned into the joined ones."""
-        table = _read_spilled(path)
-        arrays = {name: _array(table, name) for name in _ARRAYS}
-        phase, name = (lookup[_codes(table, column)] for lookup, column in ((phases, "phase"), (names, "name")))
-        worst = None
-        if "worst_code" in table.column_names:
-            worst = WorstMetric(json.loads(table.schema.metadata[b"worst_names"]), _array(table, "worst_code"),
-                                 _array(table, "worst_base"), _array(table, "worst_other"),
-                                 np.stack([_array(table, "worst_null_base"), _array(table, "worst_null_other")], axis=1))
-        moments = {tuple(column.split(".")[1:]): _array(table, column) for column in table.column_names
-                   if column.startswith("moment.")}
-        return RecordDiffs(**arrays, phase=phase, name=name, labels=self.labels,
-                           build=lambda rows: self.at(np.asarray(rows, np.int64) + offset), worst_metric=worst,
-                           moments=moments or None, summary=(summary, _array(table, "row")))
+        return _SpilledWindow(_read_spilled(path), (phases, names), self.labels, summary,
+                              lambda rows: self.at(np.asarray(rows, np.int64) + offset))
 
     def diverged_rows(self) -> np.ndarray:
         if self._diverged is None:  # read by the counts, the JSON and the tables: once
@@ -402,3 +391,41 @@ class SpilledRecordDiffs(RecordDiffs):
     ratio = property(lambda self: self._joined("ratio"))
     diverged = property(lambda self: self._joined("diverged"))
     rel_error = property(lambda self: self._joined("rel_error"))
+
+
+class _SpilledWindow(RecordDiffs):
+    """One window's RecordDiffs on its memory-mapped spill file: each array read when first used (a pass over
+    the windows touches only the pages of its arrays), phase and name codes turned into the joined ones."""
+
+    def __init__(self, table: pa.Table, lookups: tuple[np.ndarray, np.ndarray],
+                 labels: tuple[Sequence[str], Sequence[str]], summary: Summary,
+                 build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
+        self._table, self._lookups, self.labels, self._build = table, lookups, labels, build
+        self._built = {}
+        self._summary = (summary, _array(table, "row"))
+
+    def _column(self, name: str) -> np.ndarray:
+        return _array(self._table, name)
+
+    rank = functools.cached_property(lambda self: self._column("rank"))  # type: ignore[assignment]
+    step = functools.cached_property(lambda self: self._column("step"))
+    seq = functools.cached_property(lambda self: self._column("seq"))
+    ratio = functools.cached_property(lambda self: self._column("ratio"))
+    diverged = functools.cached_property(lambda self: self._column("diverged"))
+    rel_error = functools.cached_property(lambda self: self._column("rel_error"))
+    phase = functools.cached_property(lambda self: self._lookups[0][_codes(self._table, "phase")])
+    name = functools.cached_property(lambda self: self._lookups[1][_codes(self._table, "name")])
+
+    @functools.cached_property
+    def worst_metric(self) -> WorstMetric | None:  # type: ignore[override]
+        table = self._table
+        if "worst_code" not in table.column_names:
+            return None
+        return WorstMetric(json.loads(table.schema.metadata[b"worst_names"]), self._column("worst_code"),
+                           self._column("worst_base"), self._column("worst_other"),
+                           np.stack([self._column("worst_null_base"), self._column("worst_null_other")], axis=1))
+
+    @functools.cached_property
+    def moments(self) -> dict[tuple[str, str], np.ndarray] | None:  # type: ignore[override]
+        return {tuple(column.split(".")[1:]): self._column(column) for column in self._table.column_names
+                if column.startswith("moment.")} or None
