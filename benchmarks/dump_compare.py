@@ -5,7 +5,8 @@ and of ten million (``--large``; ``--large-steps 5000`` for 5M), with the peak m
 
 Stages: write two runs with DumpWriter (records of 4,096-element tensors with 32 samples each, the
 samples of every record and step different, as a real run's are; the second run's means off by a
-relative 1e-7), then load both as tables (``load_table``), then run the command a user runs, ``probes
+relative 1e-7; handed over as the subscriber hands them, a RowBlock of statistics rows per step, which the
+writer thread turns into Arrow and Parquet), then load both as tables (``load_table``), then run the command a user runs, ``probes
 compare BASE OTHER --json --html`` (read, match, check, report; no divergence at the default
 tolerance), timed as a whole in its own process, beside its peak memory: the command's and every process
 it started, summed, sampled every 20 ms, as resident memory (RSS; pages the forked workers share with the
@@ -14,7 +15,7 @@ between the processes sharing them: the memory the machine gives the command). T
 what compare did before windows (the whole of both dumps as one table). The same records written as JSON
 Lines (format version 1) give the size and load-speed baseline, on a slice of the steps. The large runs are
 written step file by step file from one step's table (``write_copies``): DumpWriter at 55 µs a record would
-take a quarter of an hour for them.
+take minutes for them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from benchmarks.common import environment, table
 from probes.dump import load_dump, load_table
 from probes.dump.columns import read_parquet, write_parquet
 from probes.dump.layout import DumpLayout
+from probes.dump.rowblock import Described, RowBlock
+from probes.dump.statistics import ACCUMULATED
 from probes.dump.writer import DumpWriter
 
 FULL = (1000, 1000)  # steps, records per step: a million records per run
@@ -46,36 +49,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_run(directory: Path, steps: int, per_step: int, scale: float, *, format: str = "parquet") -> float:
-    """Writes one run's dump; returns the seconds it took (records built, queued, encoded, written)."""
+    """Writes one run's dump; returns the seconds it took (rows built, handed over, turned into Arrow, written)."""
     rng = np.random.default_rng(0)
     shape = rng.standard_normal((per_step, 32)).astype(np.float32).astype(np.float64)
     indices = list(range(0, 4096, 128))
+    described = Described(("shape", "dtype"), [8, 512], "float32", numel=4096)
+    names = [(f"layers.{index // 2}.output.0", 0, f"layers.{index // 2}", "Linear", "output", 2,
+              f"Linear_{index // 2}_0th_output", None) for index in range(per_step)]
+    slot = {stat.name: position for position, stat in enumerate(ACCUMULATED)}
     started = time.perf_counter()
     with DumpWriter(directory, format=format) as writer:
         for step in range(steps):
             samples = (shape + 0.01 * rng.standard_normal((per_step, 32))).astype(np.float32).astype(np.float64)
-            for index in range(per_step):
-                values = samples[index]
-                writer.write(step, {
-                    "step": step, "rank": 0, "name": f"layers.{index // 2}.output.0",
-                    "phase": "forward" if index % 2 == 0 else "backward", "seq": index, "tensor_index": 0,
-                    "module": f"layers.{index // 2}", "module_class": "Linear", "kind": "output", "depth": 2,
-                    "legacy_name": f"Linear_{index // 2}_0th_output", "shape": [8, 512], "dtype": "float32",
-                    "numel": 4096, "finite": 4096, "mean": float(values.mean()) * scale,
-                    "m2": float(values.var()) * 4096, "min": float(values.min()), "max": float(values.max()),
-                    "nan": 0, "inf": 0, "neg": 2048, "pos": 2048, "zero": 0, "std": float(values.std()),
-                    "samples": values.tolist(), "sample_indices": indices})
+            rows = np.zeros((per_step, len(ACCUMULATED) + 32))
+            for name, value in (("numel", 4096), ("finite", 4096), ("mean", samples.mean(axis=1) * scale),
+                                ("m2", samples.var(axis=1) * 4096), ("min", samples.min(axis=1)),
+                                ("max", samples.max(axis=1)), ("neg", 2048), ("pos", 2048)):
+                rows[:, slot[name]] = value
+            rows[:, len(ACCUMULATED):] = samples
+            entries = [(names[index], "forward" if index % 2 == 0 else "backward", index, described, 0, index, step)
+                       for index in range(per_step)]
+            writer.write(step, RowBlock(step=step, rank=0, sample_count=32, parts=[rows], entries=entries,
+                                        indices=lambda numel: indices))
             writer.finish_step(step)
     return time.perf_counter() - started
 
 
 def write_copies(directory: Path, steps: int, per_step: int, scale: float) -> None:
     """A run of ``steps`` steps written from its first step's table: each step's means and samples new, as
-    ``write_run`` makes them, the files the writer's (``write_parquet``, order files)."""
+    ``write_run`` makes them, the files the writer's (``write_parquet``: the record count in the footer)."""
     write_run(directory, 1, per_step, scale)
     layout = DumpLayout(directory)
     first = read_parquet(layout.step_file(0, 0))
-    order = layout.order_file(0, 0).read_bytes()
     rng = np.random.default_rng(1)
     samples = np.asarray(first.column("samples").combine_chunks().values).reshape(per_step, -1)
     offsets = first.column("samples").combine_chunks().offsets
@@ -85,7 +90,6 @@ def write_copies(directory: Path, steps: int, per_step: int, scale: float) -> No
         table = table.set_column(table.schema.get_field_index("mean"), "mean", pa.array(values.mean(axis=1) * scale))
         table = table.set_column(table.schema.get_field_index("samples"), "samples",
                                  pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1))))
-        layout.order_file(0, step).write_bytes(order)
         write_parquet(layout.step_file(0, step), table)
 
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from probes.dump.writer import DumpWriter
-from probes.stats.record import tensor_record
+from dump_records import write_record
+from probes.stats.one_tensor import tensor_record
 
 LAYERS = ("blocks.0.fc", "blocks.1.fc", "head")
 
@@ -77,7 +78,7 @@ def train_dump(path: Path, *, steps: int = 3, rank: int = 0, decay: dict[str, fl
                 record = {"name": name, "phase": phase, "seq": next(seq), "step": step, "rank": rank,
                           "module": module, "kind": kind}
                 record.update(tensor_record(tensor.detach(), sample_count=8))
-                writer.write(step, record)
+                write_record(writer, step, record)
 
             outputs: list[tuple[str, torch.Tensor]] = []
             hooks = [dict(model.named_modules())[layer].register_forward_hook(

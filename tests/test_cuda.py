@@ -35,7 +35,7 @@ def test_zoo_on_cuda_trains_identically_with_probes(arch_name, tmp_path):
 
 def test_a_records_hash_is_the_same_on_cuda_as_on_the_cpu():
     from probes.stats.hashing import tensor_hash
-    from probes.stats.record import tensor_record
+    from probes.stats.one_tensor import tensor_record
 
     torch.manual_seed(0)
     base = torch.randn(33, 17)

@@ -80,11 +80,6 @@ class LoadedDump:
     def __len__(self) -> int:
         return self.table.num_rows
 
-    @property
-    def steps(self) -> dict[int, list[int]]:
-        """``steps_by_rank`` under its old name, read by tests/dump/test_dump_live.py."""
-        return self.steps_by_rank
-
     @cached_property
     def rank(self) -> np.ndarray:
         return _ints(self.table, "rank")

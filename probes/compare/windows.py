@@ -251,7 +251,8 @@ def _narrowed(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]], st
     if steps is None:
         return readers
     base, other, noise = readers
-    return base.only(steps), other.only(steps), tuple(reader.only(steps) for reader in noise)
+    return (base.with_finished_steps(steps), other.with_finished_steps(steps),
+            tuple(reader.with_finished_steps(steps) for reader in noise))
 
 
 def _runs(noise: Any) -> tuple[Any, ...]:
@@ -279,8 +280,8 @@ def _fuzzy_pairs(readers: tuple[DumpReader, DumpReader, tuple[DumpReader, ...]],
         if common:
             reading = CompareConfig(**{**config.fields(), "steps": frozenset({common[0]})})  # type: ignore[arg-type]
             first = frozenset({common[0]})
-            loaded_base = read_dump(base.only(first), reading, progress=False, skip_damaged=True)
-            loaded_other = read_dump(other.only(first), reading, progress=False, name_map=name_map, skip_damaged=True)
+            loaded_base = read_dump(base.with_finished_steps(first), reading, progress=False, skip_damaged=True)
+            loaded_other = read_dump(other.with_finished_steps(first), reading, progress=False, name_map=name_map, skip_damaged=True)
             _drop_damaged(loaded_base, loaded_other)
             align_operations(loaded_base, loaded_other)  # as every window does before fuzzy alignment
             return tuple(fuzzy_renames(loaded_base, loaded_other))

@@ -2,21 +2,25 @@
 
 Usage:
     writer = DumpWriter("pt_out", rank=0)             # raises now if the directory is unusable
-    writer.write(step, {"name": "fc1", "phase": "forward", "seq": 0, "mean": 0.1})
+    writer.write(step, block)                         # a RowBlock of statistics rows, or an Arrow table
     writer.finish_step(step)                          # the step becomes visible to readers
     writer.close()
     records = load_dump("pt_out")                     # or: python -m probes show pt_out --step 3
     table = load_table("pt_out")                      # the same records as an Arrow table (.to_pandas())
     reader = DumpReader("pt_out")                     # step by step: reader.step_files(), reader.read(f)
 
-A record (``Record``) is a plain JSON-ready dict; on disk a row of a Parquet step file (``columns``). Only "step", "rank", "name", "phase" and "seq" mean
-something here; every other key is passed through untouched. Nothing is pickled.
+A record's life: a row of statistics on its tensor's device while the step runs (``probes.stats.rows``), a
+``RowBlock`` handed to the writer thread, an Arrow table there (``rowblock``, ``columns.SCHEMA``), then a row
+of the step's Parquet file. Read back, it is a row of a table (``load_table``) or a dict (``Record``,
+``load_dump``). Only "step", "rank", "name", "phase" and "seq" mean something here; every other key is
+passed through untouched. Nothing is pickled.
 
 The rooms: ``record`` (the typed record), ``statistics`` (each statistic defined once), ``rowblock``
-(records as statistics rows, turned into columns on the writer thread), ``columns`` (records as Arrow tables, Parquet), ``layout`` (the format on disk, directory rules, errors),
-``writer`` and ``stepfiles`` (the background writer and the files its thread writes), ``live`` (readers
-of this process wait for its live writers), ``reader`` (listing, parsing, completeness), ``table``, ``anomaly`` (nan/inf in records),
-``legacy`` (the original onnxruntime hooks' text block).
+(records as statistics rows, turned into Arrow on the writer thread), ``columns`` (the Arrow schema, records
+to a table and back, Parquet), ``layout`` (the format on disk, directory rules, errors), ``writer`` and
+``stepfiles`` (the background writer and the files its thread writes: step files, journals), ``live``
+(readers of this process wait for its live writers), ``reader`` (listing, parsing, completeness),
+``table``, ``anomaly`` (nan/inf in records), ``legacy`` (the original onnxruntime hooks' text block).
 """
 
 from .anomaly import first_anomaly

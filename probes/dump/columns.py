@@ -29,7 +29,8 @@ import pyarrow.parquet as pq
 from .record import Record
 from .statistics import STATISTICS
 
-__all__ = ["NUMBER_COLUMNS", "PARQUET_FORMAT", "SCHEMA", "NotAStepFile", "read_parquet", "records_to_table", "table_to_records", "write_parquet"]
+__all__ = ["NUMBER_COLUMNS", "PARQUET_FORMAT", "SCHEMA", "NotAStepFile", "footer_records", "read_parquet",
+           "records_to_table", "table_to_records", "write_parquet"]
 
 _INT, _FLOAT, _STR = pa.int64(), pa.float64(), pa.string()
 _INTS, _FLOATS, _STRS = pa.list_(_INT), pa.list_(_FLOAT), pa.list_(_STR)
@@ -60,6 +61,7 @@ _ZSTD = {"samples", "sample_indices", "name", "module", "legacy_name", "inputs",
 _ALWAYS = {"step", "rank", "name", "phase"}  # kept even when null: a step file says what it is
 
 
+RECORDS_KEY = "probes.records"  # the footer's key-value metadata: how many records the step has (completeness)
 _LOW, _HIGH = -(1 << 63), 1 << 63  # what an int64 column holds (a uint64 tensor's max goes to ``extra``)
 
 
@@ -163,21 +165,32 @@ def table_to_records(table: pa.Table) -> list[Record]:
     return records  # type: ignore[return-value]
 
 
-def write_parquet(path: str | os.PathLike, table: pa.Table) -> None:
-    """Writes ``table`` to ``path`` as one Parquet file and fsyncs it (the caller renames it into place).
+def write_parquet(path: str | os.PathLike, table: pa.Table, *, durable: bool = True) -> None:
+    """Writes ``table`` to ``path`` as one Parquet file, its record count in the footer (``footer_records``),
+    and fsyncs it unless not ``durable`` (the caller renames it into place).
 
     Columns null in every row are left out of the file (``read_parquet`` puts them back): each column costs
     a reader time whatever it holds.
     """
     kept = table.select([name for name, column in zip(table.column_names, table.columns)
-                         if column.null_count < table.num_rows or name in _ALWAYS])
+                         if column.null_count < table.num_rows or name in _ALWAYS]).replace_schema_metadata(None)
     with open(path, "wb") as file:
-        pq.write_table(kept, file, compression=_compression(kept), use_dictionary=_DICTIONARY,
-                       column_encoding={name: encoding for name, encoding in _ENCODINGS.items()
-                                        if name in kept.column_names},
-                       write_statistics=["step", "rank"], store_schema=False, write_page_checksum=True)
+        with pq.ParquetWriter(file, kept.schema, compression=_compression(kept), use_dictionary=_DICTIONARY,
+                              column_encoding={name: encoding for name, encoding in _ENCODINGS.items()
+                                               if name in kept.column_names},
+                              write_statistics=["step", "rank"], store_schema=False,
+                              write_page_checksum=True) as writer:
+            writer.write_table(kept)
+            writer.add_key_value_metadata({RECORDS_KEY: str(table.num_rows)})
         file.flush()
-        os.fsync(file.fileno())
+        if durable:
+            os.fsync(file.fileno())
+
+
+def footer_records(metadata: Mapping[bytes, bytes] | None) -> int | None:
+    """How many records a step file's footer says it holds (None: a file written before the count was kept)."""
+    value = (metadata or {}).get(RECORDS_KEY.encode())
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _compression(table: pa.Table) -> dict[str, str]:
@@ -199,8 +212,9 @@ class NotAStepFile(ValueError):
 def read_parquet(path: str | Path, columns: Sequence[str] | None = None) -> pa.Table:
     """A Parquet step file as a table of ``SCHEMA`` (``columns``: only these). Raises ``pa.ArrowException``.
 
-    Columns the file leaves out are null. Arrow's threads off: a step file is small, starting them costs
-    more than they save; ParquetFile, not read_table: no dataset discovery.
+    Columns the file leaves out are null; the footer's key-value metadata is the table's schema metadata
+    (``footer_records`` reads the record count). Arrow's threads off: a step file is small, starting them
+    costs more than they save; ParquetFile, not read_table: no dataset discovery.
     """
     wanted = list(SCHEMA.names if columns is None else columns)
     with pq.ParquetFile(path, page_checksum_verification=True) as file:
@@ -209,7 +223,8 @@ def read_parquet(path: str | Path, columns: Sequence[str] | None = None) -> pa.T
         if missing:
             raise NotAStepFile(f"no {', '.join(sorted(missing, key=SCHEMA.names.index))} column")
         table = file.read(columns=[name for name in wanted if name in present], use_threads=False)
+        metadata = file.metadata.metadata
     for name in wanted:
         if name not in present and name in SCHEMA.names:
             table = table.append_column(SCHEMA.field(name), pa.nulls(table.num_rows, SCHEMA.field(name).type))
-    return table.select([name for name in wanted if name in table.column_names])
+    return table.select([name for name in wanted if name in table.column_names]).replace_schema_metadata(metadata)

@@ -9,16 +9,20 @@ Layout of an output directory D (one writer per rank, all ranks may share D):
 
     D/manifest.json                          {"format": "probes-dump", "version": 2}; marks D as a dump
     D/rank_<r>/step_<NNNNNN>.parquet         a finished step (the default format): one row per record, the
-                                             columns of ``probes.dump.columns.SCHEMA``, in write order
+                                             columns of ``probes.dump.columns.SCHEMA``, in write order; the
+                                             footer's key-value metadata "probes.records" is the record count
+    D/rank_<r>/step_<NNNNNN>.parquet.partial/part_<KKKKKK>.parquet
+                                             a step still being written, or left unfinished by a crash: each
+                                             sync's records, one Parquet part each (the journal)
     D/rank_<r>/step_<NNNNNN>.jsonl           a finished step of the JSON Lines format (``format="jsonl"``,
                                              and every dump of version 1): one JSON object per line
-    D/rank_<r>/step_<NNNNNN>.jsonl.partial   a step still being written, or left unfinished by a crash (both
-                                             formats: JSON Lines, so whatever reached it stays readable)
+    D/rank_<r>/step_<NNNNNN>.jsonl.partial   a JSON Lines step still being written (and, in dumps written
+                                             before the Parquet journal, an unfinished Parquet-format step)
+    D/rank_<r>/step_<NNNNNN>.order.txt       a JSON Lines step's records in execution order, one "<name>_<phase>"
+                                             per line (like order.txt of onnxruntime's StatisticsSubscriber);
+                                             dumps written before the footer count have one per Parquet step too
     D/rank_<r>/trainer_steps.jsonl           only under a trainer callback: one JSON object per probes step,
                                              the trainer's step it belongs to (``probes.dump.trainer_steps``)
-    D/rank_<r>/step_<NNNNNN>.order.txt       the finished step's records in execution order, one
-                                             "<name>_<phase>" per line (like order.txt of onnxruntime's
-                                             StatisticsSubscriber)
 
 <NNNNNN> is the step number zero-padded to six digits (more digits once steps reach a million).
 Paths contain only rank and step numbers; names from the model appear only inside files.
@@ -52,7 +56,7 @@ TRAINER_STEPS_NAME = "trainer_steps.jsonl"
 OVERRIDE_HINT = "pass override_output_dir=True (DumpWriter(..., override=True)) or choose another directory"
 
 RANK_DIR_RE = re.compile(r"rank_(0|[1-9][0-9]*)")
-STEP_FILE_RE = re.compile(r"step_([0-9]{6,})\.(parquet|jsonl|jsonl\.partial)")  # step, kind
+STEP_FILE_RE = re.compile(r"step_([0-9]{6,})\.(parquet|jsonl)(\.partial)?")  # step, format, unfinished
 _MANIFEST_RE = re.compile(re.escape(MANIFEST_NAME))
 _MANIFEST_TEMP_RE = re.compile(r"\.manifest\.json\.[0-9]+\.[0-9]+\.tmp")
 _PROBE_FILE_NAME = ".write-test"
@@ -94,16 +98,15 @@ class DumpLayout:
         return self.root / f"rank_{rank}"
 
     def step_file(self, rank: int, step: int, *, partial: bool = False, format: str = "parquet") -> Path:
-        """A finished step file of ``format``; ``partial``: the step being written (JSON Lines in both formats)."""
-        if partial:
-            return self.rank_dir(rank) / f"step_{step:06d}.jsonl.partial"
-        return self.rank_dir(rank) / f"step_{step:06d}.{format}"
+        """A finished step file of ``format``; ``partial``: the step being written (parquet: the journal directory)."""
+        return self.rank_dir(rank) / f"step_{step:06d}.{format}{'.partial' if partial else ''}"
 
     def temporary_file(self, rank: int, step: int) -> Path:
         """Where a Parquet step is written before its rename; readers never list it."""
         return self.rank_dir(rank) / f"step_{step:06d}.parquet.tmp"
 
     def order_file(self, rank: int, step: int) -> Path:
+        """A JSON Lines step's record list (and a Parquet step's, in dumps written before the footer held the count)."""
         return self.rank_dir(rank) / f"step_{step:06d}.order.txt"
 
     def trainer_steps_file(self, rank: int) -> Path:

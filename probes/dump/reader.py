@@ -14,12 +14,13 @@ Unfinished (``.partial``) steps are left out unless asked for; a finished file s
 ``.partial`` of the same step. Records come in file order, each with its ``rank`` and ``step`` (taken
 from the directory and file names when a record lacks them, an error when it says otherwise).
 
-Step files are Parquet (``step_<N>.parquet``) or JSON Lines (``step_<N>.jsonl``, ``.jsonl.partial``); both
-read as records and as tables. A finished step must be whole: a Parquet file that does not open, a last
-line without its newline is a cut, and a step file with fewer records than its ``order.txt`` lists lost
-some (a copy cut at a line boundary). In a ``.partial``
-file the unterminated last line is the write a crash interrupted: skipped. Every problem is a
-DumpFormatError naming the file and line.
+Step files are Parquet (``step_<N>.parquet``; unfinished: the journal ``step_<N>.parquet.partial/``, its
+parts in order) or JSON Lines (``step_<N>.jsonl``, ``.jsonl.partial``); both read as records and as tables. A
+finished step must be whole: a Parquet file that does not open, or holds fewer records than its footer says
+(``probes.records``), a last line without its newline is a cut, and a step file with fewer records than its
+``order.txt`` lists (JSON Lines, and Parquet steps of dumps written before the footer count) lost some (a copy
+cut at a line boundary). In a ``.jsonl.partial`` file the unterminated last line is the write a crash
+interrupted: skipped. Every problem is a DumpFormatError naming the file and line.
 
 Damage stays with its step: a step file that is damaged (cut, flipped bytes caught by the Parquet page
 checksums, zero bytes, a directory or anything else in its place) fails only the reads that need it.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +43,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pa_dataset
+import pyarrow.parquet as pq
 
 from ..utils.progress import progress_meter
 
 from .layout import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
                      DumpLayout, read_manifest)
-from .columns import PARQUET_FORMAT, SCHEMA, NotAStepFile, read_parquet, records_to_table, table_to_records
+from .columns import (PARQUET_FORMAT, SCHEMA, NotAStepFile, footer_records, read_parquet, records_to_table,
+                      table_to_records)
 from .live import flush_writers
 from .record import Record
 
@@ -66,8 +70,8 @@ class StepFile:
 
     @property
     def columnar(self) -> bool:
-        """A Parquet step file (else JSON Lines)."""
-        return self.path.suffix == ".parquet"
+        """A Parquet step file or journal (else JSON Lines)."""
+        return self.path.name.endswith((".parquet", ".parquet.partial"))
 
 
 class DamagedSteps(DumpFormatError):
@@ -99,10 +103,10 @@ class DumpReader:
 
     def _list(self, path: Path) -> None:
         self.path = path
-        self._lone = path.is_file()
         self._ranks, self._files = _scan(path)
+        self._lone = path.is_file() or _is_journal(path)
 
-    def only(self, steps: frozenset[int] | set[int]) -> "DumpReader":
+    def with_finished_steps(self, steps: frozenset[int] | set[int]) -> "DumpReader":
         """The same dump listed with only the finished files of ``steps`` (and every unfinished one), not listed
         again: what one window of a comparison reads."""
         narrowed = object.__new__(DumpReader)
@@ -144,16 +148,15 @@ class DumpReader:
         if not step_file.columnar:
             return _select(records_to_table(self.read(step_file)), columns)
         wanted = None if columns is None else list(dict.fromkeys([*columns, "step", "rank"]))
-        _check_regular(step_file)
-        try:
-            table = read_parquet(step_file.path, wanted)
-        except (pa.ArrowException, OSError) as error:
-            raise DumpFormatError(step_file.path, None, f"not a readable Parquet step file (truncated or damaged?): {error}") from None
-        except NotAStepFile as error:
-            raise DumpFormatError(step_file.path, None, f"not a probes step file: {error}") from None
-        if step_file.finished:
-            _check_complete(step_file, table.num_rows)
-        return _select(_placed(step_file, table), columns)
+        if step_file.finished or not step_file.path.is_dir():
+            _check_regular(step_file)
+            table = _read_parquet_file(step_file.path, wanted)
+            if step_file.finished:
+                _check_complete(step_file, table.num_rows, footer_records(table.schema.metadata))
+        else:  # the journal of an unfinished step: its whole parts, in order
+            parts = [_read_parquet_file(part, wanted) for part in sorted(step_file.path.glob("part_*.parquet"))]
+            table = pa.concat_tables(parts) if parts else _select(SCHEMA.empty_table(), wanted)
+        return _select(_placed(step_file, table.replace_schema_metadata(None)), columns)
 
     def tables(self, files: Sequence[StepFile], *, columns: Sequence[str] | None = None,
                progress: bool | TextIO = False, label: str | None = None) -> Iterator[tuple[StepFile, pa.Table]]:
@@ -244,6 +247,15 @@ class DumpReader:
         return [record for part in self._undamaged(files, self.read, False, skip_damaged) for record in part]
 
 
+def _read_parquet_file(path: Path, columns: list[str] | None) -> pa.Table:
+    try:
+        return read_parquet(path, columns)
+    except (pa.ArrowException, OSError) as error:
+        raise DumpFormatError(path, None, f"not a readable Parquet step file (truncated or damaged?): {error}") from None
+    except NotAStepFile as error:
+        raise DumpFormatError(path, None, f"not a probes step file: {error}") from None
+
+
 def _catching(read: Callable[[StepFile], _Read]) -> Callable[[StepFile], _Read | DumpFormatError]:
     def caught(step_file: StepFile) -> _Read | DumpFormatError:
         try:
@@ -315,9 +327,9 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
         if match is None:
             expected = "expected step_<NNNNNN>.parquet, step_<NNNNNN>.jsonl or step_<NNNNNN>.jsonl.partial"
             raise DumpFormatError(path, None, f"not a step file ({expected})")
-        rank_match = RANK_DIR_RE.fullmatch(path.parent.name)
-        rank = int(rank_match[1]) if rank_match else None
-        return [rank], [StepFile(path, rank, int(match[1]), match[2] != "jsonl.partial")]
+        return _lone(path, match)
+    if _is_journal(path):
+        return _lone(path, cast(re.Match[str], STEP_FILE_RE.fullmatch(path.name)))
     if os.path.lexists(path / MANIFEST_NAME):
         _check_manifest(path)
         rank_dirs = [
@@ -336,7 +348,7 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
         for child in directory.iterdir():
             match = STEP_FILE_RE.fullmatch(child.name)
             if match and f"{int(match[1]):06d}" == match[1]:  # a directory in its place too: damaged, never skipped
-                key = (int(match[1]), match[2] != "jsonl.partial")
+                key = (int(match[1]), not match[3])
                 if key in found and key[1]:
                     raise DumpFormatError(child, None, f"step {key[0]} of rank {rank} is finished twice "
                                                        f"({found[key].name} and {child.name}); remove one")
@@ -346,6 +358,19 @@ def _scan(path: Path) -> tuple[list[int | None], list[StepFile]]:
                 continue  # a finished file supersedes a leftover partial of the same step
             files.append(StepFile(file_path, rank, step, finished))
     return [rank for rank, _ in rank_dirs], files
+
+
+def _is_journal(path: Path) -> bool:
+    """Whether ``path`` is the journal of an unfinished Parquet step (a directory of parts)."""
+    match = STEP_FILE_RE.fullmatch(path.name)
+    return bool(match and match[2] == "parquet" and match[3]) and path.is_dir()
+
+
+def _lone(path: Path, match: re.Match[str]) -> tuple[list[int | None], list[StepFile]]:
+    """A lone step file (or journal) read on its own."""
+    rank_match = RANK_DIR_RE.fullmatch(path.parent.name)
+    rank = int(rank_match[1]) if rank_match else None
+    return [rank], [StepFile(path, rank, int(match[1]), not match[3])]
 
 
 def _check_manifest(root: Path) -> None:
@@ -431,9 +456,10 @@ def _read_at_once(files: Sequence[StepFile], columns: Sequence[str] | None) -> p
     wanted = list(dict.fromkeys([*(columns if columns is not None else SCHEMA.names), "step", "rank"]))
     dataset = pa_dataset.dataset([str(f.path) for f in files], format=PARQUET_FORMAT,
                                  schema=pa.schema([SCHEMA.field(name) for name in wanted]))
-    counts = np.array([fragment.metadata.num_rows for fragment in dataset.get_fragments()], np.int64)
-    for step_file, count in zip(files, counts.tolist()):
-        _check_complete(step_file, count)
+    footers = [fragment.metadata for fragment in dataset.get_fragments()]
+    counts = np.array([footer.num_rows for footer in footers], np.int64)
+    for step_file, count, footer in zip(files, counts.tolist(), footers):
+        _check_complete(step_file, count, footer_records(footer.metadata))
     table = dataset.to_table(columns=wanted)
     if table.num_rows != int(counts.sum()):
         raise _NotPlaced()
@@ -449,26 +475,39 @@ def _read_at_once(files: Sequence[StepFile], columns: Sequence[str] | None) -> p
 
 
 def listed_records(step_file: StepFile) -> int | None:
-    """How many records the step's order file lists (None: no order file, e.g. a lone step file)."""
+    """How many records a finished step holds by its writer's word: the count in its footer (Parquet), else in
+    its order file (JSON Lines, and dumps written before the footer count); None: neither says."""
+    if step_file.columnar and step_file.finished:
+        try:
+            listed = footer_records(pq.read_metadata(step_file.path).metadata)
+        except (pa.ArrowException, OSError):
+            listed = None
+        if listed is not None:
+            return listed
+    return _order_file_count(step_file)[0]
+
+
+def _order_file_count(step_file: StepFile) -> tuple[int | None, str]:
+    """(records listed, the order file's name); None when there is no order file (a lone step file has none)."""
     if step_file.rank is None:
-        return None  # a lone step file has no rank directory, so no order file
+        return None, ""
     order_file = DumpLayout(step_file.path.parent.parent).order_file(step_file.rank, step_file.step)
     try:
-        return order_file.read_bytes().count(b"\n")
+        return order_file.read_bytes().count(b"\n"), order_file.name
     except OSError:
-        return None
+        return None, order_file.name
 
 
-def _check_complete(step_file: StepFile, count: int) -> None:
-    # The writer lists every record of a finished step in its order file, so a step file that lost whole
-    # lines (a copy cut at a line boundary) is caught too, not only one cut inside a line.
-    expected = listed_records(step_file)
-    if expected is None:
-        return
-    order_file = DumpLayout(step_file.path.parent.parent).order_file(step_file.rank, step_file.step)  # type: ignore[arg-type]
-    if count < expected:
+def _check_complete(step_file: StepFile, count: int, listed: int | None = None) -> None:
+    """A finished step holds every record its writer listed (``listed``: its footer's count, else its order
+    file's), so a step file that lost whole records (a copy cut at a line boundary, rewritten short) is caught
+    too, not only one cut inside a line."""
+    where = "its footer"
+    if listed is None:
+        listed, where = _order_file_count(step_file)
+    if listed is not None and count < listed:
         raise DumpFormatError(step_file.path, count + 1,
-                              f"truncated: {order_file.name} lists {expected} records, the step file has {count}")
+                              f"truncated: {where} lists {listed} records, the step file has {count}")
 
 
 # A reader that does not wait for live writers: only for the test that shows the race the wait prevents.

@@ -1,8 +1,7 @@
-"""Records as statistics rows: what the training thread hands the writer, turned into columns on the writer thread.
+"""Records as statistics rows: what the training thread hands the writer, turned into Arrow on the writer thread.
 
     block = RowBlock(step=3, rank=0, sample_count=32, parts=[rows], ready=None, entries=entries)
     table = block.to_table()       # the dump's Arrow table (probes.dump.columns.SCHEMA), no per-record dict
-    records = block.records()      # the same records as dicts (JSON Lines, the journal)
 
 A row is a float64 vector: the registry's accumulated statistics (``probes.dump.statistics``), in its
 order, then up to ``sample_count`` samples, then (``hashed``) the tensor's 64-bit hash as int64 bits
@@ -30,8 +29,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from .columns import SCHEMA, table_to_records
-from .record import Record
+from .columns import SCHEMA
 from .statistics import ACCUMULATED, DERIVED
 
 __all__ = ["ACCUMULATED_WIDTH", "NAME_FIELDS", "Described", "Entry", "RowBlock"]
@@ -71,14 +69,6 @@ class RowBlock:
     ready: Callable[[], None] | None = None
     indices: Callable[[int], list[int]] = field(default=lambda numel: [])  # sample indices for a numel
     hashed: bool = False  # each row ends with the tensor's hash
-
-    def order(self) -> list[tuple[int, str, str]]:
-        """(seq, name, phase) of each record, in block order."""
-        return [(entry[2], entry[0][0], entry[1]) for entry in self.entries]
-
-    def records(self) -> list[Record]:
-        """The records as dicts, exactly as ``load_dump`` returns them."""
-        return table_to_records(self.to_table())
 
     def to_table(self) -> pa.Table:
         """The records as one table of ``SCHEMA``, built column by column from the rows."""
@@ -135,14 +125,14 @@ class RowBlock:
         with_rows = np.fromiter((entry[4] is not None for entry in entries), dtype=bool, count=count)
         if not with_rows.any():
             return
-        parts = [np.asarray(part, dtype=np.float64) for part in self.parts]
         width = ACCUMULATED_WIDTH + self.sample_count
-        rows = np.zeros((count, width))
-        for part_index, part in enumerate(parts):
+        # Each record's row, gathered from the parts (the hash, when there is one, in the last column).
+        rows = np.zeros((count, width + 1 if self.hashed else width))
+        for part_index, part in enumerate(self.parts):
             picked = [(position, entry[5]) for position, entry in enumerate(entries) if entry[4] == part_index]
             if picked:
                 at, row = zip(*picked)
-                rows[list(at)] = part[list(row), :width]
+                rows[list(at)] = np.asarray(part, dtype=np.float64)[list(row), :rows.shape[1]]
         integer = np.fromiter((entry[3].integer for entry in entries), dtype=bool, count=count) & with_rows
         stats = rows[:, :ACCUMULATED_WIDTH]
         finite = stats[:, [stat.name for stat in ACCUMULATED].index("finite")]
@@ -173,7 +163,7 @@ class RowBlock:
         numel = np.fromiter((entry[3].numel for entry in entries), dtype=np.int64, count=count)
         taken = np.where(with_rows, np.minimum(numel, self.sample_count), 0)
         kept = np.arange(self.sample_count)[None, :] < taken[:, None]
-        values = rows[:, ACCUMULATED_WIDTH:]
+        values = rows[:, ACCUMULATED_WIDTH:width]
         exact = values.view(np.int64)
         as_float = np.where(integer[:, None], exact.astype(np.float64), values)
         columns["samples"] = _lists(taken, pa.array(as_float[kept]), ~with_rows)
@@ -181,12 +171,7 @@ class RowBlock:
         columns["samples_int"] = _lists(taken_int, pa.array(exact[kept & integer[:, None]]), ~integer)
         columns["sample_indices"] = _lists(taken, pa.array(self._sample_indices(numel[with_rows])), ~with_rows)
         if self.hashed:
-            hashes = np.zeros(count, dtype=np.float64)
-            for part_index, part in enumerate(parts):
-                picked = [(position, entry[5]) for position, entry in enumerate(entries) if entry[4] == part_index]
-                if picked:
-                    at, row = zip(*picked)
-                    hashes[list(at)] = part[list(row), width]
+            hashes = np.ascontiguousarray(rows[:, width])
             unhashed = np.array([not entry[3].hashed for entry in entries], dtype=bool)
             columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | unhashed)
 

@@ -1,7 +1,7 @@
 """The background writer: records leave the training thread at once and reach the disk, a Parquet file per step.
 
     writer = DumpWriter("pt_out", rank=0)             # raises now if the directory is unusable
-    writer.write(step, {"name": "fc1", "phase": "forward", "seq": 0, "mean": 0.1})
+    writer.write(step, block)                         # a RowBlock (StepRows.take()), or an Arrow table of SCHEMA
     writer.finish_step(step)                          # the step becomes visible to readers
     writer.close()
 
@@ -9,34 +9,40 @@
     ring.keep_all()                                   # from now on nothing is removed (an anomaly was found)
     text = DumpWriter("pt_out", rank=0, format="jsonl")  # step files in JSON Lines instead
 
-Nothing is pickled: records travel to the writer thread as dicts and reach the disk as Parquet or JSON
-(the layout is in ``probes.dump.layout``, the columns in ``probes.dump.columns``; what a reader of this process waits for, in ``probes.dump.live``).
+Nothing is pickled: records travel to the writer thread as the statistics rows of a ``RowBlock`` (host
+copies of the device rows), become an Arrow table there and reach the disk as Parquet (or JSON Lines); the
+layout is in ``probes.dump.layout``, the columns in ``probes.dump.columns``; what a reader of this process
+waits for, in ``probes.dump.live``.
 
 Interpreter exit: a writer that is still open is closed in the "writers" stage of
 ``probes.utils.at_exit`` (after the subscriptions finished their open steps). If something could not
 be written by then (the directory was removed, the disk filled up and nobody was told yet), that is
-one warning line on stderr naming the directory and the steps lost, never a traceback. Calls made at
+one warning (``warnings.warn``) naming the directory and the steps lost, never a traceback. Calls made at
 exit on a closed or failed writer are dropped the same way.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
-import sys
 import threading
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from ..utils.checks import check_int
 from ..utils.exit import at_exit
+from .columns import SCHEMA
 from .layout import STEP_FORMATS, DumpLayout, DumpWriteError, prepare_output_dir
 from .live import add_live, discard_live, resolved
-from .record import Record
 from .rowblock import RowBlock
 from .stepfiles import OpenSteps, StepFileError
 
@@ -68,7 +74,7 @@ class WriterConfig:
 # A barrier is a reader's flush: it makes buffered lines visible but does not fsync.
 _WRITE, _FINISH, _FLUSH, _BARRIER, _STOP, _KEEP_ALL = "write", "finish", "flush", "barrier", "stop", "keep all"
 _NO_STEP = -1
-_BATCH = 256  # records per hand-over to the writer thread
+_LOG = logging.getLogger(__name__)
 
 
 def _at_exit() -> bool:
@@ -94,7 +100,7 @@ class DumpWriter:
     Errors of the writer thread (disk full, ...) stop all further writing; finished steps stay intact
     and the unfinished ones stay ``.partial``. The error is raised as DumpWriteError on the next
     ``write``/``finish_step``/``flush`` call (every time), or by ``close`` if nothing reported it yet;
-    at interpreter exit none of them raise, ``close`` prints one warning line instead. Readers of
+    at interpreter exit none of them raise, ``close`` warns once instead. Readers of
     this process wait for the writer of the directory they read (see ``probes.dump.live``).
     """
 
@@ -109,9 +115,6 @@ class DumpWriter:
         prepare_output_dir(self.layout, self.config.rank, override=self.config.override)
         self._resolved_root = resolved(self.layout.root)
         self._queue: queue.Queue[tuple[str, int, Any]] = queue.Queue(maxsize=queue_size)
-        self._pending: list[tuple[int, Record | RowBlock]] = []  # written, not queued yet (see _send_pending)
-        self._pending_lock = threading.Lock()
-        self._batch = min(_BATCH, queue_size)
         self._steps = OpenSteps(self.layout, rank=self.config.rank, format=format)  # used on the writer thread only
         self._finished: set[int] = set()
         self._kept: collections.deque[int] = collections.deque()  # finished step files, oldest first (ring only)
@@ -140,54 +143,28 @@ class DumpWriter:
 
     # ----------------------------------------------------------------------- training-thread API
 
-    def write(self, step: int, record: Record) -> None:
-        """Queues one record of ``step``; records of a step reach the file in call order."""
-        if not self._usable(step):
-            return
-        check_int(step, "step")
-        if not isinstance(record, Mapping):
-            raise TypeError(f"a record must be a dict, got {type(record).__name__}")
-        if "name" not in record:
-            raise ValueError("a record needs a 'name' key")
-        if step in self._finished:
-            raise ValueError(f"step {step} was already finished; its file cannot take more records")
-        if record.get("step", step) != step:
-            raise ValueError(f"record {record['name']!r} says step {record['step']!r} but was written to step {step}")
-        if record.get("rank", self.config.rank) != self.config.rank:
-            raise ValueError(
-                f"record {record['name']!r} says rank {record['rank']!r} but this writer is rank {self.config.rank}"
-            )
-        # A shallow copy, so the caller may reuse its dict; nested values must not change after the call.
-        with self._pending_lock:
-            self._pending.append((step, dict(record)))
-            full = len(self._pending) >= self._batch
-        if full:
-            self._send_pending()
-
-    def write_block(self, step: int, block: RowBlock) -> None:
-        """Queues a block of records of ``step`` (``RowBlock``); the writer thread turns it into columns."""
+    def write(self, step: int, batch: RowBlock | pa.Table) -> None:
+        """Queues records of ``step``: a ``RowBlock`` (its rows become an Arrow table on the writer thread) or an
+        Arrow table of ``probes.dump.columns.SCHEMA`` (``records_to_table``); a step's batches reach its file in
+        call order."""
         if not self._usable(step):
             return
         check_int(step, "step")
         if step in self._finished:
             raise ValueError(f"step {step} was already finished; its file cannot take more records")
-        if block.step != step or block.rank != self.config.rank:
-            raise ValueError(f"a block of step {block.step}, rank {block.rank} was written to step {step} of rank "
+        if isinstance(batch, RowBlock):
+            steps, ranks = [batch.step], [batch.rank]
+        elif isinstance(batch, pa.Table):
+            if not batch.schema.equals(SCHEMA):
+                raise TypeError("a table written to a dump needs the columns of probes.dump.columns.SCHEMA "
+                                "(build it with records_to_table)")
+            steps, ranks = pc.unique(batch.column("step")).to_pylist(), pc.unique(batch.column("rank")).to_pylist()
+        else:
+            raise TypeError(f"DumpWriter.write takes a RowBlock or an Arrow table, got {type(batch).__name__}")
+        if steps not in ([], [step]) or ranks not in ([], [self.config.rank]):
+            raise ValueError(f"records of step {steps} and rank {ranks} were written to step {step} of rank "
                              f"{self.config.rank}")
-        with self._pending_lock:
-            self._pending.append((step, block))
-        self._send_pending()
-
-    def _send_pending(self, *, quiet: bool = False) -> bool:
-        """Queues the records written since the last batch (in call order: the lock is held while queueing).
-
-        Records cross to the writer thread in batches: one wake-up of that thread per batch, not per record.
-        """
-        with self._pending_lock:
-            if not self._pending:
-                return True
-            batch, self._pending = self._pending, []
-            return self._put((_WRITE, _NO_STEP, batch), quiet=quiet)
+        self._put((_WRITE, step, batch))
 
     def finish_step(self, step: int) -> None:
         """Queues the finalisation of ``step`` (flush, fsync, rename). A step without records writes no file."""
@@ -195,7 +172,6 @@ class DumpWriter:
             return
         check_int(step, "step")
         self._finished.add(step)
-        self._send_pending()
         self._put((_FINISH, step, None))
 
     def keep_all(self) -> None:
@@ -205,15 +181,13 @@ class DumpWriter:
         queued like a record, so the steps finished before the call are pruned exactly as without it.
         """
         if self.config.keep_last is not None and self._usable(_NO_STEP):
-            self._send_pending()
             self._put((_KEEP_ALL, _NO_STEP, None))
 
     def flush(self) -> None:
-        """Blocks until everything queued so far is written and fsync'ed (open steps stay .partial)."""
+        """Blocks until everything queued so far is written and fsync'ed (open steps: their journals)."""
         if self._closed or not self._usable(_NO_STEP):
             return
         done = threading.Event()
-        self._send_pending()
         self._put((_FLUSH, _NO_STEP, done))
         while not done.wait(0.5):
             self._check_thread_alive()
@@ -223,7 +197,7 @@ class DumpWriter:
         """Writes everything queued, finishes every open step (unless told not to) and stops the thread.
 
         Idempotent. Raises the writer's error if no earlier call reported it; at interpreter exit it
-        prints one warning line instead (see the module docstring).
+        warns once instead (see the module docstring).
         """
         with self._close_lock:
             if self._closed:
@@ -231,14 +205,12 @@ class DumpWriter:
             self._closed = True
             self._exit_handle.remove()
             discard_live(self)
-            if self._error is None:
-                self._send_pending(quiet=True)
             self._put((_STOP, _NO_STEP, finish_open_steps))
             self._thread.join()
         if _at_exit():
             warning = self._exit_warning()
             if warning is not None:
-                print(warning, file=sys.stderr, flush=True)
+                warnings.warn(warning, RuntimeWarning, stacklevel=2)
         elif not self._error_reported:
             self._raise_error()
 
@@ -252,9 +224,9 @@ class DumpWriter:
     def _close_at_exit(self) -> None:
         try:
             self.close(finish_open_steps=False)
-        except Exception as error:  # a traceback at exit helps nobody; the line says what happened
-            print(f"probes: warning: closing the dump writer of {self.rank_dir} at exit failed: {error}",
-                  file=sys.stderr, flush=True)
+        except Exception as error:  # a traceback at exit helps nobody; the warning says what happened
+            warnings.warn(f"closing the dump writer of {self.rank_dir} at exit failed: {error}", RuntimeWarning,
+                          stacklevel=2)
 
     def _usable(self, step: int) -> bool:
         """Whether a training-thread call may go ahead; raises when the writer is closed or failed.
@@ -284,9 +256,9 @@ class DumpWriter:
         steps = (f"step {lost[0]} was" if len(lost) == 1 else f"steps {', '.join(map(str, lost))} were") \
             if lost else "the records queued at exit were"
         if not self.rank_dir.is_dir():
-            return (f"probes: warning: the dump directory {self.layout.root} was removed before its writer "
+            return (f"probes: the dump directory {self.layout.root} was removed before its writer "
                     f"(rank {self.config.rank}) was closed; {steps} not written.")
-        return f"probes: warning: {str(self._error).removeprefix('probes dump: ')} At exit {steps} not finished."
+        return f"probes: {str(self._error).removeprefix('probes dump: ')} At exit {steps} not finished."
 
     def writes_into(self, target: Path) -> bool:
         """Whether ``target`` (resolved) is this writer's dump directory or lies inside it."""
@@ -298,7 +270,7 @@ class DumpWriter:
         if self._closed or self._error is not None or threading.current_thread() is self._thread:
             return
         done = threading.Event()
-        if not self._send_pending(quiet=True) or not self._put((_BARRIER, _NO_STEP, done), quiet=True):
+        if not self._put((_BARRIER, _NO_STEP, done), quiet=True):
             return
         while not done.wait(0.5):
             if not self._thread.is_alive():
@@ -344,14 +316,13 @@ class DumpWriter:
                 if kind == _KEEP_ALL:
                     self._pruning = False
                     continue
-                if kind == _WRITE:
-                    self._append(payload)
-                    continue
                 if self._error is not None:
                     self._lost.add(step)
                     continue  # drain without writing, so a blocked put() on the training thread returns
                 with self._stop_on_failure(step):
-                    if self._steps.finish(step):
+                    if kind == _WRITE:
+                        self._steps.append(step, payload)
+                    elif self._steps.finish(step):
                         self._step_written(step)
                         if self.config.keep_last is not None:
                             self._prune(step)
@@ -363,16 +334,8 @@ class DumpWriter:
                 if kind in (_FLUSH, _BARRIER):
                     payload.set()
 
-    def _append(self, batch: list[tuple[int, Record | RowBlock]]) -> None:
-        for position, (step, record) in enumerate(batch):
-            if self._error is not None:  # drain without writing: the steps are lost, and said so at exit
-                self._lost.update(step for step, _ in batch[position:])
-                return
-            with self._stop_on_failure(step):
-                self._steps.append(step, record)
-
     def _step_written(self, step: int) -> None:
-        """``on_step_written``: its failure is one warning line and no more calls, never a lost step."""
+        """``on_step_written``: its failure is logged once and it is not called again, never a lost step."""
         listener = self.config.on_step_written
         if listener is None or self._listener_failed:
             return
@@ -380,9 +343,9 @@ class DumpWriter:
             listener(step, self.layout.step_file(self.config.rank, step, format=self.config.format))
         except Exception as error:
             self._listener_failed = True
-            print(f"probes: warning: on_step_written ({getattr(listener, '__qualname__', listener)!r}) failed on step "
-                  f"{step} of {self.rank_dir}: {type(error).__name__}: {error}; it is not called again, the dump "
-                  "goes on", file=sys.stderr, flush=True)
+            _LOG.warning("on_step_written (%r) failed on step %d of %s: %s: %s; it is not called again, the dump "
+                         "goes on", getattr(listener, "__qualname__", listener), step, self.rank_dir,
+                         type(error).__name__, error)
 
     def _prune(self, finished: int) -> None:
         """The ring buffer: removes the oldest finished steps beyond ``keep_last`` (unless ``keep_all``)."""
@@ -433,5 +396,5 @@ class DumpWriter:
             reason = f"{type(error).__name__}: {reason}"
         return (
             f"probes dump: {action} {path}: {reason}. Dumping stopped; steps finished before this "
-            f"error are intact, unfinished ones stay as .partial files in {self.rank_dir}."
+            f"error are intact, unfinished ones stay .partial (what was synced of them) in {self.rank_dir}."
         )

@@ -40,7 +40,7 @@ from ..core import ProbeEvent, SubscriberBase
 from ..dump.writer import DumpWriter
 from ..utils.checks import check_int
 from .parameters import ParameterRecords
-from .record import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason
+from .one_tensor import DEFAULT_BUCKET_SIZE, DEFAULT_SAMPLE_COUNT, process_rank, tensor_record, unsupported_reason
 from .rows import StepRows
 from .sentinel import Action, AnomalyWatch
 
@@ -286,4 +286,4 @@ class StatisticsSubscriber(SubscriberBase):
     def _send(self) -> None:
         """Hands the rows so far to the writer (one copy per device); its thread builds the records."""
         for block in self._rows.take():
-            self._writer.write_block(block.step, block)
+            self._writer.write(block.step, block)

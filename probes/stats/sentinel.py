@@ -35,7 +35,7 @@ from exporters import _ort_compat
 from ..core import ProbeEvent, SubscriberBase
 from ..dump import Record
 from ..dump.anomaly import Anomaly, record_anomaly
-from .record import process_rank
+from .one_tensor import process_rank
 from .rows import StepRows
 
 __all__ = ["AnomalyError", "AnomalySentinel", "AnomalyWarning", "AnomalyWatch"]

@@ -13,6 +13,7 @@ import pytest
 
 from probes.cli import COMMANDS, main
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 
 
 def record(step, name, seq, mean=0.5, rank=0):
@@ -25,7 +26,7 @@ def write_run(path, names=("a.output.0", "b.output.0"), steps=2, finish=True):
     writer = DumpWriter(path, rank=0)
     for step in range(steps):
         for seq, name in enumerate(names):
-            writer.write(step, record(step, name, seq))
+            write_record(writer, step, record(step, name, seq))
         if finish:
             writer.finish_step(step)
     writer.flush()
@@ -124,7 +125,7 @@ def test_the_runs_agree_and_differ_with_exit_codes_0_and_1(tmp_path, capsys, run
     writer = DumpWriter(tmp_path / "changed", rank=0)
     for step in range(2):
         for seq, name in enumerate(("a.output.0", "b.output.0")):
-            writer.write(step, record(step, name, seq, mean=0.6 if (step, name) == (1, "b.output.0") else 0.5))
+            write_record(writer, step, record(step, name, seq, mean=0.6 if (step, name) == (1, "b.output.0") else 0.5))
         writer.finish_step(step)
     writer.close()
     assert main(["compare", str(runs[0]), str(tmp_path / "changed")]) == 1

@@ -26,6 +26,7 @@ from probes.compare.html import render_html
 from probes.compare.terminal import verdict
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 from probes.models import TinyTransformer, TransformerConfig
 from probes.stats.recorder import tensor_record
 from probes.testing import assert_parity, inject_bug, parity, parity_message  # noqa: F401  (parity: fixture)
@@ -217,7 +218,7 @@ def write_dump(root: Path, rank: int, steps: dict[int, list[dict]], *, format: s
     with DumpWriter(root, rank=rank, format=format) as writer:
         for step, records in steps.items():
             for record in records:
-                writer.write(step, record)
+                write_record(writer, step, record)
             writer.finish_step(step)
 
 
@@ -397,7 +398,7 @@ def test_a_dump_written_before_norm_existed_compares_clean_with_one_that_has_it(
     assert records and all("norm" in record for record in records if "unsupported" not in record)
     with DumpWriter(tmp_path / "old", rank=0) as writer:
         for record in records:
-            writer.write(record["step"], {key: value for key, value in record.items() if key != "norm"})
+            write_record(writer, record["step"], {key: value for key, value in record.items() if key != "norm"})
         for step in sorted({record["step"] for record in records}):
             writer.finish_step(step)
     assert all("norm" not in record for record in load_dump(tmp_path / "old"))

@@ -20,6 +20,7 @@ from probes.compare.html import render_html
 from probes.compare.results import AGREES, DIFFERS, NO_RECORD, UNPAIRED, module_record, op_name, relative_name
 from probes.compare.terminal import verdict
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 from probes.stats.recorder import tensor_record
 
 M = "blocks.0.attn"
@@ -104,7 +105,7 @@ def write_dump(root: Path, per_step: dict[int, list[dict]], rank: int = 0) -> Pa
     with DumpWriter(root, rank=rank) as writer:
         for step, records in per_step.items():
             for record in records:
-                writer.write(step, record)
+                write_record(writer, step, record)
             writer.finish_step(step)
     return root
 

@@ -21,6 +21,7 @@ from probes.compare.options import CompareConfig
 from probes.compare.results import CellView
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 
 COUNT, WIDTH = 5000, 32  # more pairs than one slice of the scan (4096)
 
@@ -63,7 +64,7 @@ def records(rng: np.random.Generator) -> tuple[list[dict], list[dict]]:
 def write(path, rows: list[dict]) -> None:
     with DumpWriter(path) as writer:
         for record in rows:
-            writer.write(0, record)
+            write_record(writer, 0, record)
         writer.finish_step(0)
 
 

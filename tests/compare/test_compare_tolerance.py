@@ -18,7 +18,8 @@ from probes.compare import compare_dumps, format_report, write_html
 from probes.compare.options import PRECISIONS, CompareConfig
 from probes.compare.engine import compare_records
 from probes.dump.writer import DumpWriter
-from probes.stats.record import tensor_record
+from dump_records import write_record
+from probes.stats.one_tensor import tensor_record
 
 BF16_EPS = 2.0 ** -7
 
@@ -32,7 +33,7 @@ def write(path, steps: dict[int, list[dict]]) -> None:
     with DumpWriter(path) as writer:
         for step, records in steps.items():
             for found in records:
-                writer.write(step, found)
+                write_record(writer, step, found)
             writer.finish_step(step)
 
 

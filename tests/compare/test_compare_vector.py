@@ -20,6 +20,7 @@ from probes.compare.options import CompareConfig
 from probes.compare.results import CellView, MetricDiff, RecordDiff
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-300, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), 3.5, 1e-7]
 
@@ -80,7 +81,7 @@ def perturb(rng: random.Random, record: dict, amount: float) -> dict:
 def write(path, records) -> None:
     with DumpWriter(path) as writer:
         for record in records:
-            writer.write(int(record["name"][1:]) % 2, record)
+            write_record(writer, int(record["name"][1:]) % 2, record)
         writer.finish_step(0)
         writer.finish_step(1)
 

@@ -18,6 +18,7 @@ from probes.compare import compare_dumps, format_report
 from probes.compare.engine import is_zero_gradient
 from probes.compare.results import ZERO_GRAD_NOTE
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 from probes.compare.html import render_html
 from probes.stats.recorder import tensor_record
 from probes.testing import assert_parity
@@ -44,7 +45,7 @@ def write_dump(root: Path, per_step: dict[int, list[dict]]) -> Path:
     with DumpWriter(root) as writer:
         for step, step_records in per_step.items():
             for record in step_records:
-                writer.write(step, record)
+                write_record(writer, step, record)
             writer.finish_step(step)
     return root
 

@@ -17,10 +17,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from probes import dump
-from probes.dump.writer import DumpWriter
+from dump_records import row_block, write_record
 from probes.dump import DumpFormatError, DumpReader, DumpWriteError, load_dump, stepfiles
 from probes.dump.layout import safe_component
 from probes.dump.reader import StepFile, list_steps
@@ -28,9 +30,10 @@ from probes.dump.table import format_records
 from probes.dump.writer import DumpWriter
 from probes.cli.show import show as show_main
 
-# This page is the JSON Lines format's (format="jsonl", and every dump of format version 1);
-# tests/dump/test_dump_parquet.py is the Parquet format's (the default) and what the two share.
-DumpWriter = functools.partial(DumpWriter, format="jsonl")
+# This page is the writer's and reader's (the default format, Parquet, records handed over as rows or Arrow), and
+# the JSON Lines format's reading (format="jsonl", and every dump of format version 1); the Parquet format's own
+# (round trip of every value, journal, footer) are in tests/dump/test_dump_parquet.py.
+JsonLinesWriter = functools.partial(DumpWriter, format="jsonl")
 
 DUMP_SOURCE = Path(dump.__file__).resolve().parent  # the package probes/dump
 ROOT = DUMP_SOURCE.parents[1]
@@ -45,6 +48,8 @@ for _name in ("exporters", "probes", "probes.utils"):
     sys.modules[_name] = _package
 from probes import dump
 from probes.dump.writer import DumpWriter
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from dump_records import write_record
 assert "torch" not in sys.modules
 """
 
@@ -68,9 +73,11 @@ def record(step: int, index: int, phase: str = "forward", **extra) -> dict:
 
 
 def write_steps(writer: DumpWriter, steps, per_step: int = 3) -> None:
+    """Each step's records as the subscriber hands them over: statistics rows of real tensors (``row_block``)."""
     for step in steps:
-        for index in range(per_step):
-            writer.write(step, record(step, index))
+        tensors = [torch.linspace(-1.5, 2.25, 6).reshape(2, 3) * (index + 1) for index in range(per_step)]
+        writer.write(step, row_block(step, tensors, names=[f"layer{index}" for index in range(per_step)],
+                                     rank=writer.config.rank))
         writer.finish_step(step)
 
 
@@ -88,36 +95,43 @@ def test_round_trip_keeps_records_and_adds_rank_and_step(tmp_path):
     loaded = load_dump(out)
     assert len(loaded) == 6
     for loaded_record, (step, index) in zip(loaded, [(s, i) for s in (0, 1) for i in range(3)]):
-        assert loaded_record == {**record(step, index), "rank": 0, "step": step}
+        values = (np.linspace(-1.5, 2.25, 6, dtype=np.float32) * np.float32(index + 1)).astype(np.float64)  # reference
+        assert {key: loaded_record[key] for key in ("rank", "step", "name", "phase", "seq", "shape", "dtype")} == {
+            "rank": 0, "step": step, "name": f"layer{index}", "phase": "forward", "seq": index, "shape": [2, 3],
+            "dtype": "float32"}
+        assert loaded_record["samples"] == values.tolist() and loaded_record["sample_indices"] == list(range(6))
+        assert loaded_record["min"] == values.min() and loaded_record["max"] == values.max()
+        assert loaded_record["mean"] == pytest.approx(values.mean(), rel=1e-12, abs=1e-15)
+        assert (loaded_record["numel"], loaded_record["nan"], loaded_record["inf"]) == (6, 0, 0)
     assert json.loads((out / "manifest.json").read_text()) == {"format": "probes-dump", "version": 2}
-    assert sorted(p.name for p in (out / "rank_0").iterdir()) == [
-        "step_000000.jsonl",
-        "step_000000.order.txt",
-        "step_000001.jsonl",
-        "step_000001.order.txt",
-    ]
+    assert sorted(p.name for p in (out / "rank_0").iterdir()) == ["step_000000.parquet", "step_000001.parquet"]
     assert load_dump(out / "rank_0") == loaded
-    assert load_dump(out / "rank_0" / "step_000001.jsonl") == loaded[3:]
+    assert load_dump(out / "rank_0" / "step_000001.parquet") == loaded[3:]
     assert list_steps(out) == {0: {"finished": [0, 1], "unfinished": []}}
 
 
-def test_order_is_call_order_per_step_and_order_txt_follows_seq(tmp_path):
+def test_order_is_call_order_per_step_and_the_seq_column_is_the_execution_order(tmp_path):
     out = tmp_path / "dump"
     writer = DumpWriter(out, queue_size=7)
     for index in range(300):  # two steps interleaved, through a small queue
-        writer.write(0, {"name": f"a{index}", "phase": "forward", "seq": index})
-        writer.write(1, {"name": f"b{index}", "phase": "backward", "seq": 299 - index})
+        write_record(writer, 0, {"name": f"a{index}", "phase": "forward", "seq": index})
+        write_record(writer, 1, {"name": f"b{index}", "phase": "backward", "seq": 299 - index})
     writer.finish_step(1)
     writer.finish_step(0)
     writer.close()
     loaded = load_dump(out)
     assert [r["name"] for r in loaded] == [f"a{i}" for i in range(300)] + [f"b{i}" for i in range(300)]
-    rank_dir = out / "rank_0"
-    assert (rank_dir / "step_000000.order.txt").read_text().splitlines() == [f"a{i}_forward" for i in range(300)]
-    # step 1 was written in reverse execution order: order.txt lists it by seq
-    assert (rank_dir / "step_000001.order.txt").read_text().splitlines() == [
-        f"b{i}_backward" for i in reversed(range(300))
-    ]
+    # step 1 was written in reverse execution order: its rows keep write order, seq says the execution order
+    step_1 = [r for r in loaded if r["step"] == 1]
+    assert [r["name"] for r in sorted(step_1, key=lambda r: r["seq"])] == [f"b{i}" for i in reversed(range(300))]
+    assert sorted(p.name for p in (out / "rank_0").iterdir()) == ["step_000000.parquet", "step_000001.parquet"]
+    # a JSON Lines step still lists its records in execution order beside it (its count, for a cut at a line end)
+    text = JsonLinesWriter(tmp_path / "text")
+    for index in range(3):
+        write_record(text, 0, {"name": f"b{index}", "phase": "backward", "seq": 2 - index})
+    text.close()
+    order = (tmp_path / "text" / "rank_0" / "step_000000.order.txt").read_text().splitlines()
+    assert order == ["b2_backward", "b1_backward", "b0_backward"]
 
 
 def test_two_ranks_share_a_directory_and_load_sorted(tmp_path):
@@ -134,26 +148,19 @@ def test_two_ranks_share_a_directory_and_load_sorted(tmp_path):
 
 def test_backpressure_blocks_and_never_drops(tmp_path, monkeypatch):
     gate = threading.Event()
-    real_open = stepfiles._open_step_file
+    real_append = stepfiles.OpenSteps.append
 
-    class GatedFile:
-        def __init__(self, file):
-            self._file = file
+    def gated_append(self, step, batch):  # the writer thread takes a batch, then waits
+        gate.wait()
+        return real_append(self, step, batch)
 
-        def write(self, data):
-            gate.wait()
-            return self._file.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self._file, name)
-
-    monkeypatch.setattr(stepfiles, "_open_step_file", lambda path: GatedFile(real_open(path)))
+    monkeypatch.setattr(stepfiles.OpenSteps, "append", gated_append)
     writer = DumpWriter(tmp_path / "dump", queue_size=2)
     done = threading.Event()
 
     def produce():
         for index in range(20):
-            writer.write(0, record(0, index))
+            write_record(writer, 0, record(0, index))
         done.set()
 
     producer = threading.Thread(target=produce)
@@ -171,10 +178,10 @@ def test_backpressure_blocks_and_never_drops(tmp_path, monkeypatch):
 
 def test_step_is_invisible_until_finished(tmp_path):
     out = tmp_path / "dump"
-    writer = DumpWriter(out)
+    writer = JsonLinesWriter(out)
     write_steps(writer, [0])
     for index in range(3):
-        writer.write(1, record(1, index))
+        write_record(writer, 1, record(1, index))
     writer.flush()
     partial = out / "rank_0" / "step_000001.jsonl.partial"
     assert partial.is_file() and len(partial.read_bytes().splitlines()) == 3
@@ -190,7 +197,7 @@ def test_step_is_invisible_until_finished(tmp_path):
     assert not partial.exists()
     assert [r["step"] for r in load_dump(out)] == [0, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="already finished"):
-        writer.write(1, record(1, 9))
+        write_record(writer, 1, record(1, 9))
     writer.close()
 
 
@@ -202,7 +209,7 @@ def test_ints_are_checked_before_anything_is_written(tmp_path):
     with DumpWriter(tmp_path / "dump") as writer:
         for step in (-1, True, 1.0, "1"):
             with pytest.raises(ValueError, match="^step must be"):
-                writer.write(step, record(0, 0))
+                writer.write(step, row_block(0, [torch.ones(2)]))
             with pytest.raises(ValueError, match="^step must be"):
                 writer.finish_step(step)
     assert list_steps(tmp_path / "dump") == {0: {"finished": [], "unfinished": []}}
@@ -210,15 +217,15 @@ def test_ints_are_checked_before_anything_is_written(tmp_path):
 
 def test_close_finishes_open_steps_but_an_exception_leaves_them_unfinished(tmp_path):
     with DumpWriter(tmp_path / "a") as writer:
-        writer.write(0, record(0, 0))
+        write_record(writer, 0, record(0, 0))
     assert list_steps(tmp_path / "a") == {0: {"finished": [0], "unfinished": []}}
     writer.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
-        writer.write(1, record(1, 0))
+        write_record(writer, 1, record(1, 0))
 
     with pytest.raises(KeyError):
         with DumpWriter(tmp_path / "b") as writer:
-            writer.write(0, record(0, 0))
+            write_record(writer, 0, record(0, 0))
             raise KeyError("training failed")
     assert list_steps(tmp_path / "b") == {0: {"finished": [], "unfinished": [0]}}
 
@@ -226,19 +233,19 @@ def test_close_finishes_open_steps_but_an_exception_leaves_them_unfinished(tmp_p
 CRASHING_CHILD = IMPORT_DUMP_WITHOUT_TORCH + r"""
 import time
 
-writer = DumpWriter(sys.argv[1], format="jsonl")
+writer = DumpWriter(sys.argv[1])
 pad = "x" * 200
 for step in (0, 1):
     for index in range(50):
-        writer.write(step, {"name": f"layer{index}", "phase": "forward", "seq": index, "pad": pad})
+        write_record(writer, step, {"name": f"layer{index}", "phase": "forward", "seq": index, "pad": pad})
     writer.finish_step(step)
 for index in range(20):
-    writer.write(2, {"name": f"layer{index}", "phase": "forward", "seq": index, "pad": pad})
+    write_record(writer, 2, {"name": f"layer{index}", "phase": "forward", "seq": index, "pad": pad})
 writer.flush()
 print("ready", flush=True)
 index = 20
 while True:  # keeps writing step 2 until killed
-    writer.write(2, {"name": f"layer{index}", "phase": "forward", "seq": index, "pad": pad})
+    write_record(writer, 2, {"name": f"layer{index}", "phase": "forward", "seq": index, "pad": pad})
     index += 1
     if index % 100 == 0:
         time.sleep(0.001)
@@ -258,6 +265,9 @@ def test_sigkill_mid_write_keeps_finished_steps(tmp_path):
     assert child.returncode == -signal.SIGKILL
 
     assert list_steps(out) == {0: {"finished": [0, 1], "unfinished": [2]}}
+    journal = out / "rank_0" / "step_000002.parquet.partial"  # what the flush reached: its Parquet journal
+    assert [p.name for p in journal.iterdir()] == ["part_000000.parquet"]
+    assert not list((out / "rank_0").glob("*.jsonl*"))  # no JSON on the way
     loaded = load_dump(out)
     assert [(r["step"], r["name"]) for r in loaded] == [(s, f"layer{i}") for s in (0, 1) for i in range(50)]
     with_partial = load_dump(out, include_partial=True)
@@ -300,12 +310,12 @@ def disk_full_on(monkeypatch):
 
 def test_disk_full_raises_on_the_training_thread_and_keeps_finished_steps(tmp_path, disk_full_on):
     out = tmp_path / "dump"
-    disk_full_on(8)  # 3 records per step: the 2nd record of step 2
-    writer = DumpWriter(out)
+    disk_full_on(4)  # a block per step 0 and 1, then the records of step 2: its 2nd record
+    writer = JsonLinesWriter(out)
     write_steps(writer, [0, 1])
-    writer.write(2, record(2, 0))
-    writer.write(2, record(2, 1))
-    writer.write(2, record(2, 2))
+    write_record(writer, 2, record(2, 0))
+    write_record(writer, 2, record(2, 1))
+    write_record(writer, 2, record(2, 2))
     with pytest.raises(DumpWriteError) as raised:
         writer.flush()
     error = raised.value
@@ -315,7 +325,7 @@ def test_disk_full_raises_on_the_training_thread_and_keeps_finished_steps(tmp_pa
     assert isinstance(error.__cause__, OSError)
     assert writer.error is error
     with pytest.raises(DumpWriteError):  # stays raised: the dump is broken
-        writer.write(3, record(3, 0))
+        write_record(writer, 3, record(3, 0))
     with pytest.raises(DumpWriteError):
         writer.finish_step(2)
     writer.close()  # already reported: close() does not raise it again
@@ -328,19 +338,19 @@ def test_disk_full_raises_on_the_training_thread_and_keeps_finished_steps(tmp_pa
 
 def test_disk_full_is_raised_by_the_next_write_or_by_close(tmp_path, disk_full_on):
     disk_full_on(1)
-    writer = DumpWriter(tmp_path / "a")
-    writer.write(0, record(0, 0))
+    writer = JsonLinesWriter(tmp_path / "a")
+    write_record(writer, 0, record(0, 0))
     writer.wait_written()  # records reach the writer thread in batches: this one now (a reader's barrier)
     deadline = time.monotonic() + 10
     while writer.error is None and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(DumpWriteError, match="step_000000.jsonl.partial"):
-        writer.write(0, record(0, 1))
+        write_record(writer, 0, record(0, 1))
     writer.close()
 
     disk_full_on(1)
-    writer = DumpWriter(tmp_path / "b")
-    writer.write(0, record(0, 0))
+    writer = JsonLinesWriter(tmp_path / "b")
+    write_record(writer, 0, record(0, 0))
     with pytest.raises(DumpWriteError, match="No space left"):
         writer.close()
     writer.close()
@@ -349,7 +359,7 @@ def test_disk_full_is_raised_by_the_next_write_or_by_close(tmp_path, disk_full_o
 
 def test_fsync_failure_when_finishing_a_step(tmp_path, monkeypatch):
     out = tmp_path / "dump"
-    writer = DumpWriter(out)
+    writer = JsonLinesWriter(out)
     write_steps(writer, [0])
     writer.flush()
     real_fsync = os.fsync
@@ -358,7 +368,7 @@ def test_fsync_failure_when_finishing_a_step(tmp_path, monkeypatch):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
-    writer.write(1, record(1, 0))
+    write_record(writer, 1, record(1, 0))
     writer.finish_step(1)
     with pytest.raises(DumpWriteError, match="step_000001.jsonl.partial") as raised:
         writer.flush()
@@ -382,7 +392,7 @@ def test_existing_dump_needs_override(tmp_path):
     assert len(load_dump(out)) == 6  # untouched
 
     with DumpWriter(out, override=True) as writer:
-        writer.write(5, record(5, 0))
+        write_record(writer, 5, record(5, 0))
     assert names(load_dump(out)) == [(0, 5, "layer0")]
 
 
@@ -436,8 +446,8 @@ def test_read_only_directory_fails_at_construction(tmp_path):
 @pytest.mark.parametrize("name", ["../../escaped", "/abs/olute", "a\\b", "nul\0byte", "..", ".hidden", "x" * 5000])
 def test_model_names_never_reach_paths(tmp_path, name):
     out = tmp_path / "inner" / "dump"
-    with DumpWriter(out) as writer:
-        writer.write(0, {"name": name, "phase": "forward", "seq": 0})
+    with JsonLinesWriter(out) as writer:
+        write_record(writer, 0, {"name": name, "phase": "forward", "seq": 0})
     every_path = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")}
     assert every_path == {
         "inner",
@@ -484,16 +494,16 @@ def test_records_are_json_not_pickle(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "dumps", no_pickle)
     monkeypatch.setattr(pickle, "dump", no_pickle)
     out = tmp_path / "dump"
-    with DumpWriter(out) as writer:
+    with JsonLinesWriter(out) as writer:
         write_steps(writer, [0])
     for line in (out / "rank_0" / "step_000000.jsonl").read_text().splitlines():
         assert json.loads(line)["name"].startswith("layer")
 
-    # A value only pickle could store is an error, not silently stored.
-    writer = DumpWriter(tmp_path / "other")
-    writer.write(0, {"name": "bad", "value": {1, 2}})
-    with pytest.raises(DumpWriteError, match="not JSON-serialisable"):
-        writer.close()
+    # A value only pickle could store is an error when its Arrow batch is made, not silently stored.
+    with JsonLinesWriter(tmp_path / "other") as writer:
+        with pytest.raises(TypeError, match="not JSON serializable"):
+            write_record(writer, 0, {"name": "bad", "phase": "forward", "seq": 0, "value": {1, 2}})
+    assert list_steps(tmp_path / "other") == {0: {"finished": [], "unfinished": []}}
 
 
 # ------------------------------------------------------------------------------------ reader errors
@@ -502,7 +512,7 @@ def test_records_are_json_not_pickle(tmp_path, monkeypatch):
 @pytest.fixture
 def finished_dump(tmp_path) -> Path:
     out = tmp_path / "dump"
-    with DumpWriter(out) as writer:
+    with JsonLinesWriter(out) as writer:
         write_steps(writer, [0, 1])
     return out
 
@@ -576,9 +586,9 @@ def test_a_finished_step_that_lost_whole_lines_is_truncated(finished_dump, tmp_p
 
 def test_dump_reader(tmp_path):
     out = tmp_path / "dump"
-    writer = DumpWriter(out)
+    writer = JsonLinesWriter(out)
     write_steps(writer, [0, 1])
-    writer.write(2, record(2, 0))
+    write_record(writer, 2, record(2, 0))
     writer.flush()
     rank_dir = out / "rank_0"
     reader = DumpReader(out)  # the live writer is waited for
@@ -651,7 +661,7 @@ def test_a_rank_joins_while_another_rank_is_still_writing_the_manifest(tmp_path)
     (root / "rank_0").mkdir(parents=True)
     (root / ".manifest.json.12345.140000000000.tmp").write_text("{}")
     writer = DumpWriter(root, rank=1)
-    writer.write(0, {"name": "x", "phase": "forward", "seq": 0})
+    write_record(writer, 0, {"name": "x", "phase": "forward", "seq": 0})
     writer.close()
     assert [r["rank"] for r in load_dump(root / "rank_1")] == [1]
     # A directory holding anything else is still refused.

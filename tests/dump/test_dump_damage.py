@@ -16,13 +16,14 @@ from probes.compare import compare_dumps
 from probes.dump import DumpFormatError
 from probes.dump.reader import DamagedSteps
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 
 
 def write(path: Path, *, steps: int = 3, format: str = "parquet", scale: float = 1.0) -> Path:
     with DumpWriter(path, format=format) as writer:
         for step in range(steps):
             for seq, name in enumerate(("a.output.0", "b.output.0", "c.output.0")):
-                writer.write(step, {"name": name, "phase": "forward", "seq": seq, "shape": [4], "dtype": "float32",
+                write_record(writer, step, {"name": name, "phase": "forward", "seq": seq, "shape": [4], "dtype": "float32",
                                     "numel": 4, "nan": 0, "inf": 0, "zero": 0, "mean": 0.25 * (seq + 1) * scale,
                                     "min": -1.0, "max": 1.0 + step, "std": 0.5,
                                     "samples": [0.1 * step, 0.2, 0.3, 0.4], "sample_indices": [0, 1, 2, 3]})

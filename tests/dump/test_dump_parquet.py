@@ -27,6 +27,7 @@ from probes import StatisticsSubscriber, SubscriberManager, load_dump, load_tabl
 from probes.dump import DumpFormatError, DumpReader, DumpWriteError, stepfiles
 from probes.dump.reader import list_steps
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 from probes.dump.columns import SCHEMA
 from probes.models import TinyTransformer, make_batch
 from test_dump import IMPORT_DUMP_WITHOUT_TORCH
@@ -64,7 +65,7 @@ def write(root: Path, steps: dict[int, list[dict]], **options) -> None:
     with DumpWriter(root, **options) as writer:
         for step, records in steps.items():
             for record in records:
-                writer.write(step, record)
+                write_record(writer, step, record)
             writer.finish_step(step)
 
 
@@ -92,8 +93,10 @@ def test_every_value_comes_back_exactly_as_written(tmp_path):
 def test_a_training_run_loads_the_same_from_parquet_and_json_lines(tmp_path):
     train(tmp_path / "pq")
     train(tmp_path / "js", dump_format="jsonl")
-    assert sorted(p.name for p in (tmp_path / "pq" / "rank_0").iterdir()) == [
-        "step_000000.order.txt", "step_000000.parquet", "step_000001.order.txt", "step_000001.parquet"]
+    assert sorted(p.name for p in (tmp_path / "pq" / "rank_0").iterdir()) == ["step_000000.parquet", "step_000001.parquet"]
+    for step in (0, 1):  # the footer holds the record count (what order.txt held)
+        footer = pq.read_metadata(tmp_path / "pq" / "rank_0" / f"step_00000{step}.parquet")
+        assert footer.metadata[b"probes.records"] == str(footer.num_rows).encode() and footer.num_rows > 50
     parquet, text = load_dump(tmp_path / "pq"), load_dump(tmp_path / "js")
     assert len(parquet) == len(text) > 50
     for a, b in zip(parquet, text):
@@ -146,21 +149,30 @@ def test_about_230_bytes_per_record_with_32_samples(tmp_path):
     assert text > 4 * parquet
 
 
-def test_a_synced_step_is_journaled_as_json_lines_until_it_is_finished(tmp_path):
+def test_a_synced_step_is_journaled_as_parquet_parts_until_it_is_finished(tmp_path):
     out = tmp_path / "d"
     writer = DumpWriter(out)
-    writer.write(0, AWKWARD[0])
+    write_record(writer, 0, AWKWARD[0])
     rank_dir = out / "rank_0"
     writer.flush()
-    partial = rank_dir / "step_000000.jsonl.partial"
-    assert [json.loads(line)["name"] for line in partial.read_text().splitlines()] == ["plain"]
+    journal = rank_dir / "step_000000.parquet.partial"
+    assert sorted(p.name for p in journal.iterdir()) == ["part_000000.parquet"]
+    assert pq.read_table(journal / "part_000000.parquet").column("name").to_pylist() == ["plain"]  # Parquet, no JSON
     assert list_steps(out) == {0: {"finished": [], "unfinished": [0]}}
     assert [r["name"] for r in load_dump(out, include_partial=True)] == ["plain"]
-    writer.write(0, AWKWARD[1])
+    write_record(writer, 0, AWKWARD[1])
+    assert [r["name"] for r in load_dump(journal, include_partial=True)] == ["plain", "ints"]  # a reader syncs
+    with pytest.raises(ValueError, match="is an unfinished step; load it with include_partial=True"):
+        load_dump(journal)
+    assert sorted(p.name for p in journal.iterdir()) == ["part_000000.parquet", "part_000001.parquet"]
+    expected = [{**record, "step": 0, "rank": 0} for record in AWKWARD[:2]]
+    for got, want in zip(load_dump(out, include_partial=True), expected, strict=True):
+        assert same(got, want), (got, want)  # the journal keeps every value, as the finished file does
+    write_record(writer, 0, AWKWARD[2])
     writer.finish_step(0)
     writer.flush()
-    assert not partial.exists() and (rank_dir / "step_000000.parquet").is_file()
-    assert [r["name"] for r in load_dump(out)] == ["plain", "ints"]
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["step_000000.parquet"]  # no journal left
+    assert [r["name"] for r in load_dump(out)] == ["plain", "ints", "odd floats"]
     writer.close()
 
 
@@ -169,7 +181,7 @@ def test_close_after_an_exception_leaves_the_open_step_readable_as_unfinished(tm
         with DumpWriter(tmp_path / "d") as writer:
             write_records = AWKWARD[:3]
             for record in write_records:
-                writer.write(0, record)
+                write_record(writer, 0, record)
             raise KeyError("training failed")
     assert list_steps(tmp_path / "d") == {0: {"finished": [], "unfinished": [0]}}
     assert [r["name"] for r in load_dump(tmp_path / "d", include_partial=True)] == ["plain", "ints", "odd floats"]
@@ -181,7 +193,7 @@ import time
 writer = DumpWriter(sys.argv[1])
 for step in range(1000000):
     for index in range(50):
-        writer.write(step, {"name": f"layer{index}", "phase": "forward", "seq": index, "samples": [0.5] * 32})
+        write_record(writer, step, {"name": f"layer{index}", "phase": "forward", "seq": index, "samples": [0.5] * 32})
     writer.finish_step(step)
     if step == 2:
         writer.flush()
@@ -215,7 +227,7 @@ def test_disk_full_while_finishing_keeps_the_finished_steps(tmp_path, monkeypatc
     write_steps = {0: AWKWARD[:2], 1: AWKWARD[:2]}
     for step, records in write_steps.items():
         for record in records:
-            writer.write(step, record)
+            write_record(writer, step, record)
         writer.finish_step(step)
     writer.flush()
     real_write = stepfiles.write_parquet
@@ -226,14 +238,14 @@ def test_disk_full_while_finishing_keeps_the_finished_steps(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(stepfiles, "write_parquet", disk_full)
-    writer.write(2, AWKWARD[0])
+    write_record(writer, 2, AWKWARD[0])
     writer.finish_step(2)
     with pytest.raises(DumpWriteError) as raised:
         writer.flush()
     assert raised.value.errno == errno.ENOSPC and raised.value.path == out / "rank_0" / "step_000002.parquet.tmp"
     assert "could not finish step" in str(raised.value) and "No space left" in str(raised.value)
     with pytest.raises(DumpWriteError):
-        writer.write(3, AWKWARD[0])
+        write_record(writer, 3, AWKWARD[0])
     writer.close()
     monkeypatch.setattr(stepfiles, "write_parquet", real_write)
     assert list_steps(out) == {0: {"finished": [0, 1], "unfinished": []}}
@@ -250,10 +262,9 @@ def test_a_value_only_pickle_could_store_is_an_error_and_nothing_is_pickled(tmp_
     assert len(load_dump(tmp_path / "ok")) == len(AWKWARD) and load_table(tmp_path / "ok").num_rows == len(AWKWARD)
     metadata = pq.read_metadata(tmp_path / "ok" / "rank_0" / "step_000000.parquet").metadata or {}
     assert not any(b"pandas" in key or b"ARROW" in key for key in metadata)  # no pickled schema or index
-    writer = DumpWriter(tmp_path / "bad")
-    writer.write(0, {"name": "bad", "phase": "forward", "seq": 0, "value": {1, 2}})
-    with pytest.raises(DumpWriteError, match="not JSON-serialisable"):
-        writer.close()
+    with DumpWriter(tmp_path / "bad") as writer:
+        with pytest.raises(TypeError, match="not JSON serializable"):  # when its Arrow batch is made
+            write_record(writer, 0, {"name": "bad", "phase": "forward", "seq": 0, "value": {1, 2}})
     assert list_steps(tmp_path / "bad") == {0: {"finished": [], "unfinished": []}}
 
 
@@ -277,8 +288,8 @@ def test_a_parquet_file_with_records_missing_or_misplaced_is_caught(finished):
     rank_dir = finished / "rank_0"
     table = pq.read_table(rank_dir / "step_000000.parquet")
     pq.write_table(table.slice(0, 4), rank_dir / "step_000001.parquet")  # a copy of another step, cut short
-    with pytest.raises(DumpFormatError, match="truncated: step_000001.order.txt lists 6 records, the step file has 4"):
-        load_dump(finished)
+    with pytest.raises(DumpFormatError, match="truncated: its footer lists 6 records, the step file has 4"):
+        load_dump(finished)  # the copy kept the footer's count
     pq.write_table(table, rank_dir / "step_000001.parquet")
     with pytest.raises(DumpFormatError, match="row 1 says step 0 but the file belongs to step 1"):
         load_dump(finished)
@@ -313,8 +324,7 @@ def test_a_version_1_dump_loads_and_another_rank_joins_it(tmp_path):
 
 def test_ring_buffer_removes_parquet_steps(tmp_path):
     write(tmp_path / "d", {step: AWKWARD[:1] for step in range(5)}, keep_last=2)
-    assert sorted(p.name for p in (tmp_path / "d" / "rank_0").iterdir()) == [
-        "step_000003.order.txt", "step_000003.parquet", "step_000004.order.txt", "step_000004.parquet"]
+    assert sorted(p.name for p in (tmp_path / "d" / "rank_0").iterdir()) == ["step_000003.parquet", "step_000004.parquet"]
 
 
 def test_unknown_format_is_a_clear_error(tmp_path):
@@ -348,3 +358,26 @@ def test_the_dump_is_a_dataset_pyarrow_reads_with_one_glob(tmp_path):
         only_step_1 = dataset.to_table(filter=(ds.field("step") == 1) & (ds.field("rank") == 10))
         assert set(only_step_1.column("step").to_pylist()) <= {1}
     assert set(only_step_1.column("rank").to_pylist()) == set()  # the trained dump has rank 0 only
+
+
+def test_a_dump_written_before_the_footer_count_still_reads_and_checks_its_order_files(finished):
+    """Dumps of earlier versions: no count in the footer, an order.txt beside each Parquet step, a JSON Lines
+    journal for an unfinished step."""
+    rank_dir = finished / "rank_0"
+    table = pq.read_table(rank_dir / "step_000001.parquet").replace_schema_metadata(None)
+    order = "".join(f"{name}_{phase}\n".replace("\n", "\\n", name.count("\n")) for name, phase in
+                    zip(table.column("name").to_pylist(), table.column("phase").to_pylist()))  # escaped as written
+    for step in (0, 1):
+        pq.write_table(table.set_column(0, "step", pa.array([step] * table.num_rows, pa.int64())),
+                       rank_dir / f"step_00000{step}.parquet")
+        (rank_dir / f"step_00000{step}.order.txt").write_text(order)
+    (rank_dir / "step_000002.jsonl.partial").write_text(json.dumps({"name": "late", "phase": "forward", "seq": 0})
+                                                         + "\n{\"name\": \"cut")
+    assert pq.read_metadata(rank_dir / "step_000001.parquet").metadata.get(b"probes.records") is None
+    loaded = load_dump(finished, include_partial=True)
+    assert [(r["step"], r["name"]) for r in loaded] == [(0, r["name"]) for r in AWKWARD] + [
+        (1, r["name"]) for r in AWKWARD] + [(2, "late")]
+    assert load_table(finished).num_rows == 2 * len(AWKWARD)
+    pq.write_table(table.slice(0, 4), rank_dir / "step_000001.parquet")  # cut short: its order.txt lists 6
+    with pytest.raises(DumpFormatError, match="truncated: step_000001.order.txt lists 6 records, the step file has 4"):
+        load_dump(finished)

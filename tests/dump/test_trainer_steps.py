@@ -8,12 +8,13 @@ from probes.cli import main
 from probes.dump import DumpFormatError
 from probes.dump.trainer_steps import TrainerStep, TrainerStepLog, read_trainer_steps
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 
 
 def write_dump(path, steps=3, rank=0):
     writer = DumpWriter(path, rank=rank)
     for step in range(steps):
-        writer.write(step, {"rank": rank, "step": step, "phase": "forward", "seq": 0, "name": "fc.output.0",
+        write_record(writer, step, {"rank": rank, "step": step, "phase": "forward", "seq": 0, "name": "fc.output.0",
                             "mean": 0.5})
         writer.finish_step(step)
     writer.close()
@@ -75,7 +76,7 @@ def test_compare_names_the_trainer_step_of_the_first_divergence(tmp_path, capsys
     write_dump(tmp_path / "a")
     writer = DumpWriter(tmp_path / "b", rank=0)
     for step in range(3):
-        writer.write(step, {"rank": 0, "step": step, "phase": "forward", "seq": 0, "name": "fc.output.0",
+        write_record(writer, step, {"rank": 0, "step": step, "phase": "forward", "seq": 0, "name": "fc.output.0",
                             "mean": 0.5 if step < 2 else 0.9})
         writer.finish_step(step)
     writer.close()

@@ -19,6 +19,7 @@ from probes import StatisticsSubscriber, SubscriberManager
 from probes.cli import main
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 from probes.sinks import LiveTensorBoard, export_dump, write_tensorboard
 from probes.sinks.ort_layout import export_ort_layout
 from probes.sinks.tabular import CSV_COLUMNS, export_csv, export_jsonl
@@ -116,7 +117,7 @@ def test_tensorboard_refuses_a_log_directory_with_events_unless_overwrite(dump, 
 def test_tensorboard_writes_one_directory_per_rank(tmp_path):
     for rank in (0, 1):
         writer = DumpWriter(tmp_path / "run", rank=rank)
-        writer.write(0, {"name": "fc.output.0", "phase": "forward", "seq": 0, "module": "fc", "mean": 0.25 + rank,
+        write_record(writer, 0, {"name": "fc.output.0", "phase": "forward", "seq": 0, "module": "fc", "mean": 0.25 + rank,
                          "std": None})
         writer.finish_step(0)
         writer.close()
@@ -166,7 +167,7 @@ def test_jsonl_is_strict_json_with_every_key_of_every_record(dump, tmp_path):
 
 def synthetic_dump(path, samples=(1.5, math.nan, math.inf, -math.inf)):
     writer = DumpWriter(path, rank=0)
-    writer.write(0, {"name": "fc.output.0", "phase": "forward", "seq": 0, "module": "fc", "min": -1e-30,
+    write_record(writer, 0, {"name": "fc.output.0", "phase": "forward", "seq": 0, "module": "fc", "min": -1e-30,
                      "max": 0.1 + 0.2, "mean": None, "samples": list(samples), "sample_indices": [0, 1, 2, 3],
                      "shape": [2, 2], "custom_key": {"k": 1}})
     writer.finish_step(0)
@@ -253,8 +254,8 @@ def test_ort_layout_names_match_the_original_onnxruntime_subscribers(dump, tmp_p
 def test_ort_layout_keeps_names_from_the_model_inside_the_step_directory(tmp_path):
     writer = DumpWriter(tmp_path / "run", rank=0)
     for seq, legacy in enumerate(["../../escaped", "/abs/path", "Linear_1_0th_output", "Linear_1_0th_output"]):
-        writer.write(0, {"name": f"m{seq}.output.0", "phase": "forward", "seq": seq, "legacy_name": legacy})
-    writer.write(0, {"name": "m.output.0", "phase": "recompute", "seq": 9, "legacy_name": "Linear_2_0th_output"})
+        write_record(writer, 0, {"name": f"m{seq}.output.0", "phase": "forward", "seq": seq, "legacy_name": legacy})
+    write_record(writer, 0, {"name": "m.output.0", "phase": "recompute", "seq": 9, "legacy_name": "Linear_2_0th_output"})
     writer.finish_step(0)
     writer.close()
     summary = export_ort_layout(tmp_path / "run", tmp_path / "ort")
@@ -284,7 +285,7 @@ def test_an_existing_output_is_kept_unless_overwrite(dump, tmp_path):
 def test_a_damaged_dump_leaves_the_previous_output_whole(tmp_path):
     writer = DumpWriter(tmp_path / "run", rank=0)
     for step in range(2):
-        writer.write(step, {"name": "fc.output.0", "phase": "forward", "seq": 0})
+        write_record(writer, step, {"name": "fc.output.0", "phase": "forward", "seq": 0})
         writer.finish_step(step)
     writer.close()
     export_jsonl(tmp_path / "run", tmp_path / "out.jsonl")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from probes import SubscriberManager, StatisticsSubscriber, load_dump
-from probes.stats.record import tensor_record
+from probes.stats.one_tensor import tensor_record
 from probes.stats.hashing import tensor_hash
 
 G, M1, M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import assert_moments, same_values as _same
-from probes.dump.columns import records_to_table
+from probes.dump.columns import records_to_table, table_to_records
 from probes.dump.statistics import ACCUMULATED, DERIVED, STATISTICS, names
 from probes.stats import kernel
 from probes.stats.rows import StepRows
@@ -54,7 +54,7 @@ def rows_of(values: dict[str, torch.Tensor], *, torch_path: bool, bucket_size: i
         assert rows.add_named(NAMES, 0, "forward", seq, tensor) is None
     (block,) = rows.take()
     table = block.to_table()
-    records = block.records()
+    records = table_to_records(block.to_table())
     # The columns built from rows are exactly the ones records_to_table builds from the same records.
     expected = records_to_table(records)
     assert table.schema.equals(expected.schema)
@@ -101,7 +101,7 @@ def test_a_record_without_statistics_and_one_with_share_a_block() -> None:
     error = rows.add_named(NAMES, 5, "backward", 1, torch.empty(2, device="meta"))
     assert isinstance(error, TypeError)
     (block,) = rows.take()
-    first, second = block.records()
+    first, second = table_to_records(block.to_table())
     assert first["rank"] == 2 and first["step"] == 5 and "unsupported" not in first
     assert second["unsupported"] and second["dtype"] == "float32" and "mean" not in second
     assert rows.take() == []

@@ -24,6 +24,7 @@ from probes.dump import first_anomaly
 from probes.dump.anomaly import record_anomaly
 from probes.dump.reader import list_steps
 from probes.dump.writer import DumpWriter
+from dump_records import write_record
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 from probes.stats import AnomalyWarning
 from probes.testing import inject_bug
@@ -236,7 +237,7 @@ def test_show_and_compare_say_which_rank_saw_the_first_nonfinite_value(tmp_path,
             for step in range(3):
                 for seq, name in enumerate(("a.output.0", "b.output.0")):
                     bad = rank == 1 and step >= 1 and name == "b.output.0" or rank == 0 and step == 2
-                    writer.write(step, record(rank, step, seq, name, nan=2 if bad else 0))
+                    write_record(writer, step, record(rank, step, seq, name, nan=2 if bad else 0))
                 writer.finish_step(step)
     assert probes_main(["show", str(tmp_path / "run"), "--anomalies"]) == 0
     out = capsys.readouterr().out

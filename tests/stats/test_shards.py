@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import assert_moments, same_values as _same
+from probes.dump.columns import table_to_records
 from probes.dump.rowblock import ACCUMULATED_WIDTH, Described
 from probes.stats import kernel
 from probes.stats.numerics import sample_indices
@@ -84,7 +85,7 @@ def _merged_record(tensor: torch.Tensor, bounds: tuple) -> dict:
                           integer=not tensor.dtype.is_floating_point, numel=tensor.numel())
     step_rows.add_row(NAMES, 4, "param", 9, merged[0], described)
     (block,) = step_rows.take()
-    (record,) = block.records()
+    (record,) = table_to_records(block.to_table())
     return record
 
 
@@ -92,7 +93,7 @@ def _whole_record(tensor: torch.Tensor) -> dict:
     step_rows = StepRows(rank=0, sample_count=COUNT)
     assert step_rows.add_named(NAMES, 4, "param", 9, tensor) is None
     (block,) = step_rows.take()
-    (record,) = block.records()
+    (record,) = table_to_records(block.to_table())
     return record
 
 
@@ -160,7 +161,7 @@ def test_shard_rows_of_one_rank_flush_into_records() -> None:
     shards.flush()
     assert len(shards) == 0
     (block,) = step_rows.take()
-    grad, failed = block.records()
+    grad, failed = table_to_records(block.to_table())
     whole = _whole_record(tensor)
     for key in (*EXACT, "mean", "std", "norm"):
         assert _same(grad.get(key, "absent"), whole.get(key, "absent")), key
@@ -198,5 +199,5 @@ def test_rows_added_and_merged_read_nothing_back_to_the_host(monkeypatch) -> Non
                                                                              numel=35))
     assert reads.total == 0, reads.describe()
     mean = pytest.approx(float(tensor.double().numpy().mean()), rel=1e-12)
-    assert [(record["phase"], record["mean"]) for record in step_rows.take()[-1].records()] == [("grad", mean),
-                                                                                               ("param", mean)]
+    records = table_to_records(step_rows.take()[-1].to_table())
+    assert [(record["phase"], record["mean"]) for record in records] == [("grad", mean), ("param", mean)]

@@ -27,6 +27,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 from helpers import assert_moments  # noqa: E402
 from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
+from probes.dump.columns import table_to_records
 from probes.stats.numerics import sample_indices  # noqa: E402
 from probes.stats.rows import StepRows  # noqa: E402
 from probes.stats.shards import ShardRows  # noqa: E402
@@ -159,7 +160,7 @@ def _train(rank: int, clip: float, *, sub_groups: bool = False, offload: bool = 
             engine.backward(loss)
             engine.step()
             (block,) = step_rows.take()
-            result["records"].append(block.records())
+            result["records"].append(table_to_records(block.to_table()))
     finally:
         for handle in handles:
             handle.remove()

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ..dump.columns import table_to_records
 from ..dump.record import TensorFields
 from ..dump.rowblock import NAME_FIELDS
 from .numerics import DEFAULT_BUCKET_SIZE
@@ -33,9 +34,7 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-
-
-_IDENTITY = frozenset(("step", "rank", "phase", "seq", *NAME_FIELDS))
+_IDENTITY = ("step", "rank", "phase", "seq", *NAME_FIELDS)
 
 
 def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZE, run_on_cpu: bool = False,
@@ -48,14 +47,13 @@ def tensor_record(tensor: torch.Tensor, *, bucket_size: int = DEFAULT_BUCKET_SIZ
     numel, the counts, the samples and their indices are then those of ``statistics_view(tensor)``.
     ``hash``: also ``"hash"``, the 64-bit hash of those bytes (``probes.stats.hashing``).
     Raises for tensors that cannot be summarised (see ``unsupported_record``). The same path as the
-    subscriber's records (``probes.stats.rows``), read back at once.
+    subscriber's records (``probes.stats.rows``): a row, its Arrow table, read back at once.
     """
     rows = StepRows(rank=0, sample_count=sample_count, bucket_size=bucket_size, run_on_cpu=run_on_cpu, hash=hash)
     error = rows.add_named(("", 0, "", "", "output", 0, "", None), 0, "forward", 0, tensor)
     if error is not None:
         raise error
-    record = rows.take()[0].records()[0]
-    return {key: value for key, value in record.items() if key not in _IDENTITY}  # type: ignore[return-value]
+    return table_to_records(rows.take()[0].to_table().drop_columns(list(_IDENTITY)))[0]  # type: ignore[return-value]
 
 
 def unsupported_reason(error: BaseException) -> str:
