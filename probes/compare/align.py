@@ -24,12 +24,12 @@ paired with the i-th of the same group in OTHER:
 Pairs below ``min_confidence`` (0.5 by default) are not made: those records stay "only in one run".
 Each pair says why it was made (``Rename.reason``).
 
-**Op alignment** pairs the operations of two runs whose decompositions differ: an ``einsum`` in one run where the
-other calls ``matmul``, an extra cast (``to``) in one of them. An op record's name counts the calls of its op
-in its module call (``attn/einsum:1``), so one operation more or less in one run shifts the names of the later calls of that op: the second einsum of one run is the first of the
-other. Matching by name alone would then compare different operations. So, in each module call (rank, step,
-module, call) where some op record is in one run only, the two runs' op records are aligned as sequences, in
-execution order:
+**Op alignment** pairs the operations of two runs whose decompositions differ: an ``einsum`` in one run where
+the other calls ``matmul``, an extra cast (``to``) in one of them. An op record's name counts the calls of its
+op in its module call (``attn/einsum:1``), so one operation more or less in one run shifts the names of the
+later calls of that op: the second einsum of one run is the first of the other. Matching by name alone would
+then compare different operations. So, in each module call (rank, step, module, call) where some op record is in
+one run only, the two runs' op records are aligned as sequences, in execution order:
 
 1. the longest common runs of (op, output, shape, dtype) are paired in order (difflib's matching blocks): the
    same operation at the same place of the sequence, whatever its call index; confidence 1;

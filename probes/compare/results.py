@@ -26,10 +26,11 @@ from ..utils.tables import printable
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts
 
-__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "UNPAIRED", "ZERO_GRAD_NOTE", "CellView", "Check", "Damaged",
-           "Divergence", "GradNorm", "MetricDiff", "ModuleOps", "NoiseFloor", "OpFinding", "OpName", "Operations",
-           "RecordDiff", "Rename", "StepSummary", "format_value", "is_finite_number", "json_value", "key_json",
-           "module_record", "op_name", "relative_name"]
+__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "UNPAIRED", "ZERO_GRAD_NOTE",
+           "CellView", "Check", "Damaged", "Divergence", "GradNorm", "MetricDiff", "ModuleOps",
+           "NoiseFloor", "OpFinding", "OpName", "Operations", "RecordDiff", "Rename", "StepSummary",
+           "format_value", "is_finite_number", "json_value", "key_json", "module_record", "op_name",
+           "relative_name"]
 
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 
@@ -398,7 +399,8 @@ class NoiseFloor:
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
-UNPAIRED = " (unpaired)"  # an op record of OTHER whose name a paired record took (op alignment, ``align``) is listed with it
+# An op record of OTHER whose name a paired record took (op alignment, ``align``) is listed with this suffix.
+UNPAIRED = " (unpaired)"
 _OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)"
                  r"(?P<unpaired> \(unpaired\))?$")
 _MODULE = re.compile(r"^(?P<module>.+?)(?:#(?P<call>\d+))?\.(?:input|output)\.\d+$")

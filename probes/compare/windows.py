@@ -6,16 +6,16 @@
     report = compare_dumps("pt_out", "ort_out", exact=True)           # bit-identical or not, by the records' hashes
     report = compare_dumps("ddp_out", ranks=True, exact=True)         # every rank against rank 0 (grad/param/optim)
 
-Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look
-at one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about
-``window`` records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and
-reduced: its arrays (verdicts, keys, the moments the plots read) written to a temporary directory, one
-Arrow IPC file per window (``recorddiffs.spill``), and the RecordDiffs a report shows built (every diverged record, each step's
-worst, the worst records, those around the window's first divergence). The windows are joined in step order,
-which is execution order, as a SpilledRecordDiffs whose tables and plots read the arrays a window at a time:
-memory grows with the window, not with the dumps. A record nobody built is rebuilt by comparing its window
-again. Fuzzy pairs are found once, on the step
-fuzzy alignment always uses, and applied in every window. With one window this is ``engine`` alone.
+Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look at
+one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about ``window``
+records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and reduced: its arrays
+(verdicts, keys, the moments the plots read) written to a temporary directory, one Arrow IPC file per window
+(``recorddiffs.spill``), and the RecordDiffs a report shows built (every diverged record, each step's worst, the
+worst records, those around the window's first divergence). The windows are joined in step order, which is
+execution order, as a SpilledRecordDiffs whose tables and plots read the arrays a window at a time: memory grows
+with the window, not with the dumps. A record nobody built is rebuilt by comparing its window again. Fuzzy pairs
+are found once, on the step fuzzy alignment always uses, and applied in every window. With one window this is
+``engine`` alone.
 """
 
 from __future__ import annotations
@@ -224,7 +224,8 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
                     reports[0].unfinished, noise_unmatched=sum(window.noise_unmatched for window in reports),
                     zero_grads=[item for window in reports for item in window.zero_grads],
                     renamed=[*renamed.values(), *fuzzy], damaged=damaged,
-                    grad_norms={side: {key: value for window in reports for key, value in window.grad_norms.get(side, {}).items()}
+                    grad_norms={side: {key: value for window in reports
+                                       for key, value in window.grad_norms.get(side, {}).items()}
                                 for side in ("base", "other")})
     with_first = next((window for window in reports if window.first_divergence), None)
     report.first_divergence = None if with_first is None else with_first.first_divergence
