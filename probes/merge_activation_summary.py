@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from .cli.merge import merge
-from .compare.merge import MergeConfig, generate_summaries_per_step
+from .compare.summaries import MergeConfig, generate_summaries_per_step
 
 
 def main(argv: Sequence[str] | None = None) -> int:

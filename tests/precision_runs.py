@@ -144,7 +144,7 @@ def measure(base: Path, other: Path) -> dict[str, dict[str, float]]:
     from probes.compare.options import AGGREGATES, MOMENTS, PRECISIONS
     from probes.compare.pairs import from_columns
     from probes.compare.reading import read_dump
-    from probes.compare.vector import match
+    from probes.compare.pairs import match
 
     loaded_b, loaded_o = read_dump(base, progress=False), read_dump(other, progress=False)
     pairs, _ = from_columns(loaded_b, loaded_o, match(loaded_b, loaded_o))

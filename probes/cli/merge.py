@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..compare.merge import MergeConfig, generate_summaries_per_step, prepare_output_dir
+from ..compare.summaries import MergeConfig, generate_summaries_per_step, prepare_output_dir
 from ..dump import load_dump
 from ..utils.flags import add_flags, given
 from .common import EXIT_NEGATIVE, EXIT_OK, command_parser, open_dump, run_command

@@ -5,16 +5,15 @@
     print(format_report(report)); write_html(report, "report.html")
 
 Everything else is imported from its room (``from probes.compare.options import CompareConfig``).
-Rooms: ``options`` (tolerances, filters, the compared statistic groups), ``reading`` (a dump as one keyed
-table), ``names`` (the name map), ``align`` (fuzzy pairing of renamed records), ``opalign`` (operations
-aligned where two runs' decompositions differ), ``opfinding`` (diverged operations and their inputs),
-``rules`` (the comparison rules, once, on arrays: tolerance, difference, ratio, sample pairing), ``pairs``
-(both sides of matched pairs as arrays), ``metrics`` (every metric of every pair, the noise level), ``vector``
-(matching, every pair's verdict), ``details`` (the RecordDiff objects a report shows), ``engine`` (the
-comparison: noise, zero gradients, the first divergence; ``compare_records`` for records at hand),
-``results``, ``matched`` and ``report`` (the result model and its JSON), ``values`` (how values print and go
-to JSON), ``terminal`` (the terminal summary and the shared sentences), ``html`` and ``plots`` (the HTML
-page), ``merge`` (the original's merged summaries).
+Rooms, in the order a comparison runs: ``options`` (tolerances, filters, the compared statistic groups),
+``reading`` (a dump as one keyed table), ``names`` (the name map), ``align`` (renamed records and operations
+paired with their base names), ``pairs`` (matching, and both sides of matched pairs as arrays), ``rules`` (the
+comparison rules, once, on arrays), ``evaluation`` (every metric of every pair, the verdicts, the RecordDiff
+objects a report shows), ``opfinding`` (diverged operations and their inputs), ``engine`` (one comparison:
+noise, zero gradients, the first divergence; ``compare_records`` for records at hand), ``windows``
+(``compare_dumps``: a window of steps at a time, joined), ``results``, ``recorddiffs`` and ``report`` (the
+result model and its JSON), ``terminal`` (the terminal summary and the shared sentences), ``html`` (the HTML
+page), ``summaries`` (the original tool's merged per-step summaries).
 """
 
 from .windows import compare_dumps

@@ -14,11 +14,12 @@ fixed (``atol + rtol * |base|``) or, given calibration runs (the base run again 
 ``probes.rounding``), at least the statistic's noise floor: noise_factor times how much calibration moved it.
 The first divergence is searched in execution order: earliest step, then its phases in the order they run
 (forward, backward, recompute, grad, param, optim: ``probes.utils.phases``), within a phase the base run's order
-(``seq``), across ranks; ``kinds`` says in plain words which part of the step differs.
+(``seq``), across ranks; ``report.divergence_kind`` says in plain words which part of the step differs.
 docs/compare.md states the rules, the exit status of the command and the JSON schema.
-The rules are ``rules``, applied to every pair at once by ``vector`` (verdicts) and ``details`` (the
-RecordDiff objects a report shows; ``compare_records`` is the same for records at hand). The result model is
-``results``, ``matched`` and ``report``, reading ``reading``, the terminal summary ``terminal``.
+The rules are ``rules``, applied to every pair at once by ``evaluation`` (the verdicts, and the RecordDiff
+objects a report shows), on the dumps' columns; ``compare_records`` makes columns of records at hand and takes
+the same path. The result model is ``results``, ``recorddiffs`` and ``report``, reading ``reading``, the
+terminal summary ``terminal``.
 """
 
 from __future__ import annotations
@@ -37,18 +38,15 @@ from ..dump.record import execution_order
 from ..dump.statistics import global_norms
 from ..utils.phases import GRAD, GRADIENT_PHASES
 from ..utils.progress import progress_meter
-from .align import apply_renames, fuzzy_renames
+from .align import align_operations, apply_renames, fuzzy_renames
 from .options import CompareConfig
-from .details import record_diffs
-from .matched import RecordDiffs
-from .metrics import NOISED, noise_level
-from .opalign import align_operations
+from .evaluation import NOISED, WORST, measure, noise_levels, record_diffs
+from .recorddiffs import RecordDiffs, WorstMetric
 from .opfinding import find_operations
-from .pairs import context_of, from_records
+from .pairs import match
 from .reading import LoadedDump, check_hashes
 from .report import Report
 from .results import Divergence, NoiseFloor, RecordDiff, Rename, op_name
-from .vector import WORST, match, measure, noise_levels
 
 __all__ = ["compare_loaded", "compare_records", "is_zero_gradient", "noise_label"]
 
@@ -57,8 +55,10 @@ def compare_records(base: Record, other: Record, config: CompareConfig = Compare
                     noise: Record | None = None) -> RecordDiff:
     """Compares one matched pair of records (same rank, step, phase and name); ``noise``: the base record's
     counterpart in a calibration run, whose difference from ``base`` gives the noise levels."""
-    levels = None if noise is None else noise_level(from_records([base], [noise]))
-    return record_diffs([base], [other], config, levels)[0]
+    loaded = [LoadedDump.of_records([record]) for record in (base, other, noise) if record is not None]
+    rows = (np.zeros(1, np.int64), np.zeros(1, np.int64))
+    levels = None if noise is None else noise_levels(loaded[0], loaded[2], rows)
+    return record_diffs(loaded[0], loaded[1], rows, config, levels)[0]
 
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
@@ -67,7 +67,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     """Compares two loaded dumps (see ``compare_dumps``); ``noise``: the calibration runs; with ``config.fuzzy``,
     renames ``other``'s records (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
 
-    The checks run on whole columns (``vector``); only the records a report shows become RecordDiff objects.
+    The checks run on whole columns (``evaluation``); only the records a report shows become RecordDiff objects.
     With ``config.exact`` the verdict of a pair is whether its hashes are equal; MissingHashes when a record
     of either dump has none.
     """
@@ -92,7 +92,7 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
     position[base.order] = np.arange(len(base))
     in_order = np.argsort(position[natural[0]], kind="stable")
     pairs = (natural[0][in_order], natural[1][in_order])
-    measured = measured.take(in_order)
+    measured = measured.reordered(in_order)
     levels = None if levels is None else levels[in_order]
     noise_floor = None if levels is None or measured.noise_ratio is None else \
         _noise_floor(levels, measured.noise_ratio, lambda row: base.key(int(pairs[0][row])))
@@ -100,8 +100,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
         meter.update(2)
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
-        return record_diffs(base.take(pairs[0][rows]), other.take(pairs[1][rows]), config,
-                            None if levels is None else levels[rows], context_of(base, pairs[0][rows]))
+        return record_diffs(base, other, (pairs[0][rows], pairs[1][rows]), config,
+                            None if levels is None else levels[rows])
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")
@@ -109,8 +109,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig,
                           phase=phase_codes[pairs[0]], name=name_codes[pairs[0]],
                           labels=(phases.to_pylist(), names.to_pylist()), ratio=measured.ratio,
                           diverged=measured.diverged, rel_error=measured.rel_error, build=build,
-                          worst=(WORST, measured.worst, measured.worst_base, measured.worst_other,
-                                 measured.worst_null),
+                          worst_metric=WorstMetric(WORST, measured.worst, measured.worst_base, measured.worst_other,
+                                                   measured.worst_null),
                           moments=measured.moments)
     only_in_base = _unmatched(base, pairs[0])
     only_in_other = _unmatched(other, pairs[1])
@@ -225,7 +225,7 @@ def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> t
         phase_codes, phases = has.codes("phase")
         gradient = np.isin(phase_codes[candidates], [i for i, p in enumerate(phases.to_pylist()) if p in GRADIENT_PHASES])
         candidates = candidates[gradient]
-    zeros = [row for row, record in zip(candidates.tolist(), has.take(candidates)) if is_zero_gradient(record)]
+    zeros = [row for row, record in zip(candidates.tolist(), has.records_at(candidates)) if is_zero_gradient(record)]
     return rows[~np.isin(rows, zeros)], zeros
 
 
@@ -281,4 +281,4 @@ def _first_nonfinite(loaded: LoadedDump) -> Anomaly | None:
     with np.errstate(invalid="ignore"):
         maybe = (np.nan_to_num(nan) > 0) | (np.nan_to_num(inf) > 0)
     maybe |= pc.is_valid(table.column("extra")).to_numpy(zero_copy_only=False)
-    return first_anomaly(loaded.take(np.flatnonzero(maybe)))
+    return first_anomaly(loaded.records_at(np.flatnonzero(maybe)))

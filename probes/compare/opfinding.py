@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from ..dump.record import execution_order
 from ..utils.phases import GRADIENT_PHASES
-from .matched import RecordDiffs
-from .opalign import op_rows
+from .recorddiffs import RecordDiffs
+from .align import op_rows
 from .reading import LoadedDump
 from .results import (AGREES, DIFFERS, NO_RECORD, Check, Divergence, ModuleOps, OpFinding, Operations, module_record,
                       op_name)
@@ -107,11 +107,11 @@ class _Steps:
         if not self._metrics:  # every diverged pair of these steps at once, from the arrays where they say it
             pairs = sorted({found.pair for found in self.rows.values() if found.pair is not None and
                             self.diverged(found)})
-            named = self.records.worst_metrics(pairs)
+            named = self.records.worst_metric_names(pairs)
             self._metrics = {pair: (metric, float(self.records.ratio[pair])) for pair, metric in zip(pairs, named)
                              if metric is not None}
             built = [pair for pair, metric in zip(pairs, named) if metric is None]
-            for pair, record in zip(built, self.records.take(built)):  # built together: fastest
+            for pair, record in zip(built, self.records.at(built)):  # built together: fastest
                 worst = record.worst
                 self._metrics[pair] = (worst.metric if worst is not None else "record", record.ratio)
         return self._metrics[row.pair]

@@ -1,7 +1,8 @@
-"""Both sides of matched record pairs as arrays, what the rules (``rules``, ``vector``) are applied to.
+"""The matched record pairs of two dumps, both sides as arrays: what the rules (``rules``) are applied to.
 
-    pairs, exact = from_columns(base, other, (base_rows, other_rows))   # float64 columns; ``exact``: the pairs
-    pairs = from_records(base_records, other_records, context)         # they cannot hold, as Python values
+    rows = match(base, other)                        # (base rows, other rows) with the same key
+    pairs, exact = from_columns(base, other, rows)   # float64 columns; ``exact``: the pairs they cannot hold,
+    pairs = from_records(base.records_at(rows[0][exact]), other.records_at(rows[1][exact]))  # as Python values
 
 A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
 ``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them
@@ -20,10 +21,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .options import COUNTS, MOMENTS, STRUCTURE, precision_of
-from .reading import LoadedDump
+from .reading import LoadedDump, one_key
 from .rules import pair_samples
 
-__all__ = ["CONTEXT", "SCALARS", "Pairs", "SampleBlock", "context_of", "from_columns", "from_records"]
+__all__ = ["CONTEXT", "SCALARS", "Pairs", "SampleBlock", "context_of", "from_columns", "from_records", "match"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
 CONTEXT = ("precision", "scale_floor")  # what a default tolerance depends on beyond the record (reading)
@@ -172,6 +173,37 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
                   {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
                   b.labels("precision"), b.floats("scale_floor")[0], b.labels("phase"))
     return pairs, exact
+
+
+def match(base: LoadedDump, other: LoadedDump) -> tuple[np.ndarray, np.ndarray]:
+    """(base rows, other rows) of the keys both dumps hold, in base row order; keys are unique per dump."""
+    if not len(base) or not len(other):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if len(base) == len(other) and np.array_equal(base.rank, other.rank) and np.array_equal(base.step, other.step) \
+            and all(base.table.column(name).equals(other.table.column(name)) for name in ("phase", "name")):
+        return np.arange(len(base)), np.arange(len(base))  # the common case: the same keys in the same order
+    side = np.concatenate([np.zeros(len(base), np.int64), np.ones(len(other), np.int64)])
+    row = np.concatenate([np.arange(len(base)), np.arange(len(other))])
+    columns = [np.concatenate([base.rank, other.rank]), np.concatenate([base.step, other.step])]
+    for name in ("phase", "name"):
+        values = pc.unique(pa.concat_arrays([base.table.column(name).combine_chunks(),
+                                             other.table.column(name).combine_chunks()]))
+        columns.append(np.concatenate([base.codes(name, values)[0], other.codes(name, values)[0]]))
+    key = one_key(columns)
+    if key is not None:  # one int64 key: a faster sort
+        order = np.lexsort((side, key))
+        ordered = key[order]
+        same = ordered[1:] == ordered[:-1]
+    else:
+        order = np.lexsort((side, *reversed(columns)))
+        same = np.ones(len(order) - 1, dtype=bool)
+        for column in columns:
+            ordered = column[order]
+            same &= ordered[1:] == ordered[:-1]
+    first = np.flatnonzero(same)  # a key in both: base's row, then other's (side sorts last)
+    base_rows, other_rows = row[order[first]], row[order[first + 1]]
+    by_base = np.argsort(base_rows, kind="stable")
+    return base_rows[by_base], other_rows[by_base]
 
 
 def _objects(items: Sequence[Any]) -> np.ndarray:

@@ -2,7 +2,7 @@
 
     loaded = read_dump("pt_out", CompareConfig(steps=frozenset({3})), progress=True)
     loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
-    loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.take([0, 1])        # rows, and records of rows
+    loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.records_at([0, 1])  # rows, and records of rows
     loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]                  # every record as a dict (small dumps)
     base, other = rank_pairs(read_dump("ddp_out"))     # rank 0's records once per other rank, and those ranks'
     check_hashes(loaded)                               # MissingHashes unless every record has its ``hash``
@@ -17,11 +17,11 @@ row's execution-order sort key, and what each record's default tolerance depends
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from ..dump import DumpFormatError, DumpReader, Record
 from ..dump.reader import StepFile
 from ..dump.record import RecordKey
-from ..dump.columns import SCHEMA, table_to_records
+from ..dump.columns import records_to_table, table_to_records
 from ..utils.phases import PARAMETER_PHASES, phase_rank
 from .options import COUNTS, MOMENTS, CompareConfig
 from .names import NameMap, NameMapError
@@ -67,6 +67,15 @@ class LoadedDump:
     damaged: list[Damaged] = field(default_factory=list)  # step files left out (skip_damaged)
     _codes: dict[str, tuple[pa.Table, tuple[np.ndarray, pa.Array]]] = field(default_factory=dict, repr=False,
                                                                             compare=False)
+
+    @classmethod
+    def of_records(cls, records: Sequence[Mapping[str, Any]]) -> "LoadedDump":
+        """Records at hand as a dump (``engine.compare_records``): their columns, and the context of their default
+        tolerance taken from these records alone."""
+        table = records_to_table(records).select(list(COLUMNS))
+        loaded = cls(Path("."), table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())), {}, {})
+        _add_context(loaded)
+        return loaded
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -116,7 +125,7 @@ class LoadedDump:
         data = self.table.column(name)
         return (data if rows is None else data.take(pa.array(rows, pa.int64()))).to_pylist()
 
-    def take(self, rows: np.ndarray | list[int]) -> list[Record]:
+    def records_at(self, rows: np.ndarray | list[int]) -> list[Record]:
         """The records of ``rows``, as the dump holds them (with ``renamed_from`` when a name map renamed them)."""
         rows = np.asarray(rows, dtype=np.int64)
         part = self.table.take(rows)
@@ -152,13 +161,13 @@ class LoadedDump:
     def step_records(self, rank: int, step: int) -> dict[RecordKey, Record]:
         """The records of one rank and step, by key."""
         rows = np.flatnonzero((self.rank == rank) & (self.step == step))
-        return dict(zip(self.keys(rows), self.take(rows)))
+        return dict(zip(self.keys(rows), self.records_at(rows)))
 
     @property
     def records(self) -> dict[RecordKey, Record]:
         """Every record by key, in file order. Materialises the whole dump: for small dumps and tests."""
         rows = np.arange(len(self))
-        return dict(zip(self.keys(rows), self.take(rows)))
+        return dict(zip(self.keys(rows), self.records_at(rows)))
 
     def where(self, row: int) -> tuple[Path, int]:
         """(file, 1-based line or row) of a row, for messages."""
@@ -353,7 +362,7 @@ def _check_keys(loaded: LoadedDump) -> None:
         missing = pc.is_null(table.column(column)).to_numpy(zero_copy_only=False)
         if missing.any():
             row = int(np.argmax(missing))
-            (record,) = loaded.take([row])
+            (record,) = loaded.records_at([row])
             path, line = loaded.where(row)
             text = (f"record {record.get('name')!r} {problem}" if column == "phase"
                     else f"the record's 'name' is not a string: {record.get('name')!r}")

@@ -4,13 +4,18 @@
     report.first_operation.explained()                    # with op records: "local: the operation itself (...)"
     report.first_divergence_kind().sentence               # "gradients agree, the update differs"
     json.dump(report.to_json(), file)                     # the schema of docs/compare.md
+
+The kind of a first divergence (``divergence_kind``, one table ``KINDS``) is the phase of the first divergence
+(the earliest phase of its step, ``probes.utils.phases``): every record of the phases before it in that step
+agrees, on every rank. "Agree" is said only of phases the step recorded; the earlier phases it did not record
+are named ("backward not recorded"): nothing is known of them.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,18 +23,78 @@ import numpy as np
 
 from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
+from ..utils.phases import PHASES, RECOMPUTE, phase_rank
 from .options import PRECISIONS, CompareConfig
-from .kinds import DivergenceKind, divergence_kind
-from .matched import RecordDiffs
+from .recorddiffs import RecordDiffs
 from .results import OpFinding, Operations, op_name
 from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
-                      StepSummary)
-from .values import key_json
+                      StepSummary, key_json)
 
-__all__ = ["JSON_FORMAT", "JSON_VERSION", "Report"]
+__all__ = ["JSON_FORMAT", "JSON_VERSION", "KINDS", "DivergenceKind", "Kind", "Report", "divergence_kind"]
 
 JSON_FORMAT = "probes-compare"
 JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a first divergence in ``phase`` means; ``agrees`` says so of the ``basis`` phases, when recorded."""
+
+    phase: str
+    code: str  # stable, for scripts reading the JSON
+    differs: str
+    agrees: str = ""
+    basis: tuple[str, ...] = ()
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("forward", "forward", "the forward differs (activations)"),
+    Kind("backward", "backward", "the gradients flowing back differ", "the forward agrees", ("forward",)),
+    Kind("recompute", "recompute", "the recomputed forward differs (activation checkpointing)",
+         "the forward and the backward agree", ("forward", "backward")),
+    Kind("grad", "gradients", "the parameter gradients differ (accumulation, clipping, all-reduce)",
+         "activations agree", ("forward", "backward")),
+    Kind("param", "update", "the update differs", "gradients agree", ("grad",)),
+    Kind("optim", "optimizer_state", "the optimizer state differs", "parameters agree", ("param",)),
+)
+_BY_PHASE = {kind.phase: kind for kind in KINDS}
+_NOUNS = {"forward": "the forward", "backward": "the backward", "recompute": "the recomputed forward",
+          "grad": "the gradients", "param": "the parameters"}
+
+
+@dataclass(frozen=True)
+class DivergenceKind:
+    """The kind of a report's first divergence, and what it was decided from (phases of the diverging step)."""
+
+    code: str
+    phase: str
+    sentence: str
+    recorded: tuple[str, ...]  # the phases the step holds records of, in either run
+    differing: tuple[str, ...]  # the phases with a divergence in the step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "phase": self.phase, "sentence": self.sentence,
+                "recorded": list(self.recorded), "differing": list(self.differing)}
+
+
+def divergence_kind(first: Divergence, *, recorded: Iterable[str], differing: Iterable[str]) -> DivergenceKind:
+    """The kind of ``first``, given the phases its step ``recorded`` (either run, any rank) and those ``differing``."""
+    held = tuple(sorted(set(recorded) | {first.phase}, key=phase_rank))
+    kind = _BY_PHASE.get(first.phase, Kind(first.phase, "other", f"the {first.phase} records differ"))
+    earlier = [phase for phase in PHASES if phase_rank(phase) < phase_rank(first.phase)]
+    agreeing = [phase for phase in earlier if phase in held]
+    missing = [phase for phase in earlier if phase not in held and phase != RECOMPUTE]  # recompute is optional
+    if kind.basis and all(phase in held for phase in kind.basis):
+        lead = kind.agrees
+    elif agreeing:
+        lead = " and ".join(_NOUNS[phase] for phase in agreeing) + (" agrees" if len(agreeing) == 1 else " agree")
+    else:
+        lead = ""
+    sentence = f"{lead}, {kind.differs}" if lead else kind.differs
+    if missing:
+        sentence += f" ({', '.join(missing)} not recorded)"
+    return DivergenceKind(kind.code, first.phase, sentence, held,
+                          tuple(sorted(set(differing) | {first.phase}, key=phase_rank)))
 
 
 @dataclass
@@ -83,7 +148,7 @@ class Report:
     @property
     def divergences(self) -> list[Divergence]:
         """Every diverged matched record, in execution order."""
-        return [record.divergence() for record in self.records.take(self.records.diverged_rows())]
+        return [record.divergence() for record in self.records.at(self.records.diverged_rows())]
 
     @property
     def steps_only_in_base(self) -> list[int]:
@@ -145,7 +210,7 @@ class Report:
                     worst[key] = (ratio, offset + row)
         steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(matched))
         rows = [row for _, row in worst.values()]
-        records = dict(zip(worst, self.records.take(rows)))
+        records = dict(zip(worst, self.records.at(rows)))
         only_base = Counter(key[1] for key in self.only_in_base)
         only_other = Counter(key[1] for key in self.only_in_other)
         norms = self._grad_norms()
@@ -169,7 +234,7 @@ class Report:
         return None if self.operations is None else self.operations.first
 
     def first_divergence_kind(self) -> DivergenceKind | None:
-        """What kind of divergence the first one is (``probes.compare.kinds``), from the phases of its step."""
+        """What kind of divergence the first one is (``divergence_kind``), from the phases of its step."""
         first = self.first_divergence
         if first is None:
             return None
@@ -230,7 +295,7 @@ class Report:
             "damaged": {side: [item.to_json() for item in self.damaged.get(side, [])]
                         for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
             "per_step": [summary.to_json() for summary in self.per_step()],
-            "divergences": [record.to_json() for record in self.records.take(self.records.diverged_rows())],
+            "divergences": [record.to_json() for record in self.records.at(self.records.diverged_rows())],
             **({"operations": self.operations.to_json()} if self.operations is not None else {}),
         }
 

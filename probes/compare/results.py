@@ -5,8 +5,9 @@
     CellView.of(record)                                     # what a plot shows of one record
     op_name("blocks.0.attn/einsum:2.output.0").short        # OpName: an op record's name taken apart ("einsum:2...")
     report.first_operation.cause                            # OpFinding: a diverged operation, local or propagated
+    format_value(1.234567891); json_value(float("nan"))     # "1.23457"; "NaN": how a value prints and goes to JSON
 
-The matched records as arrays are ``matched`` (RecordDiffs), the whole report ``report`` (Report).
+The matched records as arrays are ``recorddiffs`` (RecordDiffs), the whole report ``report`` (Report).
 Nothing here reads a dump or compares values.
 """
 
@@ -21,15 +22,47 @@ from typing import Any
 from ..dump.record import RecordKey
 from ..utils.phases import GRADIENT_PHASES
 from .options import MOMENTS
-from .values import format_value, is_finite_number, json_value
+from ..utils.tables import printable
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts
 
-__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "UNPAIRED", "ZERO_GRAD_NOTE", "CellView", "Check", "Damaged",
-           "Divergence", "GradNorm", "MetricDiff", "ModuleOps", "NoiseFloor", "OpFinding", "OpName", "Operations",
-           "RecordDiff", "Rename", "StepSummary", "module_record", "op_name", "relative_name"]
+__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "UNPAIRED", "ZERO_GRAD_NOTE",
+           "CellView", "Check", "Damaged", "Divergence", "GradNorm", "MetricDiff", "ModuleOps",
+           "NoiseFloor", "OpFinding", "OpName", "Operations", "RecordDiff", "Rename", "StepSummary",
+           "format_value", "is_finite_number", "json_value", "key_json", "module_record", "op_name",
+           "relative_name"]
 
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or float (never a bool) that is finite: what the tolerance rules measure a distance between."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def format_value(value: Any) -> str:
+    """A value as the reports print it: None "-", floats to 6 digits, names with control characters escaped."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(format_value(item) for item in value) + "]"
+    return printable(value)
+
+
+def key_json(key: RecordKey) -> dict[str, Any]:
+    """A record key as the JSON writes it: {"rank", "step", "phase", "name"}."""
+    return {"rank": key[0], "step": key[1], "phase": key[2], "name": key[3]}
+
+
+def json_value(value: Any) -> Any:
+    """A value as strict JSON holds it: non-finite floats become "NaN", "Infinity", "-Infinity"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (list, tuple)):
+        return [json_value(item) for item in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -366,7 +399,8 @@ class NoiseFloor:
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
-UNPAIRED = " (unpaired)"  # an op record of OTHER whose name a paired record took (``opalign``) is listed with it
+# An op record of OTHER whose name a paired record took (op alignment, ``align``) is listed with this suffix.
+UNPAIRED = " (unpaired)"
 _OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)"
                  r"(?P<unpaired> \(unpaired\))?$")
 _MODULE = re.compile(r"^(?P<module>.+?)(?:#(?P<call>\d+))?\.(?:input|output)\.\d+$")

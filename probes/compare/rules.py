@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .options import EXACT, MOMENT_PASSES, PRECISIONS, CompareConfig, coarseness, precision_of
-from .values import is_finite_number
+from .results import is_finite_number
 
 __all__ = ["as_floats", "bounds", "difference", "distance", "finite", "pair_samples", "precisions", "ratio",
            "relative", "rms", "same", "scale_floors", "tolerance"]

@@ -15,7 +15,7 @@ from .options import PRECISIONS, CompareConfig, parse_steps  # noqa: F401 (the -
 from .results import op_name, relative_name
 from .report import Report
 from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
-from .values import format_value
+from .results import format_value
 
 __all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
            "parse_steps", "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",
@@ -276,7 +276,7 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
                 f"tolerance {format_value(first.tolerance)}" if first.abs_diff is not None else "")
              + (f"  ({first.noise_floor} the noise floor)" if first.noise_floor is not None else ""),
              f"  kind: {kind_line(report)}", *_first_operation(report)]
-    neighbours = report.records.take(report.records.rows_where(rank=first.rank, step=first.step, phase=first.phase))
+    neighbours = report.records.at(report.records.rows_where(rank=first.rank, step=first.step, phase=first.phase))
     at = next((i for i, r in enumerate(neighbours) if r.name == first.name), None)
     if at is None:  # a missing record: show the matched records that precede it
         at = sum(1 for r in neighbours if (r.seq or 0) < (first.seq or 0))

@@ -6,16 +6,16 @@
     report = compare_dumps("pt_out", "ort_out", exact=True)           # bit-identical or not, by the records' hashes
     report = compare_dumps("ddp_out", ranks=True, exact=True)         # every rank against rank 0 (grad/param/optim)
 
-Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look
-at one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about
-``window`` records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and
-reduced: its arrays (verdicts, keys, the moments the plots read) written to a temporary directory, a file
-per array (``matched.spill``), and the RecordDiffs a report shows built (every diverged record, each step's
-worst, the worst records, those around the window's first divergence). The windows are joined in step order,
-which is execution order, as a SpilledRecordDiffs whose tables and plots read the arrays a window at a time:
-memory grows with the window, not with the dumps. A record nobody built is rebuilt by comparing its window
-again. Fuzzy pairs are found once, on the step
-fuzzy alignment always uses, and applied in every window. With one window this is ``engine`` alone.
+Records are matched within a (rank, step), and every rule, the noise level and the zero-gradient note look at
+one step, so whole steps (of every rank) compare on their own. Windows are consecutive steps, about ``window``
+records of a dump each; each is read (both runs, the noise run), compared by ``engine`` and reduced: its arrays
+(verdicts, keys, the moments the plots read) written to a temporary directory, one Arrow IPC file per window
+(``recorddiffs.spill``), and the RecordDiffs a report shows built (every diverged record, each step's worst, the
+worst records, those around the window's first divergence). The windows are joined in step order, which is
+execution order, as a SpilledRecordDiffs whose tables and plots read the arrays a window at a time: memory grows
+with the window, not with the dumps. A record nobody built is rebuilt by comparing its window again. Fuzzy pairs
+are found once, on the step fuzzy alignment always uses, and applied in every window. With one window this is
+``engine`` alone.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,22 +33,18 @@ import numpy as np
 import pyarrow as pa
 
 from ..dump import DumpFormatError, DumpReader
-from ..dump.anomaly import Anomaly
 from ..dump.reader import DamagedSteps, StepFile, listed_records
-from ..dump.record import RecordKey
 from ..utils.flags import OptionError, check_keywords, option, positive, positive_int, positive_or_none, takes_options
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
-from .align import fuzzy_renames
+from .align import align_operations, fuzzy_renames
 from .options import DEFAULT_WINDOW, CompareConfig
 from .engine import compare_loaded, noise_label
-from .matched import SpilledRecordDiffs, Summary, spill
+from .recorddiffs import SpilledRecordDiffs, Summary, spill
 from .names import NameMap, NameMapLike, as_name_map
-from .opalign import align_operations
-from .results import Operations
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
 from .report import Report
-from .results import Damaged, Divergence, NoiseFloor, RecordDiff, Rename
+from .results import Damaged, NoiseFloor, Operations, RecordDiff, Rename
 
 __all__ = ["CompareOptions", "compare_dumps", "compare_windows", "windows_of"]
 
@@ -67,29 +63,13 @@ class _Window:
 
 @dataclass
 class _Part:
-    """One window's comparison, reduced to what the joined report needs: its arrays are in the spill directory
-    (``matched.spill``), its RecordDiffs those a report shows (``_reduced``)."""
+    """One window's comparison, reduced to what the joined report needs: its arrays in its spill file
+    (``recorddiffs.spill``), the RecordDiffs a report shows (``_compared_part``), the rest of its report."""
 
-    count: int
-    labels: tuple[list[str], list[str]]
-    worst_names: list[str] | None
-    moments: list[tuple[str, str]]
+    spilled: Path
     built: dict[int, RecordDiff]
     summary: Summary
-    only_in_base: list[RecordKey]
-    only_in_other: list[RecordKey]
-    base_steps: dict[int, list[int]]
-    other_steps: dict[int, list[int]]
-    unfinished: dict[str, dict[int, list[int]]]
-    noise_unmatched: int
-    zero_grads: list[tuple[RecordKey, str]]
-    first_divergence: Divergence | None
-    first_nonfinite: dict[str, Anomaly | None]
-    renamed: list[Rename]
-    damaged: dict[str, list[Damaged]] = field(default_factory=dict)
-    grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
-    noise_floor: NoiseFloor | None = None
-    operations: Operations | None = None
+    report: Report  # without its records and config (None): they are the spill file's and the joined report's
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
@@ -118,25 +98,24 @@ def _drop_damaged(base: LoadedDump, other: LoadedDump) -> None:
     drop_steps(other, damaged[0])
 
 
-def _reduced(window: _Window, directory: str, index: int) -> _Part:
+def _compared_part(window: _Window, directory: str, index: int) -> _Part:
     """The window compared, its arrays written to ``directory`` and the rest reduced (run in a worker process
     when there are jobs): the records the report shows are built here, where the dumps are read."""
     report = _compare(window)
     records = report.records
     summary = records.summary()
     rows = [summary.diverged_rows, summary.worst_rows, summary.top_rows]  # every step's worst, the worst records
-    if records._worst is not None:
-        rows.append(np.flatnonzero(records._worst[1] == 1))  # what only a RecordDiff shows (plots build them)
+    if records.worst_metric is not None:
+        rows.append(np.flatnonzero(records.worst_metric.code == 1))  # what only a RecordDiff shows (plots build them)
     first = report.first_divergence
     if first is not None:
         rows.append(np.flatnonzero(records.where(rank=first.rank, step=first.step, phase=first.phase)))
-    spill(records, directory, str(index))
-    return _Part(len(records), (list(records.labels[0]), list(records.labels[1])),
-                 None if records._worst is None else list(records._worst[0]), list(records.moments or ()),
-                 records.built(np.concatenate(rows)), summary, report.only_in_base, report.only_in_other, report.base_steps,
-                 report.other_steps, report.unfinished, report.noise_unmatched, report.zero_grads, first,
-                 report.first_nonfinite, [rename for rename in report.renamed if rename.how != "fuzzy"], report.damaged,
-                 report.grad_norms, report.noise_floor, report.operations)
+    spilled = Path(directory) / f"{index}.arrow"
+    spill(records, spilled)
+    built = records.built(np.concatenate(rows))
+    report.records = report.config = None  # type: ignore[assignment]  # the spill file's; the joined report's
+    report.renamed = [rename for rename in report.renamed if rename.how != "fuzzy"]
+    return _Part(spilled, built, summary, report)
 
 
 def windows_of(base: str | Path | DumpReader, other: str | Path | DumpReader,
@@ -194,7 +173,7 @@ def compare_windows(windows: Sequence[_Window], *, jobs: int = 1, progress: bool
 def _each(windows: Sequence[_Window], jobs: int, directory: str) -> Iterable[_Part]:
     arguments = (windows, [directory] * len(windows), range(len(windows)))
     if jobs == 1:
-        return map(_reduced, *arguments)
+        return map(_compared_part, *arguments)
     # fork: a worker starts in milliseconds with everything imported; the windows come back in order.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     return _pooled(arguments, jobs, context)
@@ -202,7 +181,7 @@ def _each(windows: Sequence[_Window], jobs: int, directory: str) -> Iterable[_Pa
 
 def _pooled(arguments: tuple[Sequence[Any], ...], jobs: int, context: Any) -> Iterator[_Part]:
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_one_thread) as pool:
-        yield from pool.map(_reduced, *arguments)
+        yield from pool.map(_compared_part, *arguments)
 
 
 def _one_thread() -> None:
@@ -212,8 +191,6 @@ def _one_thread() -> None:
 
 
 def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempfile.TemporaryDirectory) -> Report:
-    offsets = np.cumsum([0] + [part.count for part in parts])
-
     def build(rows: np.ndarray) -> list[RecordDiff]:
         """Records no window built: their windows compared again."""
         found: dict[int, RecordDiff] = {}
@@ -221,43 +198,44 @@ def _joined(windows: Sequence[_Window], parts: Sequence[_Part], directory: tempf
         for index in np.unique(part_of).tolist():
             wanted = rows[part_of == index]
             again = _compare(windows[index]).records
-            found.update(zip(wanted.tolist(), again.take(wanted - offsets[index])))
+            found.update(zip(wanted.tolist(), again.at(wanted - offsets[index])))
         return [found[row] for row in rows.tolist()]
 
-    records = SpilledRecordDiffs(directory, [(str(index), part.count, part.labels, part.worst_names, part.moments,
-                                              part.built, part.summary) for index, part in enumerate(parts)], build)
-    first = parts[0]
+    records = SpilledRecordDiffs(directory, [(part.spilled, part.built, part.summary) for part in parts], build)
+    offsets = np.cumsum([0, *records.counts])
+    reports = [part.report for part in parts]
     renamed: dict[tuple[str, ...], Rename] = {}  # the name map's by name; operation pairs once each
     for how in ("map", "op"):
-        for part in parts:
-            for rename in part.renamed:
+        for window in reports:
+            for rename in window.renamed:
                 if rename.how == how:
                     renamed.setdefault((how, rename.other) if how == "map" else (how, str(rename.phase), rename.other,
                                                                                    rename.base), rename)
     fuzzy = list(windows[0].fuzzy or ())
     damaged: dict[str, list[Damaged]] = {}
-    for part in parts:
-        for side, items in part.damaged.items():
+    for window in reports:
+        for side, items in window.damaged.items():
             damaged.setdefault(side, []).extend(items)
     base, other, noise = windows[0].paths
     report = Report(base, other, noise_label(noise), CompareConfig(**windows[0].config),  # type: ignore[arg-type]
-                    records, [key for part in parts for key in part.only_in_base],
-                    [key for part in parts for key in part.only_in_other],
-                    _union(part.base_steps for part in parts), _union(part.other_steps for part in parts),
-                    first.unfinished, noise_unmatched=sum(part.noise_unmatched for part in parts),
-                    zero_grads=[item for part in parts for item in part.zero_grads],
+                    records, [key for window in reports for key in window.only_in_base],
+                    [key for window in reports for key in window.only_in_other],
+                    _union(window.base_steps for window in reports), _union(window.other_steps for window in reports),
+                    reports[0].unfinished, noise_unmatched=sum(window.noise_unmatched for window in reports),
+                    zero_grads=[item for window in reports for item in window.zero_grads],
                     renamed=[*renamed.values(), *fuzzy], damaged=damaged,
-                    grad_norms={side: {key: value for part in parts for key, value in part.grad_norms.get(side, {}).items()}
+                    grad_norms={side: {key: value for window in reports
+                                       for key, value in window.grad_norms.get(side, {}).items()}
                                 for side in ("base", "other")})
-    with_first = next((part for part in parts if part.first_divergence), None)
+    with_first = next((window for window in reports if window.first_divergence), None)
     report.first_divergence = None if with_first is None else with_first.first_divergence
-    operations = [part.operations for part in parts if part.operations is not None]
+    operations = [window.operations for window in reports if window.operations is not None]
     report.operations = Operations.merged(operations, None if with_first is None else with_first.operations) \
         if operations else None
-    floors = [part.noise_floor for part in parts if part.noise_floor is not None]
+    floors = [window.noise_floor for window in reports if window.noise_floor is not None]
     report.noise_floor = NoiseFloor.merged(floors) if floors else None
-    report.first_nonfinite = {side: next((part.first_nonfinite.get(side) for part in parts
-                                          if part.first_nonfinite.get(side)), None) for side in ("base", "other")}
+    report.first_nonfinite = {side: next((window.first_nonfinite.get(side) for window in reports
+                                          if window.first_nonfinite.get(side)), None) for side in ("base", "other")}
     return report
 
 

@@ -150,7 +150,7 @@ def test_the_flags_are_the_declared_options(command):
     """Each flag of these commands, its help and its default come from one dataclass field (probes.utils.flags)."""
     from probes.cli.compare import CompareCommand, parser as compare_parser
     from probes.cli.merge import parser as merge_parser
-    from probes.compare.merge import MergeConfig
+    from probes.compare.summaries import MergeConfig
     from probes.utils.flags import COMMAND_LINE, declared, help_of
 
     parser, cls = {"compare": (compare_parser, CompareCommand), "merge": (merge_parser, MergeConfig)}[command]

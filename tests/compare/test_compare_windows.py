@@ -111,7 +111,7 @@ def test_the_heatmap_rows_are_those_of_a_sort(rank_scale):
 
     import numpy as np
 
-    from probes.compare.matched import _rows_of
+    from probes.compare.recorddiffs import _rows_of
 
     rng = np.random.default_rng(0)
     count = 5000
@@ -128,7 +128,7 @@ def test_the_heatmap_rows_are_those_of_a_sort(rank_scale):
 def test_the_windows_arrays_are_on_disk_and_read_back_as_one_read_holds_them(runs):
     import numpy as np
 
-    from probes.compare.matched import SpilledRecordDiffs
+    from probes.compare.recorddiffs import SpilledRecordDiffs
 
     whole = compare_dumps(runs / "base", runs / "other", window=None)
     windowed = compare_dumps(runs / "base", runs / "other", window=10, jobs=1)

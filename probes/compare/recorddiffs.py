@@ -1,27 +1,32 @@
 """The matched records of a comparison as arrays (RecordDiffs): verdicts for all, RecordDiff objects on demand.
 
     records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
-    records[0]; records.take([3, 7]); records.worst(10)   # RecordDiff objects, built when read
+    records[0]; records.at([3, 7]); records.worst(10)     # RecordDiff objects, built when read
     for offset, chunk in records.chunks(): ...           # the arrays a part at a time (what reports read)
+    spill(records, "3.arrow")                            # a window's arrays as one Arrow IPC file
 
-A comparison read in windows keeps its arrays on disk, a file per window and array (SpilledRecordDiffs): the
-report's tables and plots read them a window at a time (``chunks``), so memory does not grow with the dumps.
+A comparison read in windows keeps its arrays on disk, one Arrow IPC file per window (SpilledRecordDiffs,
+memory-mapped): the report's tables and plots read them a window at a time (``chunks``), so memory does not
+grow with the dumps.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import tempfile
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
+import pyarrow as pa
 
 from .results import CellView, RecordDiff
 
-__all__ = ["RecordDiffs", "SpilledRecordDiffs", "Summary", "spill"]
+__all__ = ["RecordDiffs", "SpilledRecordDiffs", "Summary", "WorstMetric", "spill"]
 
 TOP = 32  # per part, the records of the largest ratio a Summary keeps (``worst`` of up to as many reads them)
 Row = tuple[int, str, str]  # rank, phase, name: a row of the heatmap, a line of the trajectories
@@ -90,30 +95,43 @@ def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
     return first_at[present], index_of[key]
 
 
+_ARRAYS = ("rank", "step", "seq", "ratio", "diverged", "rel_error")  # what every RecordDiffs holds per record
+
+
+class WorstMetric(NamedTuple):
+    """Per record the metric of its largest ratio, ``names[code]`` (0: nothing compared; 1: a structure field,
+    a count or the hash, which only its RecordDiff shows), with its base and other values and whether each is None."""
+
+    names: Sequence[str]
+    code: np.ndarray
+    base: np.ndarray  # nan where the value is None
+    other: np.ndarray
+    null: np.ndarray  # (records, 2) bool: the base / the other value is None
+
+
 class RecordDiffs(Sequence[RecordDiff]):
     """The matched records of a comparison, in execution order: the verdict of each as arrays, each
     RecordDiff built only when asked for (a comparison of a million records builds the few a report shows).
 
         records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
-        records[0]; records.take([3, 7]); list(records)       # RecordDiff objects
+        records[0]; records.at([3, 7]); list(records)       # RecordDiff objects
     """
 
     def __init__(self, *, rank: np.ndarray, step: np.ndarray, seq: np.ndarray, phase: np.ndarray, name: np.ndarray,
                  labels: tuple[Sequence[str], Sequence[str]], ratio: np.ndarray, diverged: np.ndarray,
                  rel_error: np.ndarray, build: Callable[[np.ndarray], list[RecordDiff]],
-                 worst: tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
-                 moments: Mapping[tuple[str, str], np.ndarray] | None = None) -> None:
+                 worst_metric: WorstMetric | None = None,
+                 moments: Mapping[tuple[str, str], np.ndarray] | None = None,
+                 summary: tuple[Summary, np.ndarray] | None = None) -> None:
         self.rank, self.step, self.seq = rank, step, seq
-        # (metric names, per record the code of its worst metric, its base and other values, and whether each
-        # is None); code 1 means a structure field or count, 0 nothing compared. None: only RecordDiffs know.
-        self._worst = worst
+        self.worst_metric = worst_metric  # None: only the RecordDiffs know
         self.moments = moments  # ("base" | "other", moment) -> per record the value, nan where absent
         self.phase, self.name = phase, name  # codes into labels[0] (phases) and labels[1] (names)
         self.labels = labels
         self.ratio, self.diverged, self.rel_error = ratio, diverged, rel_error
         self._build = build
         self._built: dict[int, RecordDiff] = {}
-        self._summary: tuple[Summary, np.ndarray] | None = None
+        self._summary = summary  # (the Summary, per record its row), computed when first asked for
 
     @classmethod
     def of(cls, records: Sequence[RecordDiff]) -> "RecordDiffs":
@@ -131,12 +149,10 @@ class RecordDiffs(Sequence[RecordDiff]):
                    rel_error=np.array([r.rel_error for r in kept], np.float64),
                    build=lambda rows: [kept[row] for row in rows.tolist()])
 
-    _ARRAYS = ("rank", "step", "seq", "ratio", "diverged", "rel_error")
-
     def built(self, rows: np.ndarray) -> dict[int, RecordDiff]:
         """The RecordDiff objects of ``rows`` by row (built now where they were not): what a window hands on."""
         rows = np.unique(np.asarray(rows, np.int64))
-        return dict(zip(rows.tolist(), self.take(rows)))
+        return dict(zip(rows.tolist(), self.at(rows)))
 
     def __len__(self) -> int:
         return len(self.ratio)
@@ -149,18 +165,18 @@ class RecordDiffs(Sequence[RecordDiff]):
 
     def __getitem__(self, index: int | slice) -> RecordDiff | list[RecordDiff]:
         if isinstance(index, slice):
-            return self.take(np.arange(len(self))[index])
+            return self.at(np.arange(len(self))[index])
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError("record index out of range")
-        return self.take([index])[0]
+        return self.at([index])[0]
 
     def __iter__(self) -> Iterator[RecordDiff]:
         for start in range(0, len(self), 4096):
-            yield from self.take(np.arange(start, min(start + 4096, len(self))))
+            yield from self.at(np.arange(start, min(start + 4096, len(self))))
 
-    def take(self, rows: Sequence[int] | np.ndarray) -> list[RecordDiff]:
+    def at(self, rows: Sequence[int] | np.ndarray) -> list[RecordDiff]:
         """The RecordDiff objects of ``rows`` (built once, then kept)."""
         rows = [int(row) for row in rows]
         missing = np.array(sorted({row for row in rows if row not in self._built}), np.int64)
@@ -169,15 +185,15 @@ class RecordDiffs(Sequence[RecordDiff]):
         return [self._built[row] for row in rows]
 
     def select(self, mask: np.ndarray) -> list[RecordDiff]:
-        return self.take(np.flatnonzero(mask))
+        return self.at(np.flatnonzero(mask))
 
     def views(self, rows: Sequence[int] | np.ndarray) -> list[CellView]:
         """What plots show of ``rows``, from the arrays where they say it (records are built for the rest)."""
         rows = np.asarray(rows, np.int64)
-        if self._worst is None:
-            return [CellView.of(record) for record in self.take(rows)]
-        names, codes, base, other, nulls = self._worst
-        built = dict(zip(rows[codes[rows] == 1].tolist(), map(CellView.of, self.take(rows[codes[rows] == 1]))))
+        if self.worst_metric is None:
+            return [CellView.of(record) for record in self.at(rows)]
+        names, codes, base, other, nulls = self.worst_metric
+        built = dict(zip(rows[codes[rows] == 1].tolist(), map(CellView.of, self.at(rows[codes[rows] == 1]))))
         values = zip(base[rows].tolist(), other[rows].tolist())  # arrays, or a window's spilled columns
         return [built[row] if row in built else
                 CellView(float(self.rel_error[row]), bool(self.diverged[row]), float(self.ratio[row]),
@@ -185,18 +201,18 @@ class RecordDiffs(Sequence[RecordDiff]):
                          None if nulls[row, 1] else value_o)
                 for row, (value_b, value_o) in zip(rows.tolist(), values)]
 
-    def worst_metrics(self, rows: Sequence[int]) -> list[str | None]:
+    def worst_metric_names(self, rows: Sequence[int]) -> list[str | None]:
         """The metric of the largest ratio of ``rows`` where the arrays say it (a moment, the samples); None where
         only the RecordDiff does (a structure field, a count, the hash; or no arrays)."""
-        if self._worst is None:
+        if self.worst_metric is None:
             return [None] * len(rows)
-        names, codes = self._worst[0], self._worst[1]
+        names, codes = self.worst_metric.names, self.worst_metric.code
         return [names[code] if code > 1 else None for code in codes[np.asarray(rows, np.int64)].tolist()]
 
     def value(self, rows: np.ndarray, run: str, metric: str) -> list[Any]:
         """A moment's base ("base") or other ("other") value of ``rows`` (None where it was not compared)."""
         if self.moments is None:
-            return [record.value(run, metric) for record in self.take(rows)]
+            return [record.value(run, metric) for record in self.at(rows)]
         values = self.moments[(run, metric)][rows]
         return [None if math.isnan(value) else value for value in values.tolist()]
 
@@ -252,60 +268,95 @@ class RecordDiffs(Sequence[RecordDiff]):
         if not rows:
             return []
         found, ratio = np.concatenate(rows).astype(np.int64), np.concatenate(ratios)
-        return self.take(found[np.argsort(-ratio, kind="stable")][:count])
+        return self.at(found[np.argsort(-ratio, kind="stable")][:count])
 
 
-_ARRAY_FILES = RecordDiffs._ARRAYS + ("phase", "name")
-_WORST_FILES = ("worst_code", "worst_base", "worst_other", "worst_null")
-
-
-def spill(records: RecordDiffs, directory: str | Path, prefix: str) -> None:
-    """Writes the arrays of ``records`` (verdicts, codes, the worst metrics, the moments) to ``directory``, a
-    ``.npy`` file each named ``<prefix>.<array>``: what ``SpilledRecordDiffs`` reads back."""
-    directory = Path(directory)
-    arrays = {name: getattr(records, name) for name in _ARRAY_FILES}
-    arrays["row"] = records.row_of
-    if records._worst is not None:
-        arrays.update(zip(_WORST_FILES, records._worst[1:]))
+def spill(records: RecordDiffs, path: str | Path) -> None:
+    """Writes the arrays of ``records`` (verdicts, keys, each record's summary row, the worst metrics, the
+    moments) to ``path``, one Arrow IPC file: what ``SpilledRecordDiffs`` reads back."""
+    columns: dict[str, Any] = {name: _narrowed(getattr(records, name)) for name in _ARRAYS}
+    for which, name in enumerate(("phase", "name")):
+        columns[name] = pa.DictionaryArray.from_arrays(pa.array(getattr(records, name), pa.int32()),
+                                                       pa.array(list(records.labels[which]), pa.string()))
+    columns["row"] = records.row_of
+    metadata = {}
+    worst = records.worst_metric
+    if worst is not None:
+        columns.update(worst_code=worst.code, worst_base=worst.base, worst_other=worst.other,
+                       worst_null_base=worst.null[:, 0], worst_null_other=worst.null[:, 1])
+        metadata["worst_names"] = json.dumps(list(worst.names))
     for (run, moment), values in (records.moments or {}).items():
-        arrays[f"moment.{run}.{moment}"] = values
-    for name, values in arrays.items():
-        if values.dtype.kind == "i" and values.dtype.itemsize > 4 and (not values.size or (
-                values.min() >= -(1 << 31) and values.max() < 1 << 31)):
-            values = values.astype(np.int32)  # keys and codes: half the bytes to write and read back
-        np.save(directory / f"{prefix}.{name}.npy", np.ascontiguousarray(values), allow_pickle=False)
+        columns[f"moment.{run}.{moment}"] = values
+    table = pa.table(columns, metadata=metadata)
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table)
+
+
+def _narrowed(values: np.ndarray) -> np.ndarray:
+    """Keys as int32 where they fit: half the bytes to write and read back."""
+    if values.dtype.kind == "i" and values.dtype.itemsize > 4 and (not values.size or (
+            values.min() >= -(1 << 31) and values.max() < 1 << 31)):
+        return values.astype(np.int32)
+    return values
+
+
+def _read_spilled(path: str | Path) -> pa.Table:
+    """A window's spill file, memory-mapped: its number columns are read without a copy."""
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _labels(table: pa.Table, name: str) -> list[str]:
+    chunks = table.column(name).chunks
+    return chunks[0].dictionary.to_pylist() if chunks else []
+
+
+def _codes(table: pa.Table, name: str) -> np.ndarray:
+    """A dictionary column's indices (empty: none)."""
+    chunks = table.column(name).chunks
+    return chunks[0].indices.to_numpy(zero_copy_only=False) if chunks else np.zeros(0, np.int32)
+
+
+def _array(table: pa.Table, name: str) -> np.ndarray:
+    column = table.column(name)
+    if not column.num_chunks:
+        return np.zeros(0, column.type.to_pandas_dtype())
+    return column.chunk(0).to_numpy(zero_copy_only=False)
 
 
 class SpilledRecordDiffs(RecordDiffs):
-    """The RecordDiffs of several windows, their arrays in ``.npy`` files (``spill``), read a window at a time.
+    """The RecordDiffs of several windows, each window's arrays in an Arrow IPC file (``spill``), read a window
+    at a time.
 
-        records = SpilledRecordDiffs(directory, parts, build)  # parts: (prefix, count, labels, worst metric names,
-                                                               #         moments, built RecordDiffs by row)
-        for offset, chunk in records.chunks(): chunk.ratio.max()
+        records = SpilledRecordDiffs(directory, [(path, built RecordDiffs by row, summary), ...], build)
+        for offset, window in records.chunks(): window.ratio.max()
 
     The array attributes (``ratio``, ``step``, ...) read every window into one array: for small comparisons;
     reports read ``chunks``. ``directory`` (a TemporaryDirectory) is removed with this object.
     """
 
-    def __init__(self, directory: tempfile.TemporaryDirectory, parts: Sequence[tuple[str, int, tuple[Sequence[str],
-                 Sequence[str]], Sequence[str] | None, Sequence[tuple[str, str]], Mapping[int, RecordDiff], Summary]],
+    def __init__(self, directory: tempfile.TemporaryDirectory,
+                 parts: Sequence[tuple[Path, Mapping[int, RecordDiff], Summary]],
                  build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
         self._directory = directory
         labels: tuple[dict[str, int], dict[str, int]] = ({}, {})
-        self._parts: list[tuple[str, int, np.ndarray, np.ndarray, Sequence[str] | None, tuple[tuple[str, str], ...],
-                                Summary]] = []
+        self._parts: list[tuple[Path, np.ndarray, np.ndarray, Summary]] = []
+        self.counts: list[int] = []  # per window its records
         self._built: dict[int, RecordDiff] = {}
         offset = 0
-        for prefix, count, part_labels, worst_names, moments, built, summary in parts:
-            lookups = [np.array([labels[which].setdefault(label, len(labels[which])) for label in found], np.int32)
-                       for which, found in enumerate(part_labels)]
-            self._parts.append((prefix, count, lookups[0], lookups[1], worst_names, tuple(moments), summary))
+        for path, built, summary in parts:
+            table = _read_spilled(path)
+            lookups = [np.array([labels[which].setdefault(label, len(labels[which]))
+                                 for label in _labels(table, name)], np.int32)
+                       for which, name in enumerate(("phase", "name"))]
+            self._parts.append((path, lookups[0], lookups[1], summary))
             self._built.update((row + offset, record) for row, record in built.items())
-            offset += count
+            self.counts.append(table.num_rows)
+            offset += table.num_rows
         self._count = offset
         self.labels = (list(labels[0]), list(labels[1]))
         self._build = build
-        self._worst = None  # read per chunk
+        self.worst_metric = None  # read per window
         self.moments = None
         self._diverged: np.ndarray | None = None
 
@@ -314,14 +365,14 @@ class SpilledRecordDiffs(RecordDiffs):
 
     def chunks(self) -> Iterator[tuple[int, RecordDiffs]]:
         offset = 0
-        for prefix, count, phases, names, worst_names, moments, summary in self._parts:
-            yield offset, self._chunk(prefix, count, phases, names, worst_names, moments, summary, offset)
+        for part, count in zip(self._parts, self.counts):
+            yield offset, self._window(*part, offset)
             offset += count
 
-    def _chunk(self, prefix: str, count: int, phases: np.ndarray, names: np.ndarray, worst_names: Sequence[str] | None,
-               moments: Sequence[tuple[str, str]], summary: Summary, offset: int) -> RecordDiffs:
-        return _Chunk(Path(self._directory.name), prefix, (phases, names), worst_names, moments, summary, self.labels,
-                      lambda rows: self.take(np.asarray(rows, np.int64) + offset))
+    def _window(self, path: Path, phases: np.ndarray, names: np.ndarray, summary: Summary, offset: int
+                ) -> RecordDiffs:
+        return _SpilledWindow(_read_spilled(path), (phases, names), self.labels, summary,
+                              lambda rows: self.at(np.asarray(rows, np.int64) + offset))
 
     def diverged_rows(self) -> np.ndarray:
         if self._diverged is None:  # read by the counts, the JSON and the tables: once
@@ -342,44 +393,39 @@ class SpilledRecordDiffs(RecordDiffs):
     rel_error = property(lambda self: self._joined("rel_error"))
 
 
-class _Chunk(RecordDiffs):
-    """One window's RecordDiffs, each array read from its file when first used (a pass reads only its arrays);
-    phase and name codes turned into the joined ones."""
+class _SpilledWindow(RecordDiffs):
+    """One window's RecordDiffs on its memory-mapped spill file: each array read when first used (a pass over
+    the windows touches only the pages of its arrays), phase and name codes turned into the joined ones."""
 
-    def __init__(self, directory: Path, prefix: str, lookups: tuple[np.ndarray, np.ndarray],
-                 worst_names: Sequence[str] | None, moments: Sequence[tuple[str, str]], summary: Summary,
-                 labels: tuple[Sequence[str], Sequence[str]], build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
-        self._files = (directory, prefix)
-        self._part_summary = summary
-        self._lookups, self._worst_names, self._moment_keys = lookups, worst_names, moments
-        self.labels = labels
-        self._build = build
+    def __init__(self, table: pa.Table, lookups: tuple[np.ndarray, np.ndarray],
+                 labels: tuple[Sequence[str], Sequence[str]], summary: Summary,
+                 build: Callable[[np.ndarray], list[RecordDiff]]) -> None:
+        self._table, self._lookups, self.labels, self._build = table, lookups, labels, build
         self._built = {}
+        self._summary = (summary, _array(table, "row"))
 
-    def summary(self) -> Summary:
-        return self._part_summary
+    def _column(self, name: str) -> np.ndarray:
+        return _array(self._table, name)
 
-    @property
-    def row_of(self) -> np.ndarray:
-        return self._load("row")
+    rank = functools.cached_property(lambda self: self._column("rank"))  # type: ignore[assignment]
+    step = functools.cached_property(lambda self: self._column("step"))
+    seq = functools.cached_property(lambda self: self._column("seq"))
+    ratio = functools.cached_property(lambda self: self._column("ratio"))
+    diverged = functools.cached_property(lambda self: self._column("diverged"))
+    rel_error = functools.cached_property(lambda self: self._column("rel_error"))
+    phase = functools.cached_property(lambda self: self._lookups[0][_codes(self._table, "phase")])
+    name = functools.cached_property(lambda self: self._lookups[1][_codes(self._table, "name")])
 
-    def _load(self, name: str) -> np.ndarray:
-        directory, prefix = self._files
-        return np.load(directory / f"{prefix}.{name}.npy", allow_pickle=False)
+    @functools.cached_property
+    def worst_metric(self) -> WorstMetric | None:  # type: ignore[override]
+        table = self._table
+        if "worst_code" not in table.column_names:
+            return None
+        return WorstMetric(json.loads(table.schema.metadata[b"worst_names"]), self._column("worst_code"),
+                           self._column("worst_base"), self._column("worst_other"),
+                           np.stack([self._column("worst_null_base"), self._column("worst_null_other")], axis=1))
 
-    def __getattr__(self, name: str) -> Any:
-        if name in RecordDiffs._ARRAYS:
-            value: Any = self._load(name)
-        elif name in ("phase", "name"):
-            codes = self._load(name)
-            lookup = self._lookups[0 if name == "phase" else 1]
-            value = lookup[codes] if len(codes) else np.zeros(0, np.int32)
-        elif name == "_worst":
-            value = None if self._worst_names is None else (list(self._worst_names),
-                                                            *(self._load(item) for item in _WORST_FILES))
-        elif name == "moments":
-            value = {key: self._load(f"moment.{key[0]}.{key[1]}") for key in self._moment_keys} or None
-        else:
-            raise AttributeError(name)
-        setattr(self, name, value)
-        return value
+    @functools.cached_property
+    def moments(self) -> dict[tuple[str, str], np.ndarray] | None:  # type: ignore[override]
+        return {tuple(column.split(".")[1:]): self._column(column) for column in self._table.column_names
+                if column.startswith("moment.")} or None
