@@ -54,7 +54,16 @@ class Described(NamedTuple):
     hashed: bool = True  # in a hashed block, its row ends with a hash (False: a row merged from shards has none)
 
 
-Entry = tuple  # (names, phase, seq, described, part, row, step): see the module docstring
+class Entry(NamedTuple):
+    """One record of a step in the making: what names it, and where its statistics row is."""
+
+    names: tuple  # the NAME_FIELDS values, made once per site
+    phase: str
+    seq: int
+    described: Described
+    part: int | None  # which buffer holds its row (None: no row, the record says why)
+    row: int | None  # the row in that buffer
+    step: int
 
 
 @dataclass(eq=False)
@@ -77,14 +86,14 @@ class RowBlock:
         entries = self.entries
         count = len(entries)
         columns: dict[str, Any] = {}
-        names = list(zip(*(entry[0] for entry in entries))) if entries else [()] * len(NAME_FIELDS)
+        names = list(zip(*(entry.names for entry in entries))) if entries else [()] * len(NAME_FIELDS)
         for position, key in enumerate(NAME_FIELDS):
             columns[key] = list(names[position])
         columns["step"] = [self.step] * count
         columns["rank"] = [self.rank] * count
-        columns["phase"] = [entry[1] for entry in entries]
-        columns["seq"] = [entry[2] for entry in entries]
-        described = [entry[3] for entry in entries]
+        columns["phase"] = [entry.phase for entry in entries]
+        columns["seq"] = [entry.seq for entry in entries]
+        described = [entry.described for entry in entries]
         # Descriptions are shared by the records of a kind of tensor: each is spelled out once.
         spelled: dict[int, tuple[tuple[Any, ...], list[str] | None]] = {}
         for info in described:
@@ -122,18 +131,18 @@ class RowBlock:
         """The statistics and samples columns of the records that have rows."""
         entries = self.entries
         count = len(entries)
-        with_rows = np.fromiter((entry[4] is not None for entry in entries), dtype=bool, count=count)
+        with_rows = np.fromiter((entry.part is not None for entry in entries), dtype=bool, count=count)
         if not with_rows.any():
             return
         width = ACCUMULATED_WIDTH + self.sample_count
         # Each record's row, gathered from the parts (the hash, when there is one, in the last column).
         rows = np.zeros((count, width + 1 if self.hashed else width))
         for part_index, part in enumerate(self.parts):
-            picked = [(position, entry[5]) for position, entry in enumerate(entries) if entry[4] == part_index]
+            picked = [(position, entry.row) for position, entry in enumerate(entries) if entry.part == part_index]
             if picked:
                 at, row = zip(*picked)
                 rows[list(at)] = np.asarray(part, dtype=np.float64)[list(row), :rows.shape[1]]
-        integer = np.fromiter((entry[3].integer for entry in entries), dtype=bool, count=count) & with_rows
+        integer = np.fromiter((entry.described.integer for entry in entries), dtype=bool, count=count) & with_rows
         stats = rows[:, :ACCUMULATED_WIDTH]
         finite = stats[:, [stat.name for stat in ACCUMULATED].index("finite")]
         merged: dict[str, np.ndarray] = {}
@@ -160,7 +169,7 @@ class RowBlock:
             for row in np.flatnonzero(with_rows & ~valid):
                 _add_null(nulls, row, stat.name)
         # Samples as list columns built from one flat array each (no list per record).
-        numel = np.fromiter((entry[3].numel for entry in entries), dtype=np.int64, count=count)
+        numel = np.fromiter((entry.described.numel for entry in entries), dtype=np.int64, count=count)
         taken = np.where(with_rows, np.minimum(numel, self.sample_count), 0)
         kept = np.arange(self.sample_count)[None, :] < taken[:, None]
         values = rows[:, ACCUMULATED_WIDTH:width]
@@ -172,7 +181,7 @@ class RowBlock:
         columns["sample_indices"] = _lists(taken, pa.array(self._sample_indices(numel[with_rows])), ~with_rows)
         if self.hashed:
             hashes = np.ascontiguousarray(rows[:, width])
-            unhashed = np.array([not entry[3].hashed for entry in entries], dtype=bool)
+            unhashed = np.array([not entry.described.hashed for entry in entries], dtype=bool)
             columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | unhashed)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..core import ProbeEvent, ProbeSite
-from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RowBlock
+from ..dump.rowblock import ACCUMULATED_WIDTH, Described, Entry, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .hashing import tensor_hash
@@ -97,7 +97,7 @@ class StepRows:
         self._buffers: dict[torch.device, _Buffer] = {}
         self._parts: list[_Buffer] = []  # buffers in the order of their first row since the last take
         self._part_of: dict[torch.device, int] = {}
-        self._entries: list[tuple] = []
+        self._entries: list[Entry] = []
         self._checked = 0  # entries already read by ``anomalies``
         self._names: dict[tuple[ProbeSite, int, int], tuple] = {}  # (site, index, call) -> names
         self._described: dict[tuple, Described] = {}
@@ -120,10 +120,10 @@ class StepRows:
         try:
             described, part, row = self._fill(tensor)
         except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
-            self._entries.append((names, phase, seq, unsupported_description(tensor, self._describe_failure(error)), None, None,
+            self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, self._describe_failure(error)), None, None,
                                   step))
             return error.with_traceback(None)  # its frames would keep the tensor alive
-        self._entries.append((names, phase, seq, described, part, row, step))
+        self._entries.append(Entry(names, phase, seq, described, part, row, step))
         return None
 
     def add_unsupported(self, event: ProbeEvent, index: int, tensor: torch.Tensor | None, reason: str) -> None:
@@ -133,7 +133,7 @@ class StepRows:
     def add_unsupported_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor | None,
                               reason: str) -> None:
         """``add_unsupported`` for a record named by ``names``."""
-        self._entries.append((names, phase, seq, unsupported_description(tensor, reason), None, None, step))
+        self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, reason), None, None, step))
 
     def _names_of(self, event: ProbeEvent, index: int) -> tuple:
         site = event.site
@@ -150,14 +150,14 @@ class StepRows:
         the buffer of its device; ``row`` None: a record without statistics (``described.unsupported`` says why).
         Such a row has statistics and samples only: with ``hash``, the record has no hash (None)."""
         if row is None:
-            self._entries.append((names, phase, seq, described, None, None, step))
+            self._entries.append(Entry(names, phase, seq, described, None, None, step))
             return
         buffer, part = self._buffer(row.device)
         at = buffer.next_row()
         buffer.rows[at, :row.shape[-1]].copy_(row)
         if self.hash:
             described = described._replace(hashed=False)
-        self._entries.append((names, phase, seq, described, part, at, step))
+        self._entries.append(Entry(names, phase, seq, described, part, at, step))
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
         """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row)."""
@@ -283,8 +283,8 @@ class StepRows:
         parts = {part: buffer.rows[:buffer.used, slots].cpu().numpy() for part, buffer in enumerate(self._parts)}
         stats = np.full((len(entries), len(slots)), np.nan)
         for position, entry in enumerate(entries):
-            if entry[4] is not None:
-                stats[position] = parts[entry[4]][entry[5]]
+            if entry.part is not None:
+                stats[position] = parts[entry.part][entry.row]
         find(stats, entries)
 
     def clear(self) -> None:
@@ -325,7 +325,7 @@ class StepRows:
                 buffer.used = 0
         by_step: dict[int, list[tuple]] = {}
         for entry in self._entries:
-            by_step.setdefault(entry[6], []).append(entry)
+            by_step.setdefault(entry.step, []).append(entry)
         ready = _waiter(events)
         indices = functools.partial(_sample_list, count=self.sample_count)
         self._reset()

@@ -107,20 +107,20 @@ class AnomalyWatch:
             nan, inf, low, high = stats.T
             suspect = (nan > 0) | (inf > 0)
             if self.max_abs is not None:
-                integer = np.array([entry[3].integer for entry in entries], dtype=bool)
+                integer = np.array([entry.described.integer for entry in entries], dtype=bool)
                 # Integer extremes are bit patterns here: those rows go to the rule itself.
                 extremes = np.abs(np.stack([low, high]))
                 magnitude = np.where(np.isfinite(extremes), extremes, 0.0).max(axis=0)
                 suspect |= integer | (magnitude > self.max_abs)
             for position in np.flatnonzero(suspect):
                 entry = entries[position]
-                names, described = entry[0], entry[3]
+                names, described = entry.names, entry.described
                 extremes = stats[position, 2:4]
                 if described.integer:
                     lo, hi = (int(value) for value in extremes.view(np.int64))
                 else:
                     lo, hi = (float(value) if np.isfinite(value) else None for value in extremes)
-                record = {"rank": rank, "step": entry[6], "phase": entry[1], "seq": entry[2], "name": names[0],
+                record = {"rank": rank, "step": entry.step, "phase": entry.phase, "seq": entry.seq, "name": names[0],
                           "module": names[2], "tensor_index": names[1], "numel": described.numel,
                           "nan": int(stats[position, 0]), "inf": int(stats[position, 1]), "min": lo, "max": hi}
                 if self.check(record) is not None:

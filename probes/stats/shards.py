@@ -154,6 +154,17 @@ def _fill(out: torch.Tensor, shard: torch.Tensor, spec: ShardSpec, rank: int, bu
     out[0, ACCUMULATED_WIDTH:ACCUMULATED_WIDTH + positions.numel()].copy_(device_samples(values, positions))
 
 
+class _ShardRecord(NamedTuple):
+    """A shard's record waiting for the gather: what names it, and where its shard lies in the whole tensor."""
+
+    names: tuple
+    step: int
+    phase: str
+    seq: int
+    described: Described
+    spec: ShardSpec
+
+
 class ShardRows:
     """Rows of this rank's shards since the last flush, and the records they make (see the module docstring).
 
@@ -166,7 +177,7 @@ class ShardRows:
         self.group = group
         self.width = ACCUMULATED_WIDTH + rows.sample_count  # statistics and samples (a merged row has no hash)
         self._pending: list[torch.Tensor] = []
-        self._entries: list[tuple] = []  # (names, step, phase, seq, described, spec)
+        self._entries: list[_ShardRecord] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -197,7 +208,7 @@ class ShardRows:
             described = unsupported_description(shard, str(error) or type(error).__name__)._replace(
                 shape=[int(size) for size in full_shape])
         self._pending.append(out)
-        self._entries.append((names, step, phase, seq, described, spec))
+        self._entries.append(_ShardRecord(names, step, phase, seq, described, spec))
         return failure
 
     def clear(self) -> None:
@@ -211,13 +222,13 @@ class ShardRows:
             return
         pending, entries = self._pending, self._entries
         self._pending, self._entries = [], []
-        world = len(entries[0][5].bounds)
+        world = len(entries[0].spec.bounds)
         # The rows travel, not the shards: to the accelerator where any is (offload may leave shards on the CPU).
         device = next((row.device for row in pending if row.device.type != "cpu"), pending[0].device)
         local = torch.cat([row.to(device) for row in pending]) if len(pending) > 1 else pending[0]
         gathered = self._gather(local, world)
-        merged = merge_shard_rows(gathered, [entry[5] for entry in entries],
-                                  integer=[entry[4].integer for entry in entries])
+        merged = merge_shard_rows(gathered, [entry.spec for entry in entries],
+                                  integer=[entry.described.integer for entry in entries])
         for index, (names, step, phase, seq, described, _) in enumerate(entries):
             self.rows.add_row(names, step, phase, seq, None if described.unsupported else merged[index], described)
 
