@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
 import torch
 
 from exporters.handles import Handle
 
 from .compare import Report, compare_dumps
-from .compare.options import DEFAULT_NOISE_FACTOR
 from .compare.results import ZERO_GRAD_NOTE
-from .compare.names import NameMapLike
+from .compare.windows import CompareOptions
 from .compare.terminal import counts_line, noise_floor_line, verdict
 from .rounding import perturbed_rounding
+from .utils.flags import takes_options
 
 __all__ = ["assert_parity", "inject_bug", "perturbed_rounding"]
 
@@ -60,27 +60,21 @@ def parity_message(report: Report, limit: int = 5) -> str:
     return "\n".join(lines)
 
 
-def assert_parity(base_dir: str | Path, other_dir: str | Path, *, rtol: float | None = None,
-                  atol: float | None = None, noise: str | Path | Sequence[str | Path] | None = None,
-                  noise_factor: float = DEFAULT_NOISE_FACTOR, steps: Sequence[int] | None = None,
-                  names: Sequence[str] = (), html: str | Path | None = None,
-                  strict_zero_grads: bool = False, name_map: NameMapLike | None = None,
-                  fuzzy: bool = False) -> Report:
+@takes_options(CompareOptions)
+def assert_parity(base_dir: str | Path, other_dir: str | Path, *, html: str | Path | None = None,
+                  **options: Any) -> Report:
     """Raises AssertionError naming the first divergence unless the two dumps agree; returns the report.
 
         assert_parity("eager_out", "refactored_out", name_map={r"\\.ffn\\.": ".mlp."})
 
-    Tolerances, filters and ``strict_zero_grads`` are those of ``probes.compare.compare_dumps`` (without
-    ``rtol``/``atol``, each record's per-dtype default tolerance; by default a gradient exactly zero in one run
-    and absent in the other is only noted in ``report.zero_grads``). ``noise``: calibration runs (the base run
-    again under ``perturbed_rounding``, one or several): each statistic's tolerance is then at least its noise
-    floor (docs/compare.md, Noise floor). ``html``: where to write the HTML report when the runs diverge (its path
-    is then part of the message). ``name_map`` (a NameMap, its rules or a YAML/JSON file) and ``fuzzy``
-    compare runs whose names differ (docs/names.md). Dumps this process is still writing are waited for first.
+    The options are ``probes.compare.compare_dumps``'s, declared once (``CompareOptions``, listed below): without
+    ``rtol``/``atol``, each record's per-dtype default tolerance; ``noise``, calibration runs (the base run again
+    under ``perturbed_rounding``), makes each statistic's tolerance at least its noise floor (docs/compare.md,
+    Noise floor); ``name_map`` and ``fuzzy`` compare runs whose names differ (docs/names.md). ``html``: where to
+    write the HTML report when the runs diverge (its path is then part of the message). Dumps this process is
+    still writing are waited for first.
     """
-    report = compare_dumps(base_dir, other_dir, rtol=rtol, atol=atol, noise=noise, noise_factor=noise_factor,
-                           steps=steps, names=names, strict_zero_grads=strict_zero_grads, name_map=name_map,
-                           fuzzy=fuzzy)
+    report = compare_dumps(base_dir, other_dir, **options)
     if report.agrees:
         return report
     message = parity_message(report)

@@ -100,3 +100,16 @@ def test_the_documented_options_are_the_declared_ones():
     expected = {f.name: (spelling(CompareOptions, f.name, COMMAND_LINE) if how.command_line else "(always on)",
                          repr(f.default)) for f, how in declared(CompareOptions) if not how.positional}
     assert documented == expected
+
+
+def test_assert_parity_takes_compare_dumps_options_and_passes_them_on(tmp_path):
+    from probes.testing import assert_parity
+
+    parity = inspect.signature(assert_parity).parameters
+    compare = inspect.signature(compare_dumps).parameters
+    assert [name for name in parity if name not in ("base_dir", "other_dir", "html")] == \
+        [name for name in compare if name not in ("base", "other")]
+    with pytest.raises(TypeError, match="rtoll"):
+        assert_parity(tmp_path, tmp_path, rtoll=1e-3)
+    with pytest.raises(ValueError, match="rtol"):
+        assert_parity(tmp_path, tmp_path, rtol=-1.0)
