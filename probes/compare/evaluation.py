@@ -407,10 +407,10 @@ def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
 def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray], config: CompareConfig,
             noise: np.ndarray | None = None) -> Measured:
     """The verdicts of every pair ``rows``; ``noise``: each pair's noise level (nan: none)."""
-    pairs, exact = from_columns(base, other, rows)
+    pairs, by_records = from_columns(base, other, rows)
     found = verdicts(evaluate(pairs, config, noise, summaries=False), config.noise_factor)
     _shown_by_records(found, np.flatnonzero(pairs.integer))
-    odd = np.flatnonzero(exact)
+    odd = np.flatnonzero(by_records)
     if len(odd):
         part = verdicts(evaluate(from_records(base.records_at(rows[0][odd]), other.records_at(rows[1][odd]),
                                               context_of(base, rows[0][odd])), config,
@@ -453,9 +453,9 @@ def _hash_verdicts(found: Measured, base: LoadedDump, other: LoadedDump, rows: t
 def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """Per pair of the base run and a calibration run (``rows``) and per statistic (``NOISED``, a
     column each): the noise level, nan where there is none."""
-    pairs, exact = from_columns(base, noise, rows)
+    pairs, by_records = from_columns(base, noise, rows)
     levels = noise_level(pairs)
-    odd = np.flatnonzero(exact)
+    odd = np.flatnonzero(by_records)
     if len(odd):
         levels[odd] = noise_level(from_records(base.records_at(rows[0][odd]), noise.records_at(rows[1][odd])))
     return levels

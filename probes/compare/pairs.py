@@ -179,10 +179,10 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
     whole = b.present("samples_int") & o.present("samples_int")  # both integers: their exact values
     paired = by_position & ~odd & (samples_b[2] > 0)
     blocks = []
-    for exact, (sides_b, sides_o) in ((False, (samples_b, samples_o)),
-                                      (True, (b.lists("samples_int"), o.lists("samples_int")))):
-        for length in np.unique(samples_b[2][paired & (whole == exact)]):
-            found = np.flatnonzero(paired & (whole == exact) & (samples_b[2] == length))
+    for integers, (sides_b, sides_o) in ((False, (samples_b, samples_o)),
+                                         (True, (b.lists("samples_int"), o.lists("samples_int")))):
+        for length in np.unique(samples_b[2][paired & (whole == integers)]):
+            found = np.flatnonzero(paired & (whole == integers) & (samples_b[2] == length))
             blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(sides_b, found, length),
                                       _rows_of(sides_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
