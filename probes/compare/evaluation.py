@@ -6,10 +6,10 @@
     levels = noise_levels(base, noise_run, rows)        # per pair and statistic: the noise level (nan: none)
     diffs = record_diffs(base, other, rows, config, noise=levels)      # one RecordDiff per pair
 
-The rules of ``rules`` applied to ``pairs``, on columns: pairs are read from their float64 columns
-(``pairs.from_columns``); those a float64 column cannot hold exactly (an integer kept in an ``*_int`` column,
-anything kept in ``extra``) and the RecordDiffs' pairs are read with the values the records hold
-(``pairs.from_records``, object arrays). ``evaluate`` computes every metric once; ``verdicts`` reduces an
+The rules of ``rules`` applied to ``pairs``, on columns: pairs are read from their columns
+(``pairs.from_columns``: float64, an integer tensor's values int64, compared exactly); those no column holds
+(anything kept in ``extra``, samples to pair by index) and the RecordDiffs' pairs are read with the values the
+records hold (``pairs.from_records``, object arrays). ``evaluate`` computes every metric once; ``verdicts`` reduces an
 evaluation to per-pair verdicts (ratio, diverged, the worst metric), ``record_diffs`` turns the one of a few pairs
 into RecordDiff objects: both read what ``evaluate`` computed, nothing else decides a metric.
 """
@@ -29,7 +29,7 @@ from .options import AGGREGATES, COUNTS, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, C
 from .pairs import Pairs, SampleBlock, context_of, from_columns, from_records
 from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
-from .rules import as_floats, bounds, difference, distance, finite, ratio, relative, same, tolerance
+from .rules import as_floats, bounds, difference, distance, finite, int_distance, ratio, relative, same, tolerance
 
 __all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_level",
            "noise_levels", "record_diffs"]
@@ -94,12 +94,22 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
         compared = ~(null_b | null_o) if name in OPTIONAL_MOMENTS else ~(null_b & null_o)
         numbers = finite(values_b) & ~null_b
         level = None if noise is None else noise[:, NOISED.index(name)]
-        moments[name] = Moment(compared, difference(values_b, values_o, null_b, null_o),
+        moments[name] = Moment(compared, _difference(pairs, name),
                                tolerance(config, values_b, level, numbers, aggregate if name in AGGREGATES else single),
                                numbers, level)
     return Evaluation(pairs, unequal, moments,
                       _samples(pairs, config, None if noise is None else noise[:, NOISED.index("samples")], summaries,
                                single))
+
+
+def _difference(pairs: Pairs, name: str) -> np.ndarray:
+    """``rules.difference`` of a single value of every pair, exact where both sides hold an integer."""
+    (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
+    diff = difference(values_b, values_o, null_b, null_o)
+    if name in pairs.ints:
+        ints_b, ints_o, both = pairs.ints[name]
+        diff[both] = int_distance(ints_b[both], ints_o[both])
+    return diff
 
 
 def _base_floats(pairs: Pairs, name: str) -> np.ndarray:
@@ -239,7 +249,7 @@ def noise_level(pairs: Pairs) -> np.ndarray:
     for name in MOMENTS:
         (values_b, null_b), (values_n, null_n) = pairs.base[name], pairs.other[name]
         numbers = finite(values_b) & finite(values_n) & ~null_b & ~null_n
-        changes[name] = np.where(numbers, difference(values_b, values_n), 0.0)
+        changes[name] = np.where(numbers, _difference(pairs, name), 0.0)
     root = np.sqrt(_finite_count(pairs))
     per_value = np.where(root > 0, 1.0 / np.where(root > 0, root, 1.0), 0.0)
     values = np.maximum.reduce([changes["min"], changes["max"], changes["mean"], changes["norm"] * per_value])  # V
@@ -397,9 +407,10 @@ def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
 def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray], config: CompareConfig,
             noise: np.ndarray | None = None) -> Measured:
     """The verdicts of every pair ``rows``; ``noise``: each pair's noise level (nan: none)."""
-    pairs, exact = from_columns(base, other, rows)
+    pairs, by_records = from_columns(base, other, rows)
     found = verdicts(evaluate(pairs, config, noise, summaries=False), config.noise_factor)
-    odd = np.flatnonzero(exact)
+    _shown_by_records(found, np.flatnonzero(pairs.integer))
+    odd = np.flatnonzero(by_records)
     if len(odd):
         part = verdicts(evaluate(from_records(base.records_at(rows[0][odd]), other.records_at(rows[1][odd]),
                                               context_of(base, rows[0][odd])), config,
@@ -409,6 +420,15 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     if config.exact:
         _hash_verdicts(found, base, other, rows)
     return found
+
+
+def _shown_by_records(found: Measured, rows: np.ndarray) -> None:
+    """The pairs ``rows``, whose exact values only their RecordDiff shows (integers), marked as such (code 1:
+    the plots build it), their values as a record's (``_floats``: nan for anything but a finite number)."""
+    found.worst[rows] = WORST.index("structure")
+    for values in (found.worst_base, found.worst_other, *found.moments.values()):
+        part = values[rows]
+        values[rows] = np.where(np.isfinite(part), part, np.nan)
 
 
 def _hash_verdicts(found: Measured, base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> None:
@@ -433,9 +453,9 @@ def _hash_verdicts(found: Measured, base: LoadedDump, other: LoadedDump, rows: t
 def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """Per pair of the base run and a calibration run (``rows``) and per statistic (``NOISED``, a
     column each): the noise level, nan where there is none."""
-    pairs, exact = from_columns(base, noise, rows)
+    pairs, by_records = from_columns(base, noise, rows)
     levels = noise_level(pairs)
-    odd = np.flatnonzero(exact)
+    odd = np.flatnonzero(by_records)
     if len(odd):
         levels[odd] = noise_level(from_records(base.records_at(rows[0][odd]), noise.records_at(rows[1][odd])))
     return levels

@@ -1,19 +1,21 @@
 """The matched record pairs of two dumps, both sides as arrays: what the rules (``rules``) are applied to.
 
     rows = match(base, other)                        # (base rows, other rows) with the same key
-    pairs, exact = from_columns(base, other, rows)   # float64 columns; ``exact``: the pairs they cannot hold,
-    pairs = from_records(base.records_at(rows[0][exact]), other.records_at(rows[1][exact]))  # as Python values
+    pairs, odd = from_columns(base, other, rows)     # from the columns; ``odd``: the pairs they cannot hold,
+    pairs = from_records(base.records_at(rows[0][odd]), other.records_at(rows[1][odd]))  # as Python values
 
-A pair goes to ``from_records`` when a value of it is only exact as a Python value (an integer kept in an
-``*_int`` column, anything kept in ``extra``) or when its samples need ``rules.pair_samples`` to pair them
-(index lists that differ, lists of other lengths); every other pair has equal index lists as long as both
-sample lists, which ``pair_samples`` pairs by position, and is compared on its float64 columns.
+Every pair is read from its columns: float64 values, and an integer tensor's exact values from the ``*_int``
+columns as int64 (``Pairs.ints``, and int64 sample blocks), compared exactly. A pair goes to ``from_records``
+only when a value of it is kept in ``extra`` (a value of no column's type: only Python holds it) or when its
+samples need ``rules.pair_samples`` to pair them (index lists that differ, lists of other lengths); every
+other pair has equal index lists as long as both sample lists, which ``pair_samples`` pairs by position.
+``from_records`` also serves the RecordDiffs, which show the values as the records hold them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,8 +30,8 @@ __all__ = ["CONTEXT", "SCALARS", "Pairs", "SampleBlock", "context_of", "from_col
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
 CONTEXT = ("precision", "scale_floor")  # what a default tolerance depends on beyond the record (reading)
-_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int",
-             "phase", *CONTEXT)
+_INTS = ("min_int", "max_int", "samples_int")  # an integer tensor's exact values
+_COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", *_INTS, "phase", *CONTEXT)
 
 
 @dataclass
@@ -57,6 +59,9 @@ class Pairs:
     precision: np.ndarray  # the precision each pair is compared at (names: config.PRECISIONS, "exact")
     floor: np.ndarray  # the scale floor of each pair's default tolerance (0: none)
     phase: np.ndarray  # each pair's phase (its moments' tolerance depends on it)
+    # min, max -> (base values, other values, both sides hold an integer): integer tensors' exact values (int64)
+    ints: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    integer: np.ndarray | None = None  # an integer in an *_int column on either side: its RecordDiff shows it
 
 
 class _Columns:
@@ -81,6 +86,10 @@ class _Columns:
 
     def present(self, name: str) -> np.ndarray:
         return pc.is_valid(self.table.column(name)).to_numpy(zero_copy_only=False)
+
+    def ints(self, name: str) -> np.ndarray:
+        """An integer column as int64 (0 where null: read with ``present``)."""
+        return self.table.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
     def differs(self, name: str, other: "_Columns") -> np.ndarray:
         """Per row: this side's value of a string column is not the other's (None equals only None)."""
@@ -144,35 +153,42 @@ def _rows_of(lists: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray,
 
 def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]
                  ) -> tuple[Pairs, np.ndarray]:
-    """The pairs ``rows`` (base rows, other rows) on float64 columns, and the mask of those that go to
+    """The pairs ``rows`` (base rows, other rows) on their columns, and the mask of those that go to
     ``from_records`` instead (their entries here are not to be used)."""
     b, o = _Columns(base, rows[0]), _Columns(other, rows[1])
     count = len(rows[0])
-    exact = np.zeros(count, dtype=bool)
+    odd = b.present("extra") | o.present("extra")
+    integer = np.zeros(count, dtype=bool)
     for side in (b, o):
-        for name in ("extra", "min_int", "max_int", "samples_int"):
-            exact |= side.present(name)
+        for name in _INTS:
+            integer |= side.present(name)
     unequal = {"shape": ~_same_lists(b.lists("shape"), o.lists("shape")),
                "dtype": b.differs("dtype", o)}
     values = {name: (b.floats(name), o.floats(name)) for name in SCALARS}
-    for name in ("numel", *COUNTS):
-        (values_b, null_b), (values_o, null_o) = values[name]
-        unequal[name] = (null_b != null_o) | (~null_b & ~null_o & (values_b != values_o))
+    for name in ("numel", *COUNTS):  # integers: compared as such
+        null_b, null_o = ~b.present(name), ~o.present(name)
+        unequal[name] = (null_b != null_o) | (~null_b & ~null_o & (b.ints(name) != o.ints(name)))
+    ints = {name: (b.ints(f"{name}_int"), o.ints(f"{name}_int"),
+                   b.present(f"{name}_int") & o.present(f"{name}_int")) for name in ("min", "max")}
     samples_b, samples_o = b.lists("samples"), o.lists("samples")
     indices_b, indices_o = b.lists("sample_indices"), o.lists("sample_indices")
     have = (samples_b[2] >= 0) & (samples_o[2] >= 0) & (indices_b[2] >= 0) & (indices_o[2] >= 0) & ~unequal["shape"]
     by_position = have & _same_lists(indices_b, indices_o) & (samples_b[2] == samples_o[2]) \
         & (samples_b[2] == indices_b[2])
-    exact |= have & ~by_position
+    odd |= have & ~by_position
+    whole = b.present("samples_int") & o.present("samples_int")  # both integers: their exact values
+    paired = by_position & ~odd & (samples_b[2] > 0)
     blocks = []
-    for length in np.unique(samples_b[2][by_position & ~exact & (samples_b[2] > 0)]):
-        found = np.flatnonzero(by_position & ~exact & (samples_b[2] == length))
-        blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(samples_b, found, length),
-                                  _rows_of(samples_o, found, length), np.ones((len(found), length), dtype=bool)))
+    for integers, (sides_b, sides_o) in ((False, (samples_b, samples_o)),
+                                         (True, (b.lists("samples_int"), o.lists("samples_int")))):
+        for length in np.unique(samples_b[2][paired & (whole == integers)]):
+            found = np.flatnonzero(paired & (whole == integers) & (samples_b[2] == length))
+            blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(sides_b, found, length),
+                                      _rows_of(sides_o, found, length), np.ones((len(found), length), dtype=bool)))
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
                   {name: pair[1] for name, pair in values.items()}, blocks, np.zeros(count, dtype=bool),
-                  b.labels("precision"), b.floats("scale_floor")[0], b.labels("phase"))
-    return pairs, exact
+                  b.labels("precision"), b.floats("scale_floor")[0], b.labels("phase"), ints, integer)
+    return pairs, odd
 
 
 def match(base: LoadedDump, other: LoadedDump) -> tuple[np.ndarray, np.ndarray]:

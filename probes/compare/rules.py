@@ -8,10 +8,10 @@
     relative(diff, base); ratio(diff, tol)  # rel_diff and |diff| / tolerance, as MetricDiff keeps them
     pair_samples(b_idx, b_val, o_idx, o_val)  # (index, base, other) at the positions both records sampled
 
-Arrays are float64 (values a column holds: every compared pair of a large comparison) or object (Python
-values as a record holds them: exact integers, values kept in ``extra``); the same function serves both, so
-an exact integer is subtracted exactly and a non-number compares by Python equality. A None value is
-passed as a separate ``null`` mask. docs/compare.md states the rules in words.
+Arrays are float64 (values a column holds), int64 (an integer tensor's values, ``*_int`` columns: subtracted
+exactly, ``int_distance``) or object (Python values as a record holds them: values kept in ``extra``, the
+RecordDiffs' pairs); the same function serves all, so an exact integer is subtracted exactly and a non-number
+compares by Python equality. A None value is passed as a separate ``null`` mask. docs/compare.md states the rules in words.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ import numpy as np
 from .options import EXACT, MOMENT_PASSES, PRECISIONS, CompareConfig, coarseness, precision_of
 from .results import is_finite_number
 
-__all__ = ["as_floats", "bounds", "difference", "distance", "finite", "pair_samples", "precisions", "ratio",
-           "relative", "rms", "same", "scale_floors", "tolerance"]
+__all__ = ["as_floats", "bounds", "difference", "distance", "finite", "int_distance", "pair_samples", "precisions",
+           "ratio", "relative", "rms", "same", "scale_floors", "tolerance"]
 
 
 def finite(values: np.ndarray) -> np.ndarray:
     """``is_finite_number`` of each value (a bool is no number)."""
     if values.dtype.kind == "f":
         return np.isfinite(values)
+    if values.dtype.kind == "i":
+        return np.ones(values.shape, dtype=bool)
     return np.frompyfunc(is_finite_number, 1, 1)(values).astype(bool)
 
 
@@ -54,7 +56,17 @@ def same(base: np.ndarray, other: np.ndarray) -> np.ndarray:
     """Per pair: the same value (nan equals nan)."""
     if base.dtype.kind == "f" and other.dtype.kind == "f":
         return (base == other) | (np.isnan(base) & np.isnan(other))
+    if base.dtype.kind == "i" and other.dtype.kind == "i":
+        return base == other
     return np.frompyfunc(_same_value, 2, 1)(base, other).astype(bool)
+
+
+def int_distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """|other - base| of int64 values, exact (it fits a uint64), then rounded to float64 as Python's float()
+    rounds the exact integer: what an integer tensor's values are compared by."""
+    with np.errstate(over="ignore"):
+        base_bits, other_bits = base.view(np.uint64), other.view(np.uint64)
+        return np.where(other >= base, other_bits - base_bits, base_bits - other_bits).astype(np.float64)
 
 
 def difference(base: np.ndarray, other: np.ndarray, null_base: np.ndarray | None = None,
@@ -66,8 +78,11 @@ def difference(base: np.ndarray, other: np.ndarray, null_base: np.ndarray | None
     numbers = finite(base) & finite(other) & ~null_base & ~null_other
     diff = np.where(np.where(null_base | null_other, null_base & null_other, same(base, other)), 0.0, np.inf)
     if numbers.any():
-        with np.errstate(invalid="ignore", over="ignore"):
-            found = np.abs(other[numbers] - base[numbers])
+        if base.dtype.kind == "i" and other.dtype.kind == "i":
+            found = int_distance(base[numbers], other[numbers])
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                found = np.abs(other[numbers] - base[numbers])
         diff[numbers] = found.astype(np.float64)
     return diff
 
@@ -185,6 +200,8 @@ def distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore", over="ignore"):
             found = other - base
         return np.abs(found, out=found)  # in place: a second temporary of a large block costs more than the pass
+    if base.dtype.kind == "i" and other.dtype.kind == "i":
+        return int_distance(base, other)
     with np.errstate(invalid="ignore", over="ignore"):
         return np.frompyfunc(_distance, 2, 1)(base, other)
 

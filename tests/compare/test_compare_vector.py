@@ -17,6 +17,8 @@ import pytest
 
 from probes.compare import compare_dumps
 from probes.compare.options import CompareConfig
+from probes.compare.pairs import from_columns, match
+from probes.compare.reading import read_dump
 from probes.compare.results import CellView, MetricDiff, RecordDiff
 from probes.dump import load_dump
 from probes.dump.writer import DumpWriter
@@ -317,3 +319,40 @@ def test_records_and_verdicts_of_a_report_are_the_same_as_a_list(tmp_path):
     assert report.records[-1] is listed[-1] and report.records[1:3] == listed[1:3]
     with pytest.raises(IndexError):
         report.records[len(listed)]
+
+
+def test_integer_tensors_are_compared_exactly_on_their_columns(tmp_path):
+    """Integer tensors' statistics and samples differ by 1 at 2**62, or by more than an int64 holds: the
+    verdicts (every pair on its columns, none through Python records) are those of Python's exact integers."""
+    top = 1 << 62
+
+    def record(index: int, samples: list[int], **values) -> dict:
+        return {"name": f"r{index}", "phase": "forward", "seq": index, "module": "m0", "shape": [8], "dtype": "int64",
+                "numel": 8, "nan": 0, "inf": 0, "zero": 0, "min": min(samples), "max": max(samples), "mean": 1.5,
+                "std": 2.5, "samples": samples, "sample_indices": list(range(0, 16, 2)), **values}
+
+    samples = [top + step for step in range(8)]
+    base = [record(index, samples) for index in range(8)]
+    other = [record(0, samples), record(1, samples, max=top + 8), record(2, [*samples[:3], top + 4, *samples[4:]]),
+             record(3, samples, min=-(1 << 63), max=(1 << 63) - 1), record(4, [-value for value in samples]),
+             record(5, samples, min=float(top)), record(6, [float(value) for value in samples]),
+             record(7, samples, mean=1.5 + 1e-9)]
+    write(tmp_path / "base", base)
+    write(tmp_path / "other", other)
+    loaded = [read_dump(tmp_path / path, progress=False) for path in ("base", "other")]
+    _, odd = from_columns(*loaded, match(*loaded))
+    assert not odd.any()  # on columns, integers included
+    by_name = {path: {r["name"]: r for r in load_dump(tmp_path / path)} for path in ("base", "other")}
+    steps = {step: [r for r in by_name["base"].values() if r["step"] == step] for step in (0, 1)}
+    config = CompareConfig()
+    report = compare_dumps(tmp_path / "base", tmp_path / "other")
+    records = report.records
+    for index in range(len(records)):
+        _, name = records.phase_name(index)
+        b = by_name["base"][name]
+        expected = expected_record(b, by_name["other"][name], config, None, steps[b["step"]])
+        assert same_fields(float(records.ratio[index]), expected.ratio), name
+        assert bool(records.diverged[index]) == expected.diverged, name
+        assert records.rel_error[index] == expected.rel_error, name
+    diverged = {records.phase_name(index)[1] for index in np.flatnonzero(records.diverged)}
+    assert diverged == {"r1", "r2", "r3", "r4", "r7"}  # r5, r6: the same values as floats (a float has no more)
