@@ -37,7 +37,7 @@ from benchmarks.common import environment, table
 from probes.dump import load_dump, load_table
 from probes.dump.columns import read_parquet, write_parquet
 from probes.dump.layout import DumpLayout
-from probes.dump.rowblock import Described, RowBlock
+from probes.dump.rowblock import Described, Entry, RowBlock
 from probes.dump.statistics import ACCUMULATED
 from probes.dump.writer import DumpWriter
 
@@ -67,7 +67,7 @@ def write_run(directory: Path, steps: int, per_step: int, scale: float, *, forma
                                 ("max", samples.max(axis=1)), ("neg", 2048), ("pos", 2048)):
                 rows[:, slot[name]] = value
             rows[:, len(ACCUMULATED):] = samples
-            entries = [(names[index], "forward" if index % 2 == 0 else "backward", index, described, 0, index, step)
+            entries = [Entry(names[index], "forward" if index % 2 == 0 else "backward", index, described, 0, index, step)
                        for index in range(per_step)]
             writer.write(step, RowBlock(step=step, rank=0, sample_count=32, parts=[rows], entries=entries,
                                         indices=lambda numel: indices))
