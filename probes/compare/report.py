@@ -26,9 +26,8 @@ from ..dump.record import RecordKey
 from ..utils.phases import PHASES, RECOMPUTE, phase_rank
 from .options import PRECISIONS, CompareConfig
 from .recorddiffs import RecordDiffs
-from .results import OpFinding, Operations, op_name
-from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, Rename,
-                      StepSummary, key_json)
+from .results import (BIT_IDENTICAL, BYTES_DIFFER, ZERO_GRAD_NOTE, Damaged, Divergence, GradNorm, NoiseFloor, OpFinding,
+                      Operations, Rename, StepSummary, key_json, op_name)
 
 __all__ = ["JSON_FORMAT", "JSON_VERSION", "KINDS", "DivergenceKind", "Kind", "Report", "divergence_kind"]
 

@@ -2,7 +2,7 @@
 
     print(format_report(report, top=10))        # what python -m probes compare prints
     verdict(report)                             # "AGREE (...)", "DIVERGED at ...", "DIFFERENT RECORDS (...)"
-    parse_steps("1,3,5-7")                      # the --step syntax; ranges() writes steps back that way
+    ranges([1, 3, 5, 6, 7])                     # "1,3,5-7 (5)": the --step syntax (options.parse_steps reads it)
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
-from .options import PRECISIONS, CompareConfig, parse_steps  # noqa: F401 (the --step syntax ranges() writes)
-from .results import op_name, relative_name
+from .options import PRECISIONS, CompareConfig
 from .report import Report
-from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary
-from .results import format_value
+from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary, format_value, op_name, relative_name
 
 __all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
-           "parse_steps", "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",
+           "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",
            "tolerance_rule", "verdict"]
 
 
