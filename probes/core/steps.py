@@ -42,7 +42,7 @@ from exporters import _torch_compat
 from .differentiable import EagerDifferentiable
 from .failures import SiteFailures
 from .interface import TENSOR_EVENTS, SubscriberBase, named_method, wanted_events
-from .sites import ProbeEvent, ProbeSite
+from .sites import EVENT_KINDS, ProbeEvent, ProbeSite
 
 # The observers that take one site's calls of one phase, each with the seed's method that takes them, if the
 # subscriber's class is written that way (called as before, with the event and the tensors apart), or None.
@@ -130,7 +130,7 @@ class StepTracker:
         self._subscribers = tuple(subscribers)
         wanted = [wanted_events(s) for s in subscribers]
         self._taking = {kind: tuple(s for s, kinds in zip(subscribers, wanted) if kind in kinds)
-                        for kind in ("step_start", "forward", "backward", "forward_end", "step_end")}
+                        for kind in EVENT_KINDS}
         self._observers = tuple(s for s, kinds in zip(subscribers, wanted) if not TENSOR_EVENTS.isdisjoint(kinds))
         self._wanting.clear()
         self._active_in = (None, (), True)
