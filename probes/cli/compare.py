@@ -17,7 +17,7 @@ from typing import Sequence
 from ..compare import Report, compare_dumps, format_report, write_html
 from ..compare.windows import CompareOptions
 from ..dump.trainer_steps import TrainerStep
-from ..utils.flags import add_flags, given, keywords, option
+from ..utils.flags import add_flags, given, keyword_values, option
 from .common import (EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command,
                      trainer_steps_or_note)
 
@@ -62,7 +62,7 @@ def _compare(args: argparse.Namespace) -> int:
     for path in (command.base, command.other, *(command.noise or ())):
         if path is not None:
             open_dump(path)  # a path that is not a dump, empty, or still being written: one clear line
-    options = {name: getattr(command, name) for name in keywords(CompareOptions)}
+    options = keyword_values(command, CompareOptions)
     report = compare_dumps(command.base, command.other, **{**options, "progress": True})
     _check_common_records(report, command)
     if command.ranks and not report.matched and not report.only_in_base and not report.only_in_other:

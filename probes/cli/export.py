@@ -2,16 +2,20 @@
 
     probes export run --format csv --output run.csv
     probes tensorboard run --logdir tb --module 'blocks.0.*'    # then: tensorboard --logdir tb
+
+Their options are ``export_dump``'s and ``write_tensorboard``'s, declared once: ``ExportOptions``,
+``TensorBoardOptions`` (``probes.utils.flags``).
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Sequence
 
-from ..sinks import FORMATS, export_dump, write_tensorboard
-from ..sinks.tensorboard import PHASES
+from ..sinks import export_dump, write_tensorboard
+from ..sinks.output import ExportOptions
+from ..sinks.tensorboard import TensorBoardOptions
+from ..utils.flags import add_flags, given, keyword_values
 from .common import EXIT_OK, CommandError, command_parser, open_dump, run_command
 
 EXPORT_EXAMPLES = [
@@ -27,12 +31,7 @@ TENSORBOARD_EXAMPLES = [
 
 def export_parser() -> argparse.ArgumentParser:
     parser = command_parser("export", "Write a probes dump in another format.", examples=EXPORT_EXAMPLES)
-    parser.add_argument("path", metavar="DUMP", help="a dump directory, one of its rank_<r> directories, or a step file")
-    parser.add_argument("--format", required=True, choices=FORMATS, help="the output format")
-    parser.add_argument("--output", required=True, type=Path, metavar="PATH",
-                        help="the output file (jsonl, csv) or directory (ort)")
-    parser.add_argument("--rank", type=int, help="only this rank (ort: default the lowest)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    add_flags(parser, ExportOptions)
     return parser
 
 
@@ -40,13 +39,7 @@ def tensorboard_parser() -> argparse.ArgumentParser:
     parser = command_parser("tensorboard", "Write a dump's per-module statistics as TensorBoard scalars "
                                            "(tags like forward/blocks.0.attn.output.0/std).",
                             examples=TENSORBOARD_EXAMPLES)
-    parser.add_argument("path", metavar="DUMP", help="a dump directory, one of its rank_<r> directories, or a step file")
-    parser.add_argument("--logdir", required=True, type=Path, help="TensorBoard's log directory (rank_<r> inside)")
-    parser.add_argument("--module", action="append", default=[], metavar="GLOB",
-                        help="only modules (or record names) matching this glob (repeatable)")
-    parser.add_argument("--phase", action="append", choices=PHASES, help="only this phase (repeatable)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the event files already in LOGDIR/rank_<r> (default: refuse)")
+    add_flags(parser, TensorBoardOptions)
     return parser
 
 
@@ -61,19 +54,19 @@ def tensorboard(argv: Sequence[str] | None = None) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    open_dump(args.path)
-    result = export_dump(args.path, args.output, format=args.format, overwrite=args.overwrite, rank=args.rank,
-                         progress=True)
-    print(f"{args.format}: {result}")
+    options = ExportOptions(**given(ExportOptions, args), progress=True)  # bad options: one line naming the flags
+    open_dump(options.dump)
+    result = export_dump(options.dump, options.output, **keyword_values(options))
+    print(f"{options.format}: {result}")
     return EXIT_OK
 
 
 def _tensorboard(args: argparse.Namespace) -> int:
-    open_dump(args.path)
+    options = TensorBoardOptions(**given(TensorBoardOptions, args), progress=True)
+    open_dump(options.dump)
     try:
-        result = write_tensorboard(args.path, args.logdir, modules=args.module, phases=args.phase,
-                                   overwrite=args.overwrite, progress=True)
+        result = write_tensorboard(options.dump, options.logdir, **keyword_values(options))
     except ImportError as error:
         raise CommandError(str(error)) from None
-    print(f"tensorboard: {result} (open it: tensorboard --logdir {args.logdir})")
+    print(f"tensorboard: {result} (open it: tensorboard --logdir {options.logdir})")
     return EXIT_OK

@@ -3,18 +3,23 @@ value across ranks.
 
     probes show run --step 3 --rank 0
     probes show run --anomalies --max-abs 65504     # only the records holding nan/inf (or |x| > 65504)
+
+Its options are declared once, with their help and checks: ``ShowOptions`` (``probes.utils.flags``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..dump import first_anomaly
-from ..dump.anomaly import record_anomaly
+from ..dump.anomaly import max_abs_problem, record_anomaly
+from ..dump.reader import DumpArgument
 from ..dump.statistics import global_grad_norms
 from ..dump.table import format_records
+from ..utils.flags import add_flags, given, option, settle
 from .common import (EXIT_OK, CommandError, command_parser, damaged_note, open_dump, run_command,
                      trainer_steps_or_note)
 
@@ -26,20 +31,27 @@ EXAMPLES = [
 ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShowOptions(DumpArgument):
+    """``probes show``'s arguments: the flags, their help and their checks."""
+
+    step: int | None = option(None, help="only this step")
+    rank: int | None = option(None, help="only this rank")
+    include_partial: bool = option(False, help="also show the complete records of unfinished steps")
+    skip_damaged: bool = option(False, help=(
+        "show the steps that can be read; damaged step files are listed in a note (default: a damaged step file "
+        "the selection needs is an error)"))
+    anomalies: bool = option(False, help="only the records holding nan or inf (or values beyond {max_abs})")
+    max_abs: float | None = option(None, metavar="X", check=max_abs_problem, help=(
+        "a finite |value| above X counts as an anomaly too (e.g. 65504, float16's largest)"))
+
+    def __post_init__(self) -> None:
+        settle(self)
+
+
 def parser() -> argparse.ArgumentParser:
     parser = command_parser("show", "Print the statistics records of a probes dump as a table.", examples=EXAMPLES)
-    parser.add_argument("path", metavar="DUMP", help="a dump directory, one of its rank_<r> directories, or a step file")
-    parser.add_argument("--step", type=int, help="only this step")
-    parser.add_argument("--rank", type=int, help="only this rank")
-    parser.add_argument("--include-partial", action="store_true",
-                        help="also show the complete records of unfinished steps")
-    parser.add_argument("--skip-damaged", action="store_true",
-                        help="show the steps that can be read; damaged step files are listed in a note "
-                             "(default: a damaged step file the selection needs is an error)")
-    parser.add_argument("--anomalies", action="store_true",
-                        help="only the records holding nan or inf (or values beyond --max-abs)")
-    parser.add_argument("--max-abs", type=float, metavar="X",
-                        help="a finite |value| above X counts as an anomaly too (e.g. 65504, float16's largest)")
+    add_flags(parser, ShowOptions)
     return parser
 
 
@@ -48,8 +60,9 @@ def show(argv: Sequence[str] | None = None) -> int:
     return run_command("show", parser(), argv, _show)
 
 
-def _show(args: argparse.Namespace) -> int:
-    reader = open_dump(args.path, include_partial=args.include_partial)
+def _show(namespace: argparse.Namespace) -> int:
+    args = ShowOptions(**given(ShowOptions, namespace))  # bad options: one line naming the flags
+    reader = open_dump(args.dump, include_partial=args.include_partial)
     steps = reader.steps()
 
     def wanted(rank: int | None, step: int) -> bool:
@@ -78,7 +91,7 @@ def _show(args: argparse.Namespace) -> int:
         if not selected:
             print("no anomalies: every value is finite" + (f" and |x| <= {args.max_abs:g}" if args.max_abs else ""))
             return EXIT_OK
-    print(format_records(selected, trainer_steps_or_note(args.path, "show")))
+    print(format_records(selected, trainer_steps_or_note(args.dump, "show")))
     if not args.anomalies:
         for line in _grad_norm_lines(selected):
             print(line)

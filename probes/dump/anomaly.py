@@ -19,7 +19,15 @@ from typing import Any
 
 from .record import Record, execution_order
 
-__all__ = ["Anomaly", "first_anomaly", "record_anomaly"]
+__all__ = ["Anomaly", "first_anomaly", "max_abs_problem", "record_anomaly"]
+
+
+def max_abs_problem(max_abs: Any) -> str | None:
+    """What is wrong with ``max_abs`` as a threshold (a finite number > 0, or None: none); None when nothing is."""
+    if max_abs is None or (not isinstance(max_abs, bool) and isinstance(max_abs, (int, float))
+                           and 0 < max_abs < math.inf):
+        return None
+    return f"must be a finite number > 0 (e.g. 65504.0, float16's largest value), got {max_abs!r}"
 
 
 @dataclass(frozen=True)

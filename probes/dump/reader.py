@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pa_dataset
 import pyarrow.parquet as pq
 
+from ..utils.flags import option
 from ..utils.progress import progress_meter
 
 from .layout import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, RANK_DIR_RE, STEP_FILE_RE, DumpFormatError,
@@ -56,7 +57,16 @@ from .record import Record
 
 _Read = TypeVar("_Read")
 
-__all__ = ["DamagedSteps", "DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
+__all__ = ["DamagedSteps", "DumpArgument", "DumpReader", "StepFile", "list_steps", "load_dump", "load_table"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DumpArgument:
+    """The dump a command reads, declared once (``probes.utils.flags``): the first argument of ``export_dump``,
+    ``write_tensorboard`` and of their commands and ``probes show``, ``DUMP`` on the command line."""
+
+    dump: str | Path = option(positional=True, metavar="DUMP",
+                              help="a dump directory, one of its rank_<r> directories, or a step file")
 
 
 @dataclass(frozen=True)

@@ -13,28 +13,29 @@ The rooms: ``output`` (selection, output checks, atomic writes), ``text`` (JSON 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TextIO
+from typing import Any
 
-from .ort_layout import export_ort_layout
-from .output import ExportSummary
+from ..utils.flags import check_keywords, takes_options
+from .ort_layout import write_ort_layout
+from .output import ExportOptions, ExportSummary
 from .tensorboard import LiveTensorBoard, write_tensorboard
-from .tabular import export_csv, export_jsonl
+from .tabular import write_text
 
 __all__ = [
     "ExportSummary", "LiveTensorBoard", "export_dump", "write_tensorboard",
 ]
 
-_EXPORTERS = {"jsonl": export_jsonl, "csv": export_csv, "ort": export_ort_layout}
-FORMATS = tuple(_EXPORTERS)
+_EXPORTERS = {"jsonl": write_text, "csv": write_text, "ort": write_ort_layout}  # by ExportOptions' FORMATS
 
 
-def export_dump(dump: str | Path, output: str | Path, *, format: str, overwrite: bool = False,
-                rank: int | None = None, progress: bool | TextIO = False) -> ExportSummary:
+@takes_options(ExportOptions)
+def export_dump(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
     """Writes ``dump`` to ``output`` in ``format`` ("jsonl", "csv" or "ort"); ``str()`` of the result says what.
 
-    Raises FileExistsError for an existing output unless ``overwrite``, ValueError for an unknown format,
-    an output inside the dump or a rank the dump lacks, DumpFormatError for a damaged dump.
+    The keywords are ``ExportOptions``' fields, listed below (``probes export``'s flags; ``output`` is its
+    ``--output``). Raises FileExistsError for an existing output unless ``overwrite``, ValueError for an unknown
+    format, an output inside the dump or a rank the dump lacks, DumpFormatError for a damaged dump.
     """
-    if format not in _EXPORTERS:
-        raise ValueError(f"unknown export format {format!r}; choose from {', '.join(FORMATS)}")
-    return _EXPORTERS[format](dump, output, overwrite=overwrite, rank=rank, progress=progress)
+    check_keywords(ExportOptions, options, "export_dump")
+    chosen = ExportOptions(dump=dump, output=output, **options)
+    return _EXPORTERS[chosen.format](chosen)

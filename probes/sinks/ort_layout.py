@@ -17,24 +17,28 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import TextIO
+from typing import Any
 
 from ..dump.layout import safe_component
 from ..dump.legacy import legacy_block, legacy_file_name
 from ..dump.reader import StepFile
 from ..dump.record import Record, execution_order
 from ..utils.phases import OBSERVED
-from .output import ExportSummary, atomic_output, check_output, ranks_of, select_files
+from .output import ExportOptions, ExportSummary, atomic_output, check_output, ranks_of, select_files
 
-__all__ = ["export_ort_layout"]
+__all__ = ["export_ort_layout", "write_ort_layout"]
 
 
+def export_ort_layout(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
+    """Writes ``output/step_<i>/`` directories in the original onnxruntime hooks' layout (see the module;
+    ``options``: ``ExportOptions``' keywords, but ``format``)."""
+    return write_ort_layout(ExportOptions(dump=dump, output=output, format="ort", **options))
 
-def export_ort_layout(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
-                      progress: bool | TextIO = False) -> ExportSummary:
-    """Writes ``output/step_<i>/`` directories in the original onnxruntime hooks' layout (see the module)."""
-    output = Path(output)
-    check_output(output, dump, overwrite=overwrite)
+
+def write_ort_layout(options: ExportOptions) -> ExportSummary:
+    """``export_ort_layout`` of ``options`` (what ``export_dump`` calls)."""
+    dump, output, rank = options.dump, options.output, options.rank
+    check_output(output, dump, overwrite=options.overwrite)
     reader, files = select_files(dump, rank=rank)
     all_ranks = ranks_of(files)
     chosen = rank if rank is not None else (all_ranks[0] if all_ranks else 0)
@@ -45,7 +49,7 @@ def export_ort_layout(dump: str | Path, output: str | Path, *, overwrite: bool =
     written = skipped = 0
     with atomic_output(output) as temporary:
         temporary.mkdir()
-        for step_file, records in reader.read_each(files, progress=progress, label=f"exporting {dump}"):
+        for step_file, records in reader.read_each(files, progress=options.progress, label=f"exporting {dump}"):
             step_written, step_skipped = _write_step(records, step_file, temporary)
             written, skipped = written + step_written, skipped + step_skipped
     if skipped:

@@ -1,5 +1,7 @@
-"""What every export shares: the dump's step files for one rank or all, a safe output path, an atomic write.
+"""What every export shares: its options, the dump's step files for one rank or all, a safe output path, an
+atomic write.
 
+    options = ExportOptions(dump="pt_out", output="pt.csv", format="csv")   # export_dump's and probes export's
     files = select_files("pt_out", rank=None)          # (reader, finished step files), ValueError for a bad rank
     check_output(Path("pt.csv"), "pt_out", overwrite=False)
     with atomic_output(Path("pt.csv")) as temporary:   # written in full, then renamed over the output
@@ -17,11 +19,36 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from ..dump import DumpReader
-from ..dump.reader import StepFile
+from ..dump.reader import DumpArgument, StepFile
+from ..utils.flags import OptionError, option, settle
 
-__all__ = ["ExportSummary", "atomic_output", "check_output", "select_files"]
+__all__ = ["FORMATS", "ExportOptions", "ExportSummary", "atomic_output", "check_output", "select_files"]
+
+FORMATS = ("jsonl", "csv", "ort")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions(DumpArgument):
+    """An export's options, declared once (``probes.utils.flags``): ``export_dump``'s arguments and ``probes
+    export``'s, with their help and checks. ``output`` is ``export_dump``'s second argument and the command's
+    ``--output``."""
+
+    format: str = option(choices=FORMATS, help="the output format")
+    output: Path = option(positional=True, flag="--output", parse=Path, convert=Path, metavar="PATH",
+                          help="the output file (jsonl, csv) or directory (ort)")
+    overwrite: bool = option(False, help="replace an existing output")
+    rank: int | None = option(None, help="only this rank (ort: default the lowest)")
+    progress: bool | TextIO = option(False, command_line=False, help=(
+        "a progress bar for long exports: True on stderr, or on this stream"))
+
+    def __post_init__(self) -> None:
+        settle(self)
+        if self.format not in FORMATS:  # the command line's --format has these choices
+            raise OptionError(ExportOptions, lambda say: (
+                f"unknown export format {self.format!r}; choose from {', '.join(FORMATS)}"))
 
 
 @dataclass(frozen=True)

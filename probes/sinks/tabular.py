@@ -2,6 +2,7 @@
 
     export_jsonl("pt_out", Path("pt.jsonl"))
     export_csv("pt_out", Path("pt.csv"), rank=0)       # pandas.read_csv("pt.csv") reads it as it is
+    write_text(ExportOptions(dump="pt_out", output="pt.csv", format="csv"))    # what export_dump calls
 
 Records come in the dump's order: rank, step, then the order the step file holds. JSON Lines keeps
 every key of a record; a NaN or infinite number, which strict JSON cannot hold, is written as the
@@ -15,15 +16,15 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..dump import Record
 from ..dump.record import REQUIRED_FIELDS
-from .output import ExportSummary, atomic_output, check_output, select_files
+from .output import ExportOptions, ExportSummary, atomic_output, check_output, select_files
 
-__all__ = ["CSV_COLUMNS", "export_csv", "export_jsonl"]
+__all__ = ["CSV_COLUMNS", "export_csv", "export_jsonl", "write_text"]
 
 # Where and when first, then every other field a record can have, in the record type's own order.
 CSV_COLUMNS: tuple[str, ...] = (*REQUIRED_FIELDS,
@@ -67,31 +68,31 @@ def _csv_rows(records: Iterable[Record], out: TextIO) -> None:
         writer.writerow([_csv_cell(row.get(column)) for column in CSV_COLUMNS])
 
 
-def _export(kind: str, write: Callable[[Iterable[Record], TextIO], None], dump: str | Path, output: Path, *,
-            overwrite: bool, rank: int | None, progress: bool | TextIO) -> ExportSummary:
-    output = Path(output)
-    check_output(output, dump, overwrite=overwrite)
-    reader, files = select_files(dump, rank=rank)
+def write_text(options: ExportOptions) -> ExportSummary:
+    """Writes the records of ``options.dump`` to ``options.output`` as JSON Lines or CSV (``options.format``)."""
+    write = {"jsonl": _jsonl_lines, "csv": _csv_rows}[options.format]
+    check_output(options.output, options.dump, overwrite=options.overwrite)
+    reader, files = select_files(options.dump, rank=options.rank)
     count = 0
 
     def records() -> Iterable[Record]:
         nonlocal count
-        for _, step_records in reader.read_each(files, progress=progress, label=f"exporting {dump}"):
+        for _, step_records in reader.read_each(files, progress=options.progress, label=f"exporting {options.dump}"):
             count += len(step_records)
             yield from step_records
 
-    with atomic_output(output) as temporary, temporary.open("w", encoding="utf-8", newline="") as out:
+    with atomic_output(options.output) as temporary, temporary.open("w", encoding="utf-8", newline="") as out:
         write(records(), out)
-    return ExportSummary.of(kind, output, count, files)
+    return ExportSummary.of(options.format, options.output, count, files)
 
 
-def export_jsonl(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
-                 progress: bool | TextIO = False) -> ExportSummary:
-    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as JSON Lines."""
-    return _export("jsonl", _jsonl_lines, dump, Path(output), overwrite=overwrite, rank=rank, progress=progress)
+def export_jsonl(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
+    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as JSON Lines (``options``:
+    ``ExportOptions``' keywords, but ``format``)."""
+    return write_text(ExportOptions(dump=dump, output=output, format="jsonl", **options))
 
 
-def export_csv(dump: str | Path, output: str | Path, *, overwrite: bool = False, rank: int | None = None,
-               progress: bool | TextIO = False) -> ExportSummary:
-    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as CSV with ``CSV_COLUMNS``."""
-    return _export("csv", _csv_rows, dump, Path(output), overwrite=overwrite, rank=rank, progress=progress)
+def export_csv(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
+    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as CSV with ``CSV_COLUMNS``
+    (``options``: ``ExportOptions``' keywords, but ``format``)."""
+    return write_text(ExportOptions(dump=dump, output=output, format="csv", **options))

@@ -14,22 +14,30 @@ the step, whatever the module filter: ``probes.dump.statistics.global_grad_norms
 unless ``phases`` leaves ``grad`` out. Statistics a record lacks (no finite element, a tensor
 without statistics) are left out, not written as zero. A rank directory that already holds event
 files is refused unless ``overwrite`` (TensorBoard would show the two runs mixed in one chart).
+
+The options are declared once (``probes.utils.flags``): ``ScalarOptions`` (the log directory, the selection,
+the statistics) are ``LiveTensorBoard``'s; ``TensorBoardOptions`` adds the dump, and are ``write_tensorboard``'s
+and ``probes tensorboard``'s.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..dump import DumpReader, Record
+from ..dump.reader import DumpArgument
 from ..dump.statistics import global_grad_norms, names
+from ..utils.flags import OptionError, check_keywords, option, settle, takes_options
 from ..utils.patterns import check_patterns, name_matcher
 from ..utils.phases import GRAD, PHASES
 from .output import ExportSummary, check_output, select_files
 
-__all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "write_tensorboard"]
+__all__ = ["DEFAULT_STATISTICS", "LiveTensorBoard", "PHASES", "ScalarOptions", "TensorBoardOptions",
+           "write_tensorboard"]
 
 DEFAULT_STATISTICS = names(plotted=True)  # ("min", "max", "mean", "std", "norm", "nan", "inf")
 EVENT_FILES = "events.out.tfevents.*"
@@ -44,22 +52,55 @@ def _summary_writer(path: Path) -> Any:
     return SummaryWriter(log_dir=str(path), flush_secs=10)
 
 
+def _not_empty(statistics: Sequence[str]) -> str | None:
+    return None if statistics else "is empty; name at least one, e.g. ('mean', 'std')"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalarOptions:
+    """Where TensorBoard scalars go and which: ``LiveTensorBoard``'s arguments (``TensorBoardOptions`` adds the
+    dump). ``logdir`` is the first argument in Python, ``--logdir`` on the command line."""
+
+    logdir: Path = option(positional=True, flag="--logdir", parse=Path, convert=Path,
+                          help="TensorBoard's log directory (rank_<r> inside)")
+    modules: Sequence[str] = option((), flag="--module", many="append", parse=str, metavar="GLOB",
+                                    help="only modules (or record names) matching this glob (repeatable)")
+    phases: Sequence[str] | None = option(None, flag="--phase", many="append", parse=str, choices=PHASES,
+                                          help="only this phase (repeatable)")
+    statistics: Sequence[str] = option(DEFAULT_STATISTICS, command_line=False, check=_not_empty, help=(
+        "the record fields written, one scalar each (any numeric field, e.g. 'zero')"))
+    overwrite: bool = option(False, help="replace the event files already in the log directory's rank_<r> "
+                                         "(default: refuse)")
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.phases or ()) - set(PHASES))  # the command line's --phase has these choices
+        if unknown:
+            raise OptionError(ScalarOptions, lambda say: (
+                f"unknown phase {', '.join(unknown)}; choose from {', '.join(PHASES)}"))
+        modules = self.modules
+        if isinstance(modules, str) or not all(isinstance(glob, str) for glob in modules):
+            raise TypeError(f"modules must be a list of pattern strings (globs, or 're:<regex>'), got {modules!r}")
+        check_patterns(tuple(modules) or None, "modules")
+        settle(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorBoardOptions(ScalarOptions, DumpArgument):  # DumpArgument last: its field first, DUMP then --logdir
+    """``write_tensorboard``'s arguments and ``probes tensorboard``'s, declared once: the dump and
+    ``ScalarOptions``."""
+
+    progress: bool | TextIO = option(False, command_line=False, help=(
+        "a progress bar for long reads: True on stderr, or on this stream"))
+
+
 class _Scalars:
     """The selection (modules, phases, statistics) and the per-rank writers of one log directory."""
 
-    def __init__(self, logdir: str | Path, *, modules: Sequence[str], phases: Sequence[str] | None,
-                 statistics: Sequence[str], overwrite: bool) -> None:
-        unknown = sorted(set(phases or ()) - set(PHASES))
-        if unknown:
-            raise ValueError(f"unknown phase {', '.join(unknown)}; choose from {', '.join(PHASES)}")
-        if isinstance(modules, str) or not all(isinstance(glob, str) for glob in modules):
-            raise TypeError(f"modules must be a list of pattern strings (globs, or 're:<regex>'), got {modules!r}")
-        self._matches = name_matcher(check_patterns(tuple(modules) or None, "modules"), "modules")
-        if not statistics:
-            raise ValueError("statistics is empty; name at least one, e.g. ('mean', 'std')")
-        self.logdir = Path(logdir)
-        self.modules, self.phases, self.statistics = tuple(modules), frozenset(phases or PHASES), tuple(statistics)
-        self.overwrite = overwrite
+    def __init__(self, options: ScalarOptions) -> None:
+        self._matches = name_matcher(tuple(options.modules), "modules")
+        self.logdir = options.logdir
+        self.modules, self.phases = tuple(options.modules), frozenset(options.phases or PHASES)
+        self.statistics, self.overwrite = tuple(options.statistics), options.overwrite
         self._writers: dict[int, Any] = {}
         self.scalars = 0
         for rank_dir in self.logdir.glob("rank_*"):
@@ -122,23 +163,28 @@ class _Scalars:
         self._writers.clear()
 
 
-def write_tensorboard(dump: str | Path, logdir: str | Path, *, modules: Sequence[str] = (),
-                      phases: Sequence[str] | None = None, statistics: Sequence[str] = DEFAULT_STATISTICS,
-                      overwrite: bool = False, progress: bool | TextIO = False) -> ExportSummary:
-    """Writes the statistics of ``dump`` as TensorBoard scalars under ``logdir/rank_<r>`` (see the module)."""
-    check_output(Path(logdir), dump, overwrite=True)  # an existing log directory is fine; its event files are not
-    scalars = _Scalars(logdir, modules=modules, phases=phases, statistics=statistics, overwrite=overwrite)
+@takes_options(TensorBoardOptions)
+def write_tensorboard(dump: str | Path, logdir: str | Path, **options: Any) -> ExportSummary:
+    """Writes the statistics of ``dump`` as TensorBoard scalars under ``logdir/rank_<r>`` (see the module).
+
+    The keywords are ``TensorBoardOptions``' fields, listed below (``probes tensorboard``'s flags; ``logdir`` is
+    its ``--logdir``).
+    """
+    check_keywords(TensorBoardOptions, options, "write_tensorboard")
+    chosen = TensorBoardOptions(dump=dump, logdir=logdir, **options)
+    check_output(chosen.logdir, dump, overwrite=True)  # an existing log directory is fine; its event files are not
+    scalars = _Scalars(chosen)
     reader, files = select_files(dump)
     selected = 0
     try:
-        for _, records in reader.read_each(files, progress=progress, label=f"writing {dump} to TensorBoard"):
+        for _, records in reader.read_each(files, progress=chosen.progress, label=f"writing {dump} to TensorBoard"):
             selected += scalars.add(records)
     finally:
         scalars.close()
     notes = [f"{scalars.scalars} scalars"]
     if not selected:
         notes.append("no record matched the module and phase filters")
-    return ExportSummary.of("tensorboard", Path(logdir), selected, files, tuple(notes))
+    return ExportSummary.of("tensorboard", chosen.logdir, selected, files, tuple(notes))
 
 
 class LiveTensorBoard:
@@ -154,9 +200,10 @@ class LiveTensorBoard:
     before training starts, unless ``overwrite``.
     """
 
-    def __init__(self, logdir: str | Path, *, modules: Sequence[str] = (), phases: Sequence[str] | None = None,
-                 statistics: Sequence[str] = DEFAULT_STATISTICS, overwrite: bool = False) -> None:
-        self._scalars = _Scalars(logdir, modules=modules, phases=phases, statistics=statistics, overwrite=overwrite)
+    @takes_options(ScalarOptions)
+    def __init__(self, logdir: str | Path, **options: Any) -> None:
+        check_keywords(ScalarOptions, options, "LiveTensorBoard")
+        self._scalars = _Scalars(ScalarOptions(logdir=logdir, **options))
         self._lock = threading.Lock()  # one writer thread per rank's dump may call at once
         self.steps = 0
 

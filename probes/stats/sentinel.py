@@ -33,7 +33,7 @@ from exporters import _ort_compat
 
 from ..core import ProbeEvent, SubscriberBase
 from ..dump import Record
-from ..dump.anomaly import Anomaly, record_anomaly
+from ..dump.anomaly import Anomaly, max_abs_problem, record_anomaly
 from .one_tensor import process_rank
 from .rows import StepRows
 
@@ -62,12 +62,10 @@ class AnomalyWarning(UserWarning):
 
 
 def check_max_abs(max_abs: float | None) -> float | None:
-    if max_abs is None:
-        return None
-    if isinstance(max_abs, bool) or not isinstance(max_abs, (int, float)) or not 0 < max_abs < float("inf"):
-        raise ValueError(f"max_abs must be a finite number > 0 (e.g. 65504.0, float16's largest value) or None, "
-                         f"got {max_abs!r}")
-    return float(max_abs)
+    problem = max_abs_problem(max_abs)
+    if problem:
+        raise ValueError(f"max_abs {problem}; None counts only nan and inf")
+    return None if max_abs is None else float(max_abs)
 
 
 class AnomalyWatch:

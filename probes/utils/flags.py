@@ -3,13 +3,16 @@ flags, their help and their checks all come from the field.
 
     @dataclass(frozen=True, kw_only=True)
     class Options:
+        path: str = option(positional=True, metavar="PATH", help="the input")   # positional in both
+        output: Path = option(positional=True, flag="--output", help="...")   # positional in Python, a flag here
         rtol: float | None = option(None, help="relative tolerance", check=lambda v: ...)
         names: tuple[str, ...] = option((), flag="--name", many="append", metavar="GLOB", convert=tuple, help="...")
         def __post_init__(self) -> None: settle(self)      # converted, then checked
 
     add_flags(parser, Options)                            # --rtol, --name (repeatable), their help
     Options(**given(Options, parser.parse_args(argv)))    # the flags used; the others keep the field's default
-    check_keywords(Options, keywords, "compare_dumps")    # TypeError naming an unknown keyword, with a suggestion
+    check_keywords(Options, keywords, "compare_dumps")    # TypeError for an unknown keyword (with a suggestion)
+                                                          # or a missing required one, as Python's own
 
 A message that names options names them as the reader wrote them: ``OptionError(Options, lambda say: ...)``
 says ``rtol`` (``ranks=True`` for a switch) in Python and ``--rtol`` on the command line
@@ -40,7 +43,8 @@ class Option:
 
     help: str  # may name other options as {field}: spelled for the reader
     flag: str | None = None  # None: --the-field-name
-    positional: bool = False  # a positional argument of the command (its metavar names it)
+    positional: bool = False  # a positional parameter in Python; on the command line a positional argument (its
+    #                           metavar names it), or the flag ``flag`` where one is given (``--output``)
     command_line: bool = True  # False: a Python keyword only
     metavar: str | None = None
     choices: Sequence[Any] | None = None
@@ -63,6 +67,15 @@ def declared(cls: type, view: str = PYTHON) -> list[tuple[dataclasses.Field, Opt
     return [(f, how) for f, how in found if view == PYTHON or how.command_line]
 
 
+def _positional_argument(how: Option) -> bool:
+    """Whether the option is a positional argument of the command (not a flag)."""
+    return how.positional and how.flag is None
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING
+
+
 def _is_switch(f: dataclasses.Field) -> bool:
     return f.type in (bool, "bool")
 
@@ -76,7 +89,7 @@ def spelling(cls: type, name: str, view: str) -> str:
     command line."""
     f, how = next((f, how) for f, how in declared(cls) if f.name == name)
     if view == COMMAND_LINE:
-        return (how.metavar or f.name.upper()) if how.positional else flag_of(f, how)
+        return (how.metavar or f.name.upper()) if _positional_argument(how) else flag_of(f, how)
     return f"{name}=True" if _is_switch(f) else name
 
 
@@ -117,19 +130,19 @@ def settle(options: Any) -> None:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """The command-line arguments of ``cls``'s options, with their help; a flag not used is None (``given``), a
-    field without a default a required flag (unless positional)."""
+    field without a default a required flag (unless a positional argument)."""
     for f, how in declared(cls, COMMAND_LINE):
         text = help_of(cls, how, COMMAND_LINE).replace("%", "%%")
-        if how.positional:
+        if _positional_argument(how):
             parser.add_argument(f.name, metavar=how.metavar, help=text,
-                                **({} if f.default is dataclasses.MISSING else {"nargs": "?"}))
+                                **({} if _required(f) else {"nargs": "?"}))
         elif _is_switch(f):
             parser.add_argument(flag_of(f, how), dest=f.name, action="store_true", help=text)
         else:
             parser.add_argument(flag_of(f, how), dest=f.name, type=how.parse or _parser_of(f),
                                 default=how.command_line_default,
                                 action=how.many or "store", nargs=how.nargs, choices=how.choices,
-                                metavar=how.metavar, required=f.default is dataclasses.MISSING, help=text)
+                                metavar=how.metavar, required=_required(f), help=text)
 
 
 def _parser_of(f: dataclasses.Field) -> Callable[[str], Any]:
@@ -152,8 +165,14 @@ def keywords(cls: type) -> list[str]:
     return [f.name for f, how in declared(cls) if not how.positional]
 
 
+def keyword_values(options: Any, cls: type | None = None) -> dict[str, Any]:
+    """The keyword options (of ``cls``, default: its own class) ``options`` holds, to pass on as keywords."""
+    return {name: getattr(options, name) for name in keywords(cls or type(options))}
+
+
 def check_keywords(cls: type, options: Mapping[str, Any], caller: str) -> None:
-    """A TypeError, as Python's own but with the close name and the known ones, for a keyword ``cls`` lacks."""
+    """A TypeError, as Python's own, for a keyword ``cls`` lacks (with the close name and the known ones) or a
+    required one (no default) not given."""
     known = keywords(cls)
     for name in options:
         if name not in known:
@@ -161,6 +180,12 @@ def check_keywords(cls: type, options: Mapping[str, Any], caller: str) -> None:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; {hint}"
                             f"the keywords are {', '.join(known)}")
+    missing = [repr(f.name) for f, how in declared(cls)
+               if not how.positional and _required(f) and f.name not in options]
+    if missing:
+        n = len(missing)
+        listed = missing[0] if n == 1 else f"{', '.join(missing[:-1])}{',' * (n > 2)} and {missing[-1]}"
+        raise TypeError(f"{caller}() missing {n} required keyword-only argument{'s' * (n > 1)}: {listed}")
 
 
 def takes_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -170,12 +195,14 @@ def takes_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(function)
         parameters = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        parameters += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                       for f, how in declared(cls) if not how.positional]
+        options = [(f, how) for f, how in declared(cls) if not how.positional]
+        parameters += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                         default=inspect.Parameter.empty if _required(f) else f.default)
+                       for f, _ in options]
         function.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-        lines = [textwrap.fill(f"``{f.name}={f.default!r}``: {help_of(cls, how, PYTHON)}", 116,
-                               initial_indent="    ", subsequent_indent="        ")
-                 for f, how in declared(cls) if not how.positional]
+        lines = [textwrap.fill(f"{f'``{f.name}`` (required)' if _required(f) else f'``{f.name}={f.default!r}``'}: "
+                               f"{help_of(cls, how, PYTHON)}", 116, initial_indent="    ", subsequent_indent="        ")
+                 for f, how in options]
         heading = f"\n\n    Keywords ({cls.__name__}):\n\n"
         function.__doc__ = (function.__doc__ or "").rstrip() + heading + "\n".join(lines)
         return function

@@ -7,11 +7,12 @@ import argparse
 import inspect
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from probes.utils.flags import (COMMAND_LINE, PYTHON, OptionError, add_flags, check_keywords, given, keywords, option,
-                                positive_int, settle, takes_options, positive)
+                                positive_int, settle, spelling, takes_options, positive)
 
 
 def _at_most_ten(value):
@@ -90,3 +91,59 @@ def test_a_function_taking_the_options_shows_them() -> None:
     assert parameters["scale"].default == 1.5 and parameters["scale"].kind is inspect.Parameter.KEYWORD_ONLY
     assert "``scale=1.5``: a factor (default 1.5; with loud=True it doubles)" in run.__doc__
     assert run("in", scale=2.0).scale == 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Copy:
+    source: str = option(positional=True, metavar="SOURCE", help="what to copy")
+    target: Path = option(positional=True, flag="--target", parse=Path, convert=Path, help="where {source} goes")
+    mode: str = option(choices=("fast", "safe"), help="how (no default: required)")
+    level: int = option(1, help="how hard")
+
+    def __post_init__(self) -> None:
+        settle(self)
+
+
+def test_a_positional_parameter_may_be_a_flag_of_the_command() -> None:
+    parser = argparse.ArgumentParser(prog="copy")
+    add_flags(parser, Copy)
+    actions = {action.dest: action for action in parser._actions if action.dest != "help"}
+    assert actions["source"].option_strings == [] and actions["target"].option_strings == ["--target"]
+    assert actions["target"].required and actions["mode"].required and not actions["level"].required
+    assert actions["target"].help == "where SOURCE goes" and spelling(Copy, "target", COMMAND_LINE) == "--target"
+    parsed = Copy(**given(Copy, parser.parse_args(["a", "--target", "b", "--mode", "safe"])))
+    assert parsed == Copy(source="a", target="b", mode="safe") and parsed.target == Path("b")
+    assert keywords(Copy) == ["mode", "level"]
+
+    @takes_options(Copy)
+    def copy(source: str, target: str | Path, **options: object) -> Copy:
+        """Copies."""
+        check_keywords(Copy, options, "copy")
+        return Copy(source=source, target=target, **options)
+
+    parameters = inspect.signature(copy).parameters
+    assert list(parameters) == ["source", "target", "mode", "level"]
+    assert parameters["mode"].default is inspect.Parameter.empty and parameters["mode"].kind is parameters["level"].kind
+    assert "``mode`` (required): how" in copy.__doc__ and "``level=1``: how hard" in copy.__doc__
+    assert copy("a", "b", mode="fast") == Copy(source="a", target=Path("b"), mode="fast")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Three:
+    a: int = option(help="a")
+    b: int = option(help="b")
+    c: int = option(help="c")
+    d: int = option(0, help="d")
+
+
+def _reference(*, a: int, b: int, c: int, d: int = 0) -> None:
+    """Python's own keyword-only parameters, whose errors check_keywords repeats."""
+
+
+@pytest.mark.parametrize("options", [{}, {"a": 1}, {"a": 1, "b": 2}, {"a": 1, "d": 2}])
+def test_a_missing_required_keyword_is_pythons_own_type_error(options) -> None:
+    with pytest.raises(TypeError) as python:
+        _reference(**options)
+    with pytest.raises(TypeError) as ours:
+        check_keywords(Three, options, "_reference")
+    assert str(ours.value) == str(python.value)
