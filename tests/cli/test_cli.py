@@ -145,15 +145,21 @@ def test_the_console_script(runs):
     assert done.returncode == 2 and done.stderr.startswith("probes show: error: ") and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("command", ["compare", "merge"])
+@pytest.mark.parametrize("command", ["compare", "merge", "export", "tensorboard", "show"])
 def test_the_flags_are_the_declared_options(command):
     """Each flag of these commands, its help and its default come from one dataclass field (probes.utils.flags)."""
     from probes.cli.compare import CompareCommand, parser as compare_parser
+    from probes.cli.export import export_parser, tensorboard_parser
     from probes.cli.merge import parser as merge_parser
+    from probes.cli.show import ShowOptions, parser as show_parser
     from probes.compare.summaries import MergeConfig
+    from probes.sinks.output import ExportOptions
+    from probes.sinks.tensorboard import TensorBoardOptions
     from probes.utils.flags import COMMAND_LINE, declared, help_of
 
-    parser, cls = {"compare": (compare_parser, CompareCommand), "merge": (merge_parser, MergeConfig)}[command]
+    parser, cls = {"compare": (compare_parser, CompareCommand), "merge": (merge_parser, MergeConfig),
+                   "export": (export_parser, ExportOptions), "tensorboard": (tensorboard_parser, TensorBoardOptions),
+                   "show": (show_parser, ShowOptions)}[command]
     actions = {action.dest: action for action in parser()._actions if action.dest != "help"}
     fields = declared(cls, COMMAND_LINE)
     assert list(actions) == [f.name for f, _ in fields]
