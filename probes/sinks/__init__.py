@@ -6,8 +6,8 @@
 
 Every export reads the dump through ``probes.dump.DumpReader`` (finished steps only, each checked
 whole), step by step, and writes atomically: a temporary sibling renamed over the output at the end.
-The rooms: ``output`` (selection, output checks, atomic writes), ``text`` (JSON Lines, CSV), ``ort``
-(the original layout), ``tensorboard``.
+The rooms: ``output`` (``ExportOptions``, selection, output checks, atomic writes), ``tabular`` (JSON Lines,
+CSV), ``ort_layout`` (the original layout), ``tensorboard`` (and its options).
 """
 
 from __future__ import annotations
