@@ -7,18 +7,14 @@ of any size, a window of steps at a time, windows on every core.
     report = compare_dumps("ddp_out", ranks=True, exact=True)         # every rank against rank 0 (grad/param/optim)
     report = compare_loaded(read_dump("pt_out"), read_dump("ort_out"), CompareConfig())   # one window, loaded
 
-**One comparison** (``compare_loaded``): records are matched by (rank, step, phase, name); records of one run only are
-listed, never dropped. A gradient exactly zero in one run and absent in the other is a note, not a divergence, unless
-``strict_zero_grads``. Each matched pair is checked statistic by statistic on whole columns (``evaluation``): against
-``atol + rtol * |base|``, or at least the noise floor the calibration runs give. The first divergence is the earliest
-in execution order (``probes.utils.phases``); docs/compare.md states the rules, the exit status and the JSON.
-
-**Windows** (``compare_dumps``): records are matched within a (rank, step), and every rule looks at one step, so whole
-steps compare on their own. A window is consecutive steps, about ``window`` records of a dump; each is read, compared
-and reduced: its arrays spilled to one Arrow IPC file (``recorddiffs.spill``) and the RecordDiffs a report shows
-built. The windows are joined in step order (execution order) as a SpilledRecordDiffs: memory grows with the window,
-not with the dumps. A record nobody built is rebuilt by comparing its window again. Fuzzy pairs are found once, on
-the step fuzzy alignment always uses, and applied in every window.
+**One comparison** (``compare_loaded``): records matched by (rank, step, phase, name), those of one run only listed;
+a gradient exactly zero in one run and absent in the other a note unless ``strict_zero_grads``; every pair checked
+on whole columns (``evaluation``); the first divergence the earliest in execution order (docs/compare.md).
+**Windows** (``compare_dumps``): every rule looks at one step, so whole steps compare on their own. A window (about
+``window`` records of a dump) is read, compared and reduced: its arrays spilled to one Arrow IPC file, the
+RecordDiffs a report shows built. The windows are joined in step order as a SpilledRecordDiffs: memory grows with
+the window, not the dumps; a record nobody built is rebuilt by comparing its window again. Fuzzy pairs are found
+once, on the step fuzzy alignment always uses.
 """
 
 from __future__ import annotations
@@ -198,12 +194,10 @@ def _in_order(rows_base: list[int], rows_other: list[int], base: LoadedDump, oth
 
 
 def is_zero_gradient(record: Record) -> bool:
-    """Whether a record is a gradient that is exactly zero everywhere, by its counts.
+    """Whether a gradient record is exactly zero everywhere: ``zero == numel``, no nan or inf (without these counts:
+    never).
 
         is_zero_gradient({"phase": "backward", "numel": 6, "zero": 6, "nan": 0, "inf": 0})  # True
-
-    A backward record whose ``zero`` count equals ``numel``, with no nan or inf. Records without
-    these counts (a tensor the statistics could not handle) are never zero gradients.
     """
     if record.get("phase") not in GRADIENT_PHASES:
         return False
@@ -215,11 +209,8 @@ def is_zero_gradient(record: Record) -> bool:
 
 
 def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> tuple[np.ndarray, list[int]]:
-    """``rows`` (records only in ``has``) split into (the rest, zero gradients of steps both runs finished).
-
-    In a step the other run never finished, every record is missing there: that is a different step
-    count, so its zero gradients stay with the rest.
-    """
+    """``rows`` (records only in ``has``) split into (the rest, zero gradients of steps both runs finished: in a step
+    the other run never finished, every record is missing, a different step count)."""
     candidates = _in_common(rows, has, lacks)
     if len(candidates):
         phase_codes, phases = has.codes("phase")
@@ -239,11 +230,8 @@ def _in_common(rows: np.ndarray, loaded: LoadedDump, counterpart: LoadedDump) ->
 
 def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_in_base: np.ndarray,
                       only_in_other: np.ndarray) -> Divergence | None:
-    """The earliest value or presence mismatch in execution order.
-
-    A record missing on one side counts only in a (rank, step) both runs finished: a step one run
-    did not reach is reported as a different step count, not as thousands of divergences.
-    """
+    """The earliest value or presence mismatch in execution order; a record missing on one side counts only in a
+    (rank, step) both runs finished (a step one run did not reach is a different step count)."""
     candidates: list[tuple[tuple[int, int, int, int], Divergence]] = []
     diverged = report.records.diverged_rows()
     if len(diverged):
@@ -290,17 +278,11 @@ class _Window:
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
-    """The window's report: its steps of each dump read (damaged files left out, of both runs), compared."""
+    """The window's report: its steps of each dump read, compared."""
     config = CompareConfig(**window.config)  # type: ignore[arg-type]
-    reading = config if window.steps is None else CompareConfig(**{**window.config, "steps": window.steps})  # type: ignore[arg-type]
-    base_reader, other_reader, *noise_readers = window.readers
-    if config.ranks:
-        base, other = rank_pairs(read_dump(base_reader, reading, progress=progress, skip_damaged=True))
-    else:
-        base = read_dump(base_reader, reading, progress=progress, skip_damaged=True)
-        other = read_dump(other_reader, reading, progress=progress, name_map=window.name_map, skip_damaged=True)
-    noise = [read_dump(reader, reading, progress=progress, skip_damaged=True) for reader in noise_readers]
-    _drop_damaged(base, other)
+    steps = {} if window.steps is None else {"steps": window.steps}
+    base, other, noise = _read(window.readers, CompareConfig(**{**window.config, **steps}),  # type: ignore[arg-type]
+                               window.name_map, progress)
     report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy)
     report.damaged = {side: damaged for side, damaged in (("base", base.damaged), ("other", other.damaged),
                                                          ("noise", [item for run in noise for item in run.damaged]))
@@ -308,11 +290,20 @@ def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     return report
 
 
-def _drop_damaged(base: LoadedDump, other: LoadedDump) -> None:
-    """A step damaged in one run is compared in neither: it is not a step only the other run has."""
+def _read(readers: Sequence[DumpReader], config: CompareConfig, name_map: NameMap | None, progress: bool | TextIO
+          ) -> tuple[LoadedDump, LoadedDump, list[LoadedDump]]:
+    """(base, other, the calibration runs) read, damaged files left out: a step damaged in one run is compared in
+    neither (it is not a step only the other run has)."""
+    if config.ranks:
+        base, other = rank_pairs(read_dump(readers[0], config, progress=progress, skip_damaged=True))
+    else:
+        base = read_dump(readers[0], config, progress=progress, skip_damaged=True)
+        other = read_dump(readers[1], config, progress=progress, name_map=name_map, skip_damaged=True)
+    noise = [read_dump(reader, config, progress=progress, skip_damaged=True) for reader in readers[2:]]
     damaged = [{(item.rank, item.step) for item in loaded.damaged} for loaded in (base, other)]
     drop_steps(base, damaged[1])
     drop_steps(other, damaged[0])
+    return base, other, noise
 
 
 _Spilled = tuple[Path, dict[int, RecordDiff], Summary]  # a window's spill file, the RecordDiffs built, its summary
@@ -485,13 +476,10 @@ def _fuzzy_pairs(readers: tuple[DumpReader, ...], config: CompareConfig, name_ma
     if reference is None:
         return ()
     first = frozenset({reference[1]})
-    reading = CompareConfig(**{**config.fields(), "steps": first})  # type: ignore[arg-type]
-    loaded_base = read_dump(readers[0].with_finished_steps(first), reading, progress=False, skip_damaged=True)
-    loaded_other = read_dump(readers[1].with_finished_steps(first), reading, progress=False, name_map=name_map,
-                             skip_damaged=True)
-    _drop_damaged(loaded_base, loaded_other)
-    align_operations(loaded_base, loaded_other)  # as every window does before fuzzy alignment
-    return tuple(fuzzy_renames(loaded_base, loaded_other))
+    base, other, _ = _read([reader.with_finished_steps(first) for reader in readers[:2]],
+                           CompareConfig(**{**config.fields(), "steps": first}), name_map, False)  # type: ignore[arg-type]
+    align_operations(base, other)  # as every window does before fuzzy alignment
+    return tuple(fuzzy_renames(base, other))
 
 
 @dataclass(frozen=True, kw_only=True)

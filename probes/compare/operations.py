@@ -6,22 +6,16 @@ names they are compared under (fuzzy alignment, op alignment), then what a compa
     pairs = align_operations(loaded_base, loaded_other)   # [Rename(None, other, base, "op", confidence, why)]
     operations = find_operations(base, other, pairs, records, alone, first)   # None when neither run has op records
 
-**Fuzzy alignment** (docs/names.md, Fuzzy alignment) pairs records of renamed modules by module class, shape and
-execution order, on one reference step, per phase: within the segment after each name both runs have (an anchor),
-the records of one run only are grouped by signature and the i-th of a group in BASE paired with the i-th in OTHER.
-The pairs then hold for every step and rank; those below ``min_confidence`` are not made.
-
+**Fuzzy alignment** (docs/names.md, Fuzzy alignment): on one reference step, per phase, within the segment after
+each name both runs have, the records of one run only grouped by signature (module class, shape...), the i-th of a
+group in BASE paired with the i-th in OTHER; the pairs hold for every step and rank.
 **Op alignment** (docs/compare.md, Operations of one run only): an op record's name counts the calls of its op in
-its module call, so one operation more or less in one run shifts the later names. In each module call where some
-op record is in one run only, both runs' op records are aligned as sequences in execution order: the longest
-common runs of (op, output, shape, dtype) pair in order; between them a name both runs have is compared as it is,
-the rest pair by (output, shape, dtype) whatever the op (a decomposition). Pairs are decided on the forward records
-and hold for the backward. A record of OTHER whose name a paired record takes is listed as ``<name> (unpaired)``.
-
-**Op findings**: each diverged operation with what its inputs' records say (``results.OpFinding``), under its module
-call (``results.ModuleOps``), and the first diverging operation. Only the steps of diverged operations (and of the
-first divergence) are looked at. An operation's ``inputs`` are BASE's, OTHER's (in BASE's names) where BASE's record
-has none (a compiled run records no provenance).
+its module call, so one operation more or less shifts the later names; in each module call with op records of one
+run only, both runs' op records are aligned as sequences (difflib's common runs, then decompositions by output,
+shape and dtype), on the forward records, for the backward too.
+**Op findings**: each diverged operation with its inputs' verdicts (``results.OpFinding``), under its module call
+(``results.ModuleOps``), and the first diverging operation, from the steps of diverged operations alone. An
+operation's ``inputs`` are BASE's, OTHER's (in BASE's names) where BASE's record has none (a compiled run).
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ from .results import (AGREES, DIFFERS, NO_RECORD, UNPAIRED, Check, Divergence, M
 
 __all__ = ["align_operations", "apply_renames", "find_operations", "fuzzy_renames", "op_rows", "reference_step"]
 
-DEFAULT_MIN_CONFIDENCE = 0.5
+MIN_CONFIDENCE = 0.5  # of fuzzy and op alignment's pairs
 CLASS_CHANGED_FACTOR = 0.75
 _FORWARD = "forward"
 
@@ -128,9 +122,9 @@ def _reason(base: Record, other: Record, ordinal: int, counts: str, anchor: str 
             f"#{ordinal} of {counts} such after {anchor if anchor else 'the start'}")
 
 
-def fuzzy_renames(base: LoadedDump, other: LoadedDump, *,
-                  min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> list[Rename]:
-    """The pairs of names found in one run only that stand for the same tensor (see the module docstring)."""
+def fuzzy_renames(base: LoadedDump, other: LoadedDump) -> list[Rename]:
+    """The pairs of names found in one run only that stand for the same tensor, made at ``MIN_CONFIDENCE`` or more
+    (see the module docstring)."""
     reference = reference_step(base.steps_by_rank, other.steps_by_rank)
     if reference is None:
         return []
@@ -145,7 +139,7 @@ def fuzzy_renames(base: LoadedDump, other: LoadedDump, *,
             in_base, in_other = _pair(in_base, in_other, _strict, 1.0, anchor, phase, found)
             _pair(in_base, in_other, _loose, CLASS_CHANGED_FACTOR, anchor, phase, found)
     order = {(r["phase"], r["name"]): r.get("seq", 0) for r in at_base.values()}
-    kept = [rename for rename in found if rename.confidence >= min_confidence]
+    kept = [rename for rename in found if rename.confidence >= MIN_CONFIDENCE]
     return sorted(kept, key=lambda rename: (phase_rank(rename.phase), order.get((rename.phase, rename.base), 0)))
 
 
@@ -251,20 +245,13 @@ def _decomposed(base: list[_Op], other: list[_Op]) -> list[tuple[_Op, _Op, float
             [op for op in base if op.name not in kept], [op for op in other if op.name not in kept],
             lambda op: op.loose, CLASS_CHANGED_FACTOR):
         confidence = round(confidence, 3)
-        if confidence < DEFAULT_MIN_CONFIDENCE:
+        if confidence < MIN_CONFIDENCE:
             continue
         for ordinal, (b, o) in enumerate(zip(in_base, in_other), 1):
             how = b.parsed.op if b.parsed.op == o.parsed.op else f"{o.parsed.op} as {b.parsed.op}"
             found.append((b, o, confidence, f"{how}, {_describe(b)}; #{ordinal} of {counts} such between the "
                                             "same operations of both runs"))
     return found
-
-
-def _unpaired(mapping: dict[str, tuple[str, float, str]], names: set[str]) -> set[str]:
-    """OTHER's names (of ``names``, those of the module call in one phase) left unpaired whose name a paired
-    record takes: they are kept under ``results.UNPAIRED`` names (a key holds one record)."""
-    targets = {target for target, _, _ in mapping.values()}
-    return {name for name in names if name not in mapping and name in targets}
 
 
 def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
@@ -292,15 +279,15 @@ def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
         for phase in [_FORWARD] if _FORWARD in both else sorted(both):
             mapping = {o.name: (b.name, confidence, reason) for b, o, confidence, reason
                        in _aligned(_ordered(in_base, phase), _ordered(in_other, phase)) if b.name != o.name}
-            scope = [op for op in in_other if op.phase == phase or phase == _FORWARD]
-            moved = {listed: _unpaired(mapping, {op.name for op in scope if op.phase == listed})
-                     for listed in {op.phase for op in scope}}
-            seq_of = {op.name: op for op in _ordered(in_base, phase)}
-            for op in scope:
+            targets = {target for target, _, _ in mapping.values()}
+            for op in in_other:
+                if op.phase != phase and phase != _FORWARD:
+                    continue
                 if op.name in mapping:
                     new_names[op.row] = mapping[op.name][0]
-                elif op.name in moved[op.phase]:
+                elif op.name in targets:  # left unpaired, its name taken by a paired record: a key holds one record
                     new_names[op.row] = op.name + UNPAIRED
+            seq_of = {op.name: op for op in _ordered(in_base, phase)}
             for name, (target, confidence, reason) in mapping.items():
                 at = seq_of[target]
                 key = (None if phase == _FORWARD else phase, name, target)
@@ -345,16 +332,12 @@ class _Steps:
         self.rows: dict[tuple[int, int, str, str], _Row] = {}
         self._metrics: dict[int, tuple[str, float]] = {}
         renamed = self._renamed(other, steps)
-        chosen = pairs[0][base.in_steps(steps, pairs[0])]  # matched rows; those in one run only come from ``alone``
-        pair_of = np.full(len(base), -1, np.int64)
-        pair_of[pairs[0]] = np.arange(len(pairs[0]))
-        partner = np.full(len(base), -1, np.int64)
-        partner[pairs[0]] = pairs[1]
-        inputs_other = other.column("inputs", partner[chosen])
-        for row, found, fallback in zip(chosen.tolist(), self._gather(base, chosen), inputs_other):
+        at = np.flatnonzero(base.in_steps(steps, pairs[0]))  # matched pairs; records of one run only: ``alone``
+        for pair, found, fallback in zip(at.tolist(), self._gather(base, pairs[0][at]),
+                                         other.column("inputs", pairs[1][at])):
             if found.inputs is None and fallback is not None:  # BASE recorded no provenance (compiled)
                 found = replace(found, inputs=_mapped(found, fallback, renamed))
-            self._add(replace(found, pair=int(pair_of[row])))
+            self._add(replace(found, pair=pair))
         for side, loaded, rows in (("base", base, alone[0]), ("other", other, alone[1])):
             for found in self._gather(loaded, rows[loaded.in_steps(steps, rows)]):
                 self._add(replace(found, side=side, inputs=_mapped(found, found.inputs, renamed) if side == "other"

@@ -269,11 +269,9 @@ def rank_pairs(loaded: LoadedDump) -> tuple[LoadedDump, LoadedDump]:
                          f"{found}; give the dump directory of a multi-process run")
     zero = np.flatnonzero(loaded.rank == 0)
     others = np.flatnonzero(loaded.rank != 0)
-    copies = []
-    for rank in ranks[1:]:
-        part = loaded.table.take(zero)
-        copies.append(part.set_column(part.schema.get_field_index("rank"), "rank",
-                                      pa.array(np.full(len(zero), rank, np.int64))))
+    part = loaded.table.take(zero)
+    copies = [part.set_column(part.schema.get_field_index("rank"), "rank", pa.array(np.full(len(zero), rank, np.int64)))
+              for rank in ranks[1:]]
     base = replace(loaded, table=pa.concat_tables(copies).combine_chunks() if copies else loaded.table.slice(0, 0),
                    steps_by_rank={rank: list(loaded.steps_by_rank.get(0, [])) for rank in ranks[1:]},
                    unfinished={rank: list(loaded.unfinished[0]) for rank in ranks[1:] if loaded.unfinished.get(0)},
@@ -413,22 +411,19 @@ def _check_unique(loaded: LoadedDump, name_map: NameMap | None) -> None:
     """No two records share (rank, step, phase, name); the first repeat in file order is the error."""
     if len(loaded) < 2:
         return
-    phase_id, name_id = loaded.codes("phase")[0], loaded.codes("name")[0]
-    key = one_key([loaded.rank, loaded.step, phase_id, name_id])
+    columns = [loaded.rank, loaded.step, loaded.codes("phase")[0], loaded.codes("name")[0]]
+    key = one_key(columns)
     if key is not None:  # the common case, no repeat, told by one sort of one column
         key.sort()
         if not (key[1:] == key[:-1]).any():
             return
-    by_key = np.lexsort((np.arange(len(loaded)), name_id, phase_id, loaded.step, loaded.rank))
-    same = np.ones(len(by_key) - 1, dtype=bool)
-    for column in (loaded.rank, loaded.step, phase_id, name_id):
-        ordered = column[by_key]
-        same &= ordered[1:] == ordered[:-1]
-    if not same.any():
+    group = _groups(columns)
+    first_of = np.unique(group, return_index=True)[1]  # the first row of each key
+    repeats = np.flatnonzero(first_of[group] != np.arange(len(loaded)))
+    if not len(repeats):
         return
-    repeats = by_key[1:][same]
-    row = int(repeats.min())  # the earliest row that repeats a key
-    first = int(by_key[np.flatnonzero(by_key == row)[0] - 1])
+    row = int(repeats[0])  # the earliest row that repeats a key
+    first = int(first_of[group[row]])
     rank, step, phase, name = loaded.key(row)
     originals = loaded.table.column("renamed_from").take(pa.array([first, row])).to_pylist()
     if name_map is not None and any(original is not None for original in originals):
