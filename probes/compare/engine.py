@@ -46,7 +46,7 @@ from .names import NameMap, NameMapLike, as_name_map
 from .operations import align_operations, apply_renames, find_operations, fuzzy_renames, reference_step
 from .options import DEFAULT_WINDOW, CompareConfig
 from .pairs import match
-from .reading import LoadedDump, check_hashes, drop_steps, rank_pairs, read_dump
+from .reading import LoadedDump, check_hashes, drop_steps, rank_pairs, rank_steps, read_dump
 from .recorddiffs import RecordDiffs, SpilledRecordDiffs, Summary, WorstMetric, spill
 from .report import Report
 from .results import Damaged, Divergence, NoiseFloor, Operations, RecordDiff, Rename, op_name
@@ -123,10 +123,9 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, r
                     zero_grads=zero_grads, renamed=renamed,
                     grad_norms={"base": _grad_norms(base), "other": _grad_norms(other)})
     report.noise_floor = noise_floor
-    report.first_divergence = _first_divergence(report, base, other, only_in_base, only_in_other)
-    report.operations = find_operations(base, other, pairs, records, (_in_common(only_in_base, base, other),
-                                                                      _in_common(only_in_other, other, base)),
-                                        report.first_divergence)
+    common = (_in_common(only_in_base, base, other), _in_common(only_in_other, other, base))
+    report.first_divergence = _first_divergence(report, base, other, common)
+    report.operations = find_operations(base, other, pairs, records, common, report.first_divergence)
     report.first_nonfinite = {"base": _first_nonfinite(base), "other": _first_nonfinite(other)}
     if meter:
         meter.update(4)
@@ -228,8 +227,8 @@ def _in_common(rows: np.ndarray, loaded: LoadedDump, counterpart: LoadedDump) ->
                                 rows)]
 
 
-def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_in_base: np.ndarray,
-                      only_in_other: np.ndarray) -> Divergence | None:
+def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, common: tuple[np.ndarray, np.ndarray]
+                      ) -> Divergence | None:
     """The earliest value or presence mismatch in execution order; a record missing on one side counts only in a
     (rank, step) both runs finished (a step one run did not reach is a different step count)."""
     candidates: list[tuple[tuple[int, int, int, int], Divergence]] = []
@@ -238,15 +237,14 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, only_
         first_value = report.records[int(diverged[0])]
         candidates.append((execution_order(first_value.step, first_value.phase, first_value.seq, first_value.rank),
                            first_value.divergence()))
-    for rows, loaded, present, missing in ((only_in_base, base, "present", "missing"),
-                                           (only_in_other, other, "missing", "present")):
-        common = _in_common(rows, loaded, other if loaded is base else base)
-        if len(common):  # an operation of one run only is listed, not a divergence (``Report.agrees``)
+    for rows, loaded, present, missing in ((common[0], base, "present", "missing"),
+                                           (common[1], other, "missing", "present")):
+        if len(rows):  # an operation of one run only is listed, not a divergence (``Report.agrees``)
             name_codes, names = loaded.codes("name")
             is_op = np.array([op_name(name) is not None for name in names.to_pylist()], dtype=bool)
-            common = common[~is_op[name_codes[common]]]
-        if len(common):  # rows are in execution order: the first one in a common step is the earliest
-            row = int(common[0])
+            rows = rows[~is_op[name_codes[rows]]]
+        if len(rows):  # rows are in execution order: the first one in a common step is the earliest
+            row = int(rows[0])
             rank, step, phase, name = loaded.key(row)
             seq = int(loaded.seq[row])
             candidates.append((execution_order(step, phase, seq, rank),
@@ -448,11 +446,7 @@ def _joined(windows: Sequence[_Window], parts: Sequence[tuple[Report, _Spilled]]
 
 
 def _union(found: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:
-    steps: dict[int, set[int]] = {}
-    for by_rank in found:
-        for rank, listed in by_rank.items():
-            steps.setdefault(rank, set()).update(listed)
-    return {rank: sorted(listed) for rank, listed in sorted(steps.items())}
+    return rank_steps((rank, step) for by_rank in found for rank, listed in by_rank.items() for step in listed)
 
 
 def _runs(noise: Any) -> tuple[Any, ...]:
@@ -467,12 +461,9 @@ def _runs(noise: Any) -> tuple[Any, ...]:
 def _fuzzy_pairs(readers: tuple[DumpReader, ...], config: CompareConfig, name_map: NameMap | None
                  ) -> tuple[Rename, ...]:
     """Fuzzy alignment's pairs, found as on the whole dumps: on the lowest common rank's first common step."""
-    steps: tuple[dict[int, list[int]], ...] = ({}, {})
-    for reader, by_rank in zip(readers, steps):
-        for f in reader.step_files():
-            if f.rank is not None and config.wants_step(f.step):
-                by_rank.setdefault(f.rank, []).append(f.step)
-    reference = reference_step(*steps)
+    reference = reference_step(*(rank_steps((f.rank, f.step) for f in reader.step_files()
+                                            if f.rank is not None and config.wants_step(f.step))
+                                 for reader in readers[:2]))
     if reference is None:
         return ()
     first = frozenset({reference[1]})

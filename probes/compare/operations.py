@@ -38,7 +38,7 @@ from .reading import LoadedDump
 from .results import (AGREES, DIFFERS, NO_RECORD, UNPAIRED, Check, Divergence, ModuleOps, OpFinding, OpName,
                       Operations, Rename, module_record, op_name)
 
-__all__ = ["align_operations", "apply_renames", "find_operations", "fuzzy_renames", "op_rows", "reference_step"]
+__all__ = ["align_operations", "apply_renames", "find_operations", "fuzzy_renames", "reference_step"]
 
 MIN_CONFIDENCE = 0.5  # of fuzzy and op alignment's pairs
 CLASS_CHANGED_FACTOR = 0.75
@@ -188,10 +188,9 @@ class _Op:
         return self.parsed.output, self.shape, self.dtype
 
 
-def op_rows(loaded: LoadedDump) -> np.ndarray:
-    """The rows of ``loaded`` that are op records (kind "op"), in row order."""
-    kind = loaded.table.column("kind")
-    return np.flatnonzero(pc.fill_null(pc.equal(kind, "op"), False).to_numpy(zero_copy_only=False))
+def _is_op(loaded: LoadedDump) -> np.ndarray:
+    """Per row of ``loaded``: whether it is an op record (kind "op")."""
+    return pc.fill_null(pc.equal(loaded.table.column("kind"), "op"), False).to_numpy(zero_copy_only=False)
 
 
 def _same_keys(base: LoadedDump, rows_base: np.ndarray, other: LoadedDump, rows_other: np.ndarray) -> bool:
@@ -258,7 +257,7 @@ def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
     """Pairs the op records of module calls where the two runs' op records differ (module docstring), renames
     ``other``'s paired records to their BASE names, and returns the pairs whose names differ, in BASE's execution
     order (each pair once, whatever the steps and ranks it holds in)."""
-    rows_base, rows_other = op_rows(base), op_rows(other)
+    rows_base, rows_other = np.flatnonzero(_is_op(base)), np.flatnonzero(_is_op(other))
     if not len(rows_base) or not len(rows_other) or _same_keys(base, rows_base, other, rows_other):
         return []
     ops_base, ops_other = _ops(base, rows_base), _ops(other, rows_other)
@@ -411,13 +410,9 @@ def find_operations(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray
     """The op findings of one comparison; ``pairs``: the matched (base rows, other rows), in the order of
     ``records``; ``alone``: the rows of each run in one run only, in steps both runs finished (divergences);
     ``first``: the first divergence. None when neither run has op records."""
-    rows_base, rows_other = op_rows(base), op_rows(other)
-    if not len(rows_base) and not len(rows_other):
+    is_op, other_op = _is_op(base), _is_op(other)
+    if not is_op.any() and not other_op.any():
         return None
-    is_op = np.zeros(len(base), dtype=bool)
-    is_op[rows_base] = True
-    other_op = np.zeros(len(other), dtype=bool)
-    other_op[rows_other] = True
     matched = np.flatnonzero(is_op[pairs[0]])
     diverged = matched[np.asarray(records.diverged, bool)[matched]] if len(matched) else matched
     alone = (alone[0][is_op[alone[0]]], alone[1][other_op[alone[1]]])

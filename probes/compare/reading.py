@@ -34,7 +34,7 @@ from .names import NameMap, NameMapError
 from .results import Damaged
 from .rules import precisions, rms, scale_floors
 
-__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump"]
+__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "rank_steps", "read_dump"]
 
 
 class MissingHashes(ValueError):
@@ -369,18 +369,20 @@ def _fill_seq(loaded: LoadedDump) -> None:
 
 def _steps_by_rank(loaded: LoadedDump, files: list[StepFile], keep: np.ndarray) -> dict[int, list[int]]:
     """Rank -> the finished steps read; a step whose records were all filtered out is still a step."""
-    steps: dict[int, set[int]] = {}
     ranks, found = loaded.rank[keep], loaded.step[keep]
     if len(ranks) and found.min() >= 0 and ranks.min() >= 0 and found.max() < (1 << 32):
         packed = np.unique((ranks << 32) | found)  # one sort of one int64 column
         pairs = zip((packed >> 32).tolist(), (packed & 0xFFFFFFFF).tolist())
     else:
         pairs = set(zip(ranks.tolist(), found.tolist()))
+    return rank_steps([*pairs, *((f.rank, f.step) for f in files if f.rank is not None)])
+
+
+def rank_steps(pairs: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    """(rank, step) pairs as rank -> its steps, both in order."""
+    steps: dict[int, set[int]] = {}
     for rank, step in pairs:
         steps.setdefault(rank, set()).add(step)
-    for step_file in files:
-        if step_file.rank is not None:
-            steps.setdefault(step_file.rank, set()).add(step_file.step)
     return {rank: sorted(found) for rank, found in sorted(steps.items())}
 
 
