@@ -212,9 +212,7 @@ def _split_zero_grads(rows: np.ndarray, has: LoadedDump, lacks: LoadedDump) -> t
     the other run never finished, every record is missing, a different step count)."""
     candidates = _in_common(rows, has, lacks)
     if len(candidates):
-        phase_codes, phases = has.codes("phase")
-        gradient = np.isin(phase_codes[candidates], [i for i, p in enumerate(phases.to_pylist()) if p in GRADIENT_PHASES])
-        candidates = candidates[gradient]
+        candidates = candidates[has.matches("phase", lambda phase: phase in GRADIENT_PHASES)[candidates]]
     zeros = [row for row, record in zip(candidates.tolist(), has.records_at(candidates)) if is_zero_gradient(record)]
     return rows[~np.isin(rows, zeros)], zeros
 
@@ -240,9 +238,7 @@ def _first_divergence(report: Report, base: LoadedDump, other: LoadedDump, commo
     for rows, loaded, present, missing in ((common[0], base, "present", "missing"),
                                            (common[1], other, "missing", "present")):
         if len(rows):  # an operation of one run only is listed, not a divergence (``Report.agrees``)
-            name_codes, names = loaded.codes("name")
-            is_op = np.array([op_name(name) is not None for name in names.to_pylist()], dtype=bool)
-            rows = rows[~is_op[name_codes[rows]]]
+            rows = rows[~loaded.matches("name", lambda name: op_name(name) is not None)[rows]]
         if len(rows):  # rows are in execution order: the first one in a common step is the earliest
             row = int(rows[0])
             rank, step, phase, name = loaded.key(row)
@@ -467,8 +463,8 @@ def _fuzzy_pairs(readers: tuple[DumpReader, ...], config: CompareConfig, name_ma
     if reference is None:
         return ()
     first = frozenset({reference[1]})
-    base, other, _ = _read([reader.with_finished_steps(first) for reader in readers[:2]],
-                           CompareConfig(**{**config.fields(), "steps": first}), name_map, False)  # type: ignore[arg-type]
+    reading = CompareConfig(**{**config.fields(), "steps": first})  # type: ignore[arg-type]
+    base, other, _ = _read([reader.with_finished_steps(first) for reader in readers[:2]], reading, name_map, False)
     align_operations(base, other)  # as every window does before fuzzy alignment
     return tuple(fuzzy_renames(base, other))
 

@@ -13,8 +13,7 @@ columns: filters, key types, no duplicate keys, the steps each rank finished, a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -103,6 +102,12 @@ class LoadedDump:
     def _codes_of(self, column: str, values: pa.Array) -> tuple[np.ndarray, pa.Array]:
         codes = pc.index_in(self.table.column(column), value_set=values).to_numpy(zero_copy_only=False)
         return codes.astype(np.int64, copy=False), values
+
+    def matches(self, column: str, wants: Callable[[Any], bool]) -> np.ndarray:
+        """Per row: whether ``wants`` takes its value of the string ``column`` (asked once per distinct value)."""
+        codes, values = self.codes(column)
+        wanted = np.array([wants(value) for value in values.to_pylist()], dtype=bool)
+        return wanted[codes] if len(wanted) else np.zeros(len(self), dtype=bool)
 
     @cached_property
     def order(self) -> np.ndarray:
@@ -221,10 +226,11 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
         left_out = {id(step_file) for step_file, _ in damaged}
         files = [step_file for step_file in files if id(step_file) not in left_out]
     sizes = _rows_per_file(table, files)
+    starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
     loaded = LoadedDump(reader.path, table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())),
                         {}, unfinished, files=[step_file.path for step_file in files],
                         file_of=np.repeat(np.arange(len(files), dtype=np.int64), sizes),
-                        line_of=np.arange(table.num_rows, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1)
+                        line_of=np.arange(table.num_rows, dtype=np.int64) - starts + 1)
     _check_keys(loaded)
     _fill_seq(loaded)
     _add_context(loaded)
@@ -233,12 +239,10 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
     loaded.steps_by_rank = _steps_by_rank(loaded, files, keep)
     if name_map is not None:
         _rename(loaded, name_map)
-    for column, wants, applies in (("name", config.wants_name, config.names), ("phase", config.wants_phase,
-                                                                             config.phases is not None)):
-        if applies:
-            codes, values = loaded.codes(column)
-            wanted = np.array([wants(value) for value in values.to_pylist()], dtype=bool)
-            keep &= wanted[codes] if len(wanted) else np.zeros(len(loaded), dtype=bool)
+    if config.names:
+        keep &= loaded.matches("name", config.wants_name)
+    if config.phases is not None:
+        keep &= loaded.matches("phase", config.wants_phase)
     if not keep.all():
         _keep(loaded, keep)
     _check_unique(loaded, name_map)
