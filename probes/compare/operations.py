@@ -496,7 +496,7 @@ def _first(operations: Operations, found: _Steps, findings: Sequence[OpFinding],
     site = module_record(first.name)
     if site is None:
         return
-    module, call = site
+    module = site[0]
 
     def within(name: str) -> bool:
         parsed = op_name(name)

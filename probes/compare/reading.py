@@ -202,8 +202,9 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
 
     Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, OSError for
     unreadable paths, NameMapError when ``name_map`` makes two records of a step one. ``progress``: False, True
-    (stderr) or a stream. ``skip_damaged``: damaged step files are left out and listed in ``damaged`` (else
-    DamagedSteps names them all). ``path`` may be an open DumpReader (a window's), which is not listed again.
+    (stderr) or a stream. A live writer of this process into ``path`` is waited for first, so every step it finished
+    is read. ``skip_damaged``: damaged step files are left out and listed in ``damaged`` (else DamagedSteps names
+    them all). ``path`` may be an open DumpReader (a window's), which is not listed again.
     """
     reader = path if isinstance(path, DumpReader) else DumpReader(path)
     unfinished: dict[int, list[int]] = {}
