@@ -27,7 +27,7 @@ from exporters.handles import Handle
 
 from .compare import Report, compare_dumps
 from .compare.results import ZERO_GRAD_NOTE
-from .compare.windows import CompareOptions
+from .compare.engine import CompareOptions
 from .compare.terminal import counts_line, noise_floor_line, verdict
 from .rounding import perturbed_rounding
 from .utils.flags import takes_options

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..compare import Report, compare_dumps, format_report, write_html
-from ..compare.windows import CompareOptions
+from ..compare.engine import CompareOptions
 from ..dump.trainer_steps import TrainerStep
 from ..utils.flags import add_flags, given, keyword_values, option
 from .common import (EXIT_NEGATIVE, EXIT_OK, CommandError, command_parser, open_dump, run_command,

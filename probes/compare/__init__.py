@@ -16,7 +16,7 @@ result model and its JSON), ``terminal`` (the terminal summary and the shared se
 page), ``summaries`` (the original tool's merged per-step summaries).
 """
 
-from .windows import compare_dumps
+from .engine import compare_dumps
 from .html import write_html
 from .names import NameMap, NameMapError, load_name_map
 from .report import Report

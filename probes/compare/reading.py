@@ -3,22 +3,18 @@
     loaded = read_dump("pt_out", CompareConfig(steps=frozenset({3})), progress=True)
     loaded = read_dump("refactored_out", name_map=load_name_map("names.yaml"))   # names as BASE writes them
     loaded.table; loaded.steps_by_rank; loaded.unfinished; loaded.records_at([0, 1])  # rows, and records of rows
-    loaded.records[(0, 3, "forward", "fc1.output.0")]["mean"]                  # every record as a dict (small dumps)
     base, other = rank_pairs(read_dump("ddp_out"))     # rank 0's records once per other rank, and those ranks'
-    check_hashes(loaded)                               # MissingHashes unless every record has its ``hash``
 
-Parsing, completeness (the order files) and waiting for live writers are the dump reader's
-(``probes.dump.DumpReader``); here only what comparing needs on top, done on whole columns: filters,
-the types of the key fields, no duplicate keys, which steps each rank finished, names rewritten by a
-name map (before the name filter; the original name is kept in the ``renamed_from`` column), each
-row's execution-order sort key, and what each record's default tolerance depends on beyond the record (the
-``precision`` and ``scale_floor`` columns).
+Parsing, completeness and live writers are ``probes.dump.DumpReader``'s; here what comparing adds, on whole
+columns: filters, key types, no duplicate keys, the steps each rank finished, a name map's names (the original in
+``renamed_from``), execution order, and what a default tolerance depends on beyond the record (``precision``,
+``scale_floor``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,7 +33,7 @@ from .names import NameMap, NameMapError
 from .results import Damaged
 from .rules import precisions, rms, scale_floors
 
-__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump"]
+__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "rank_steps", "read_dump"]
 
 
 class MissingHashes(ValueError):
@@ -47,8 +43,7 @@ class MissingHashes(ValueError):
 # what keeps the rest exact (the *_int twins, nulls, extra), an op record's inputs. Not legacy_name, depth, finite,
 # m2, neg, pos.
 COLUMNS = ("step", "rank", "name", "phase", "seq", "tensor_index", "module", "module_class", "kind", "inputs", "shape",
-           "dtype",
-           "layout", "stats_of", "unsupported", "numel", *dict.fromkeys((*MOMENTS, *COUNTS, "zero")),
+           "dtype", "layout", "stats_of", "unsupported", "numel", *dict.fromkeys((*MOMENTS, *COUNTS, "zero")),
            "samples", "sample_indices", "min_int", "max_int", "samples_int", "nulls", "extra", "hash")
 
 
@@ -65,8 +60,8 @@ class LoadedDump:
     file_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     line_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     damaged: list[Damaged] = field(default_factory=list)  # step files left out (skip_damaged)
-    _codes: dict[str, tuple[pa.Table, tuple[np.ndarray, pa.Array]]] = field(default_factory=dict, repr=False,
-                                                                            compare=False)
+    _codes: dict[str, tuple[pa.Table, tuple[np.ndarray, pa.Array]]] = field(default_factory=dict, init=False,
+                                                                            repr=False, compare=False)
 
     @classmethod
     def of_records(cls, records: Sequence[Mapping[str, Any]]) -> "LoadedDump":
@@ -93,24 +88,26 @@ class LoadedDump:
         return _ints(self.table, "seq")
 
     def codes(self, column: str, values: pa.Array | None = None) -> tuple[np.ndarray, pa.Array]:
-        """(per row, the index of its value in ``values``; ``values``): a string column as integers.
+        """(per row, the index of its value in ``values``; ``values``): a string column as integers. ``values``
+        default to the column's distinct values (kept while the table is the same one); pass two dumps' common ones
+        to compare codes."""
+        if values is not None:
+            return self._codes_of(column, values)
+        table, found = self._codes.get(column, (None, None))
+        if table is not self.table or found is None:
+            found = self._codes_of(column, pc.unique(self.table.column(column)))
+            self._codes[column] = (self.table, found)
+        return found
 
-        ``values`` default to the column's distinct values; pass two dumps' common ones to compare codes.
-        """
-        if values is None:  # kept while the table is the same one (a filter, a rename replaces it)
-            table, found = self._codes.get(column, (None, None))
-            if table is not self.table or found is None:
-                found = self._codes_of(column, None)
-                self._codes[column] = (self.table, found)
-            return found
-        return self._codes_of(column, values)
-
-    def _codes_of(self, column: str, values: pa.Array | None) -> tuple[np.ndarray, pa.Array]:
-        data = self.table.column(column)
-        if values is None:
-            values = pc.unique(data)
-        codes = pc.index_in(data, value_set=values).to_numpy(zero_copy_only=False)
+    def _codes_of(self, column: str, values: pa.Array) -> tuple[np.ndarray, pa.Array]:
+        codes = pc.index_in(self.table.column(column), value_set=values).to_numpy(zero_copy_only=False)
         return codes.astype(np.int64, copy=False), values
+
+    def matches(self, column: str, wants: Callable[[Any], bool]) -> np.ndarray:
+        """Per row: whether ``wants`` takes its value of the string ``column`` (asked once per distinct value)."""
+        codes, values = self.codes(column)
+        wanted = np.array([wants(value) for value in values.to_pylist()], dtype=bool)
+        return wanted[codes] if len(wanted) else np.zeros(len(self), dtype=bool)
 
     @cached_property
     def order(self) -> np.ndarray:
@@ -173,6 +170,12 @@ class LoadedDump:
         """(file, 1-based line or row) of a row, for messages."""
         return self.files[int(self.file_of[row])], int(self.line_of[row])
 
+    def in_steps(self, steps: Iterable[tuple[int | None, int]], rows: np.ndarray | None = None) -> np.ndarray:
+        """Per row (of ``rows``; all by default): whether its (rank, step) is one of ``steps``."""
+        rank, step = (self.rank, self.step) if rows is None else (self.rank[rows], self.step[rows])
+        wanted = np.array([r * (1 << 32) + s for r, s in steps if r is not None], np.int64)
+        return np.isin(rank * (1 << 32) + step, wanted)
+
 
 def one_key(columns: list[np.ndarray]) -> np.ndarray | None:
     """Integer columns (of the same length) packed into one int64 per row, ordered as the columns are
@@ -195,14 +198,13 @@ def _ints(table: pa.Table, name: str) -> np.ndarray:
 def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConfig(), *,
               progress: bool | TextIO = True, name_map: NameMap | None = None,
               skip_damaged: bool = False) -> LoadedDump:
-    """Loads and validates a dump for comparison, keeping only the steps and names ``config`` selects.
+    """Loads and validates a dump for comparison, keeping only the steps, names and phases ``config`` selects.
 
-    Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, and
-    OSError for unreadable paths, NameMapError when ``name_map`` makes two records of a step one.
-    ``progress``: False, True (stderr) or a stream. A live writer of this process into ``path`` is
-    waited for first, so every step it finished is read. ``skip_damaged``: damaged step files are left out
-    and listed in ``damaged`` (else DamagedSteps names them all). ``path`` may be a DumpReader already open
-    (a window's: ``DumpReader.only``), which is not listed again.
+    Raises DumpFormatError (naming file and line) for invalid, duplicated or truncated records, OSError for
+    unreadable paths, NameMapError when ``name_map`` makes two records of a step one. ``progress``: False, True
+    (stderr) or a stream. A live writer of this process into ``path`` is waited for first, so every step it finished
+    is read. ``skip_damaged``: damaged step files are left out and listed in ``damaged`` (else DamagedSteps names
+    them all). ``path`` may be an open DumpReader (a window's), which is not listed again.
     """
     reader = path if isinstance(path, DumpReader) else DumpReader(path)
     unfinished: dict[int, list[int]] = {}
@@ -225,22 +227,23 @@ def read_dump(path: str | Path | DumpReader, config: CompareConfig = CompareConf
         left_out = {id(step_file) for step_file, _ in damaged}
         files = [step_file for step_file in files if id(step_file) not in left_out]
     sizes = _rows_per_file(table, files)
+    starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
     loaded = LoadedDump(reader.path, table.append_column("renamed_from", pa.nulls(table.num_rows, pa.string())),
                         {}, unfinished, files=[step_file.path for step_file in files],
                         file_of=np.repeat(np.arange(len(files), dtype=np.int64), sizes),
-                        line_of=np.arange(table.num_rows, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1)
+                        line_of=np.arange(table.num_rows, dtype=np.int64) - starts + 1)
     _check_keys(loaded)
     _fill_seq(loaded)
     _add_context(loaded)
-    keep = _wanted_steps(loaded, config)
+    keep = np.ones(len(loaded), dtype=bool) if config.steps is None else \
+        np.isin(loaded.step, np.fromiter(config.steps, dtype=np.int64, count=len(config.steps)))
     loaded.steps_by_rank = _steps_by_rank(loaded, files, keep)
     if name_map is not None:
         _rename(loaded, name_map)
-    keep &= _wanted_names(loaded, config)
+    if config.names:
+        keep &= loaded.matches("name", config.wants_name)
     if config.phases is not None:
-        codes, phases = loaded.codes("phase")
-        wanted = np.array([config.wants_phase(phase) for phase in phases.to_pylist()], dtype=bool)
-        keep &= wanted[codes] if len(wanted) else np.zeros(len(loaded), dtype=bool)
+        keep &= loaded.matches("phase", config.wants_phase)
     if not keep.all():
         _keep(loaded, keep)
     _check_unique(loaded, name_map)
@@ -271,21 +274,18 @@ def rank_pairs(loaded: LoadedDump) -> tuple[LoadedDump, LoadedDump]:
                          f"{found}; give the dump directory of a multi-process run")
     zero = np.flatnonzero(loaded.rank == 0)
     others = np.flatnonzero(loaded.rank != 0)
-    copies = []
-    for rank in ranks[1:]:
-        part = loaded.table.take(zero)
-        copies.append(part.set_column(part.schema.get_field_index("rank"), "rank",
-                                      pa.array(np.full(len(zero), rank, np.int64))))
-    base = LoadedDump(loaded.path, pa.concat_tables(copies).combine_chunks() if copies else loaded.table.slice(0, 0),
-                      {rank: list(loaded.steps_by_rank.get(0, [])) for rank in ranks[1:]},
-                      {rank: list(loaded.unfinished.get(0, [])) for rank in ranks[1:] if loaded.unfinished.get(0)},
-                      dict(loaded.renamed), list(loaded.files), np.tile(loaded.file_of[zero], len(ranks) - 1),
-                      np.tile(loaded.line_of[zero], len(ranks) - 1), list(loaded.damaged))
-    other = LoadedDump(loaded.path, loaded.table.take(others),
-                       {rank: steps for rank, steps in loaded.steps_by_rank.items() if rank != 0},
-                       {rank: steps for rank, steps in loaded.unfinished.items() if rank != 0},
-                       dict(loaded.renamed), list(loaded.files), loaded.file_of[others], loaded.line_of[others],
-                       list(loaded.damaged))
+    part = loaded.table.take(zero)
+    copies = [part.set_column(part.schema.get_field_index("rank"), "rank", pa.array(np.full(len(zero), rank, np.int64)))
+              for rank in ranks[1:]]
+    base = replace(loaded, table=pa.concat_tables(copies).combine_chunks() if copies else loaded.table.slice(0, 0),
+                   steps_by_rank={rank: list(loaded.steps_by_rank.get(0, [])) for rank in ranks[1:]},
+                   unfinished={rank: list(loaded.unfinished[0]) for rank in ranks[1:] if loaded.unfinished.get(0)},
+                   file_of=np.tile(loaded.file_of[zero], len(ranks) - 1),
+                   line_of=np.tile(loaded.line_of[zero], len(ranks) - 1))
+    other = replace(loaded, table=loaded.table.take(others),
+                    steps_by_rank={rank: steps for rank, steps in loaded.steps_by_rank.items() if rank != 0},
+                    unfinished={rank: steps for rank, steps in loaded.unfinished.items() if rank != 0},
+                    file_of=loaded.file_of[others], line_of=loaded.line_of[others])
     return base, other
 
 
@@ -293,8 +293,7 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
     """Leaves the records and steps of these (rank, step) out of ``loaded`` (damaged in another run)."""
     if not steps:
         return
-    keep = np.array([(rank, step) not in steps for rank, step in zip(loaded.rank.tolist(), loaded.step.tolist())],
-                    dtype=bool)
+    keep = ~loaded.in_steps(steps)
     if not keep.all():
         _keep(loaded, keep)
     for rank, step in steps:
@@ -303,12 +302,9 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
 
 
 def _add_context(loaded: LoadedDump) -> None:
-    """What the default tolerance of each record depends on beyond the record itself (docs/compare.md, Tolerance),
-    from every record of its step before any filter, so that selecting records does not change it: ``precision``
-    (``rules.precisions``: the least precise floating-point dtype of its rank and step) and ``scale_floor``
-    (``rules.scale_floors``: for a parameter's grad, param or optim record, the largest root mean square of the
-    same records of its module: a bias gradient that is zero in exact arithmetic is rounding noise of the size
-    of its module's weight gradient). The dump's statistics columns are read as float64."""
+    """What a record's default tolerance depends on beyond the record (docs/compare.md, Tolerance), from every
+    record of its step before any filter, so that selecting records does not change it: ``precision``
+    (``rules.precisions``) and ``scale_floor`` (``rules.scale_floors``, for grad, param and optim records)."""
     codes, dtypes = loaded.codes("dtype")
     names, index = precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
     table = loaded.table
@@ -376,26 +372,22 @@ def _fill_seq(loaded: LoadedDump) -> None:
         loaded.table = loaded.table.set_column(loaded.table.schema.get_field_index("seq"), "seq", filled)
 
 
-def _wanted_steps(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
-    if config.steps is None:
-        return np.ones(len(loaded), dtype=bool)
-    return np.isin(loaded.step, np.fromiter(config.steps, dtype=np.int64, count=len(config.steps)))
-
-
 def _steps_by_rank(loaded: LoadedDump, files: list[StepFile], keep: np.ndarray) -> dict[int, list[int]]:
     """Rank -> the finished steps read; a step whose records were all filtered out is still a step."""
-    steps: dict[int, set[int]] = {}
     ranks, found = loaded.rank[keep], loaded.step[keep]
     if len(ranks) and found.min() >= 0 and ranks.min() >= 0 and found.max() < (1 << 32):
         packed = np.unique((ranks << 32) | found)  # one sort of one int64 column
         pairs = zip((packed >> 32).tolist(), (packed & 0xFFFFFFFF).tolist())
     else:
         pairs = set(zip(ranks.tolist(), found.tolist()))
+    return rank_steps([*pairs, *((f.rank, f.step) for f in files if f.rank is not None)])
+
+
+def rank_steps(pairs: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    """(rank, step) pairs as rank -> its steps, both in order."""
+    steps: dict[int, set[int]] = {}
     for rank, step in pairs:
         steps.setdefault(rank, set()).add(step)
-    for step_file in files:
-        if step_file.rank is not None:
-            steps.setdefault(step_file.rank, set()).add(step_file.step)
     return {rank: sorted(found) for rank, found in sorted(steps.items())}
 
 
@@ -414,14 +406,6 @@ def _rename(loaded: LoadedDump, name_map: NameMap) -> None:
     loaded.table = table.set_column(table.schema.get_field_index("renamed_from"), "renamed_from", renamed_from)
 
 
-def _wanted_names(loaded: LoadedDump, config: CompareConfig) -> np.ndarray:
-    if not config.names:
-        return np.ones(len(loaded), dtype=bool)
-    codes, unique = loaded.codes("name")
-    wanted = np.array([config.wants_name(name) for name in unique.to_pylist()], dtype=bool)
-    return wanted[codes] if len(wanted) else np.zeros(len(loaded), dtype=bool)
-
-
 def _keep(loaded: LoadedDump, keep: np.ndarray) -> None:
     rows = np.flatnonzero(keep)
     loaded.table = loaded.table.take(rows)
@@ -434,22 +418,19 @@ def _check_unique(loaded: LoadedDump, name_map: NameMap | None) -> None:
     """No two records share (rank, step, phase, name); the first repeat in file order is the error."""
     if len(loaded) < 2:
         return
-    phase_id, name_id = loaded.codes("phase")[0], loaded.codes("name")[0]
-    key = one_key([loaded.rank, loaded.step, phase_id, name_id])
+    columns = [loaded.rank, loaded.step, loaded.codes("phase")[0], loaded.codes("name")[0]]
+    key = one_key(columns)
     if key is not None:  # the common case, no repeat, told by one sort of one column
         key.sort()
         if not (key[1:] == key[:-1]).any():
             return
-    by_key = np.lexsort((np.arange(len(loaded)), name_id, phase_id, loaded.step, loaded.rank))
-    same = np.ones(len(by_key) - 1, dtype=bool)
-    for column in (loaded.rank, loaded.step, phase_id, name_id):
-        ordered = column[by_key]
-        same &= ordered[1:] == ordered[:-1]
-    if not same.any():
+    group = _groups(columns)
+    first_of = np.unique(group, return_index=True)[1]  # the first row of each key
+    repeats = np.flatnonzero(first_of[group] != np.arange(len(loaded)))
+    if not len(repeats):
         return
-    repeats = by_key[1:][same]
-    row = int(repeats.min())  # the earliest row that repeats a key
-    first = int(by_key[np.flatnonzero(by_key == row)[0] - 1])
+    row = int(repeats[0])  # the earliest row that repeats a key
+    first = int(first_of[group[row]])
     rank, step, phase, name = loaded.key(row)
     originals = loaded.table.column("renamed_from").take(pa.array([first, row])).to_pylist()
     if name_map is not None and any(original is not None for original in originals):

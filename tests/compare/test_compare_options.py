@@ -14,7 +14,7 @@ from probes.cli import main
 from probes.cli.compare import CompareCommand, parser
 from probes.compare import compare_dumps
 from probes.compare.options import CompareConfig
-from probes.compare.windows import CompareOptions
+from probes.compare.engine import CompareOptions
 from probes.utils.flags import COMMAND_LINE, OptionError, declared, given, spelling
 
 PYTHON_ONLY = {"progress"}  # the command always shows progress

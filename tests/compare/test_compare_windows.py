@@ -11,7 +11,7 @@ import torch
 from probes.cli import main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import render_html
-from probes.compare.windows import windows_of
+from probes.compare.engine import windows_of
 from probes.compare.options import CompareConfig
 from probes.stats.recorder import tensor_record
 from test_compare import synthetic_records, write_dump
