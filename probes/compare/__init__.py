@@ -18,8 +18,8 @@ page), ``summaries`` (the original tool's merged per-step summaries).
 
 from .windows import compare_dumps
 from .html import write_html
-from .names import NameMap, NameMapError, load_name_map
-from .report import Report
+from .options import NameMap, NameMapError, load_name_map
+from .results import Report
 from .terminal import format_report
 
 __all__ = ["NameMap", "NameMapError", "Report", "compare_dumps", "format_report", "load_name_map", "write_html"]

@@ -45,8 +45,7 @@ from .recorddiffs import RecordDiffs, WorstMetric
 from .opfinding import find_operations
 from .pairs import match
 from .reading import LoadedDump, check_hashes
-from .report import Report
-from .results import Divergence, NoiseFloor, RecordDiff, Rename, op_name
+from .results import Divergence, NoiseFloor, RecordDiff, Rename, Report, op_name
 
 __all__ = ["compare_loaded", "compare_records", "is_zero_gradient", "noise_label"]
 

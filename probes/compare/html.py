@@ -27,8 +27,7 @@ import numpy as np
 from ..utils.phases import phase_rank
 from .options import MOMENTS
 from .recorddiffs import RecordDiffs, Row
-from .report import Report
-from .results import ZERO_GRAD_NOTE, CellView, StepSummary, format_value, relative_name
+from .results import ZERO_GRAD_NOTE, CellView, Report, StepSummary, format_value, relative_name
 from .terminal import (GRAD_NORM_HEADER, clip, damaged_lines, grad_norm_cells, kind_line, noise_floor_line,
                        precision_table, rule_line, verdict)
 

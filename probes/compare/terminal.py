@@ -12,8 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
 from .options import PRECISIONS, CompareConfig
-from .report import Report
-from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary, format_value, op_name, relative_name
+from .results import ZERO_GRAD_NOTE, RecordDiff, Report, StepSummary, format_value, op_name, relative_name
 
 __all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
            "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",

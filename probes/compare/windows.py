@@ -38,13 +38,11 @@ from ..utils.flags import OptionError, check_keywords, option, positive, positiv
 from ..utils.phases import PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .align import align_operations, fuzzy_renames
-from .options import DEFAULT_WINDOW, CompareConfig
+from .options import DEFAULT_WINDOW, CompareConfig, NameMap, NameMapLike, as_name_map
 from .engine import compare_loaded, noise_label
 from .recorddiffs import SpilledRecordDiffs, Summary, spill
-from .names import NameMap, NameMapLike, as_name_map
 from .reading import LoadedDump, drop_steps, rank_pairs, read_dump
-from .report import Report
-from .results import Damaged, NoiseFloor, Operations, RecordDiff, Rename
+from .results import Damaged, NoiseFloor, Operations, RecordDiff, Rename, Report
 
 __all__ = ["CompareOptions", "compare_dumps", "compare_windows", "windows_of"]
 
