@@ -61,12 +61,28 @@ def key_json(key: RecordKey) -> dict[str, Any]:
 
 
 def json_value(value: Any) -> Any:
-    """A value as strict JSON holds it: non-finite floats become "NaN", "Infinity", "-Infinity"."""
+    """A value as strict JSON holds it: non-finite floats become "NaN", "Infinity", "-Infinity"; keys strings; a
+    result its JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, (list, tuple)):
         return [json_value(item) for item in value]
-    return value
+    if isinstance(value, dict):
+        return {str(key): json_value(item) for key, item in value.items()}
+    return value.to_json() if hasattr(value, "to_json") else value
+
+
+class JsonFields:
+    """A result whose JSON is its fields as ``json_value``s: all in order, or those of ``json_fields`` (a class
+    attribute); those of ``optional`` only when not None."""
+
+    json_fields: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        names = self.json_fields or [item.name for item in dataclasses.fields(self)]  # type: ignore[arg-type]
+        return {name: json_value(getattr(self, name)) for name in names
+                if name not in self.optional or getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
@@ -101,12 +117,16 @@ class MetricDiff:
 
 
 @dataclass(frozen=True)
-class Divergence:
+class Divergence(JsonFields):
     """Where two runs first differ: a record and the metric that broke, with both values.
 
     ``metric`` "record" means the record exists in one run only (``base``/``other`` say "present"
     or "missing"). ``noise_floor``: with a calibration run, "beyond" or "within" (``RecordDiff.beyond_noise``).
     """
+
+    json_fields = ("rank", "step", "phase", "name", "seq", "metric", "base", "other", "abs_diff", "rel_diff",
+                   "tolerance", "noise_floor")
+    optional = ("noise_floor",)
 
     rank: int
     step: int
@@ -132,13 +152,6 @@ class Divergence:
         if self.noise_floor is not None:
             text += f", {self.noise_floor} the noise floor"
         return text
-
-    def to_json(self) -> dict[str, Any]:
-        found = {key: json_value(getattr(self, key)) for key in (
-            "rank", "step", "phase", "name", "seq", "metric", "base", "other", "abs_diff", "rel_diff", "tolerance")}
-        if self.noise_floor is not None:
-            found["noise_floor"] = self.noise_floor
-        return found
 
 
 @dataclass
@@ -198,13 +211,6 @@ class RecordDiff:
             error = max(error, m.abs_diff / magnitude if magnitude > 0 else math.inf)
         return error
 
-    def value(self, run: str, metric: str) -> Any:
-        """The base ("base") or other ("other") value of a metric, None when it was not compared."""
-        for item in self.metrics:
-            if item.metric == metric:
-                return item.base if run == "base" else item.other
-        return None
-
     @property
     def noise_ratio(self) -> float | None:
         """|diff| / noise floor, the largest over the metrics with a floor (the samples: their largest |diff|; 0
@@ -253,7 +259,7 @@ class RecordDiff:
                         for m in self.metrics},
             "samples": {"compared": self.samples_compared, "max_abs_diff": json_value(self.samples_max_abs),
                         "cosine": json_value(self.samples_cosine)},
-            "noise": None if self.noise is None else {name: json_value(level) for name, level in self.noise.items()},
+            "noise": json_value(self.noise),
             "noise_ratio": json_value(self.noise_ratio),
             "noise_floor": None if (beyond := self.beyond_noise) is None else "beyond" if beyond else "within",
             "notes": self.notes,
@@ -280,15 +286,12 @@ class CellView:
 
 
 @dataclass(frozen=True)
-class GradNorm:
+class GradNorm(JsonFields):
     """A step's global gradient norm in both runs (None: that run has no grad record with a norm there)."""
 
     rank: int
     base: float | None
     other: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "base": json_value(self.base), "other": json_value(self.other)}
 
 
 @dataclass(frozen=True)
@@ -310,12 +313,12 @@ class StepSummary:
                 "rank": worst.rank, "phase": worst.phase, "name": worst.name,
                 "metric": worst.worst.metric if worst.worst else None, "ratio": json_value(worst.ratio),
                 "rel_error": json_value(worst.rel_error)},
-            "global_grad_norm": None if self.grad_norm is None else self.grad_norm.to_json(),
+            "global_grad_norm": json_value(self.grad_norm),
         }
 
 
 @dataclass(frozen=True)
-class Rename:
+class Rename(JsonFields):
     """A name of OTHER compared as a name of BASE: given by the name map, or paired by fuzzy alignment."""
 
     phase: str | None  # None: every phase (a name map renames a name wherever it stands)
@@ -330,14 +333,10 @@ class Rename:
         sure = "" if self.how == "map" else f", confidence {self.confidence:.2f}: {self.reason}"
         return f"{where}{self.other} -> {self.base} ({self.how}{sure})"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"phase": self.phase, "other": self.other, "base": self.base, "how": self.how,
-                "confidence": self.confidence, "reason": self.reason}
-
 
 
 @dataclass(frozen=True)
-class Damaged:
+class Damaged(JsonFields):
     """A step file left out of a comparison because it cannot be read (``skip_damaged``)."""
 
     path: str
@@ -348,9 +347,6 @@ class Damaged:
 
     def __str__(self) -> str:
         return f"{self.path}{'' if self.line is None else f', line {self.line}'}: {self.problem}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "rank": self.rank, "step": self.step, "line": self.line, "problem": self.problem}
 
 
 
@@ -458,7 +454,7 @@ def relative_name(name: str, module: str) -> str:
 
 
 @dataclass(frozen=True)
-class Check:
+class Check(JsonFields):
     """What one record, looked up by its name in the same rank and step, says: it agrees, it differs, or there is
     none. ``metric``, ``ratio``: the metric that broke and its |diff| / tolerance (``record``, inf: the record is in
     one run only); ``note``: why there is no record, or which run has it."""
@@ -483,10 +479,6 @@ class Check:
                                              and self.ratio is not None and math.isfinite(self.ratio) else None,
                                              self.note or None) if part)
         return f"{name} {self.status}" + (f" ({detail})" if detail else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "phase": self.phase, "status": self.status, "metric": self.metric,
-                "ratio": json_value(self.ratio), "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -566,12 +558,11 @@ class OpFinding:
                 "module": parsed.module, "call": parsed.call, "op": parsed.op, "index": parsed.index,
                 "output": parsed.output, "metric": self.metric, "ratio": json_value(self.ratio),
                 "cause": self.cause, "explanation": self.explained(),
-                "inputs": [check.to_json() for check in self.inputs],
-                "gradients": [check.to_json() for check in self.gradients]}
+                "inputs": json_value(self.inputs), "gradients": json_value(self.gradients)}
 
 
 @dataclass(frozen=True)
-class ModuleOps:
+class ModuleOps(JsonFields):
     """One call of one module (rank, step, phase) with diverged operations: its own records, then those operations
     in execution order. How the reports nest op records under their module."""
 
@@ -591,13 +582,9 @@ class ModuleOps:
         """Its own records in a line: ``"input.0 agrees, output.0 differs (std, ratio 4)"``."""
         return ", ".join(check.describe(self.module, own=True) for check in self.records) or "no record of its own"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "phase": self.phase, "module": self.module, "call": self.call,
-                "records": [check.to_json() for check in self.records], "ops": [op.to_json() for op in self.ops]}
-
 
 @dataclass
-class Operations:
+class Operations(JsonFields):
     """What a comparison says of op records, when a run has them (``Report.operations``; None when neither has).
 
     ``matched``, ``diverged``: op records matched, and diverged; ``modules``: the module calls with diverged
@@ -613,6 +600,7 @@ class Operations:
     modules: list[ModuleOps] = field(default_factory=list)
     first: OpFinding | None = None
     inside_first: int | None = None
+    json_fields = ("matched", "diverged", "first", "inside_first", "modules")
 
     @classmethod
     def merged(cls, parts: "list[Operations]", first: "Operations | None") -> "Operations":
@@ -635,11 +623,6 @@ class Operations:
             return first.explained()
         return (f"first diverging operation inside: {first.name} ({first.metric}, ratio {first.ratio:.3g}); "
                 f"{first.explained()}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"matched": self.matched, "diverged": self.diverged,
-                "first": None if self.first is None else self.first.to_json(), "inside_first": self.inside_first,
-                "modules": [group.to_json() for group in self.modules]}
 
 
 JSON_FORMAT = "probes-compare"
@@ -673,7 +656,7 @@ _NOUNS = {"forward": "the forward", "backward": "the backward", "recompute": "th
 
 
 @dataclass(frozen=True)
-class DivergenceKind:
+class DivergenceKind(JsonFields):
     """The kind of a report's first divergence, and what it was decided from (phases of the diverging step)."""
 
     code: str
@@ -681,10 +664,6 @@ class DivergenceKind:
     sentence: str
     recorded: tuple[str, ...]  # the phases the step holds records of, in either run
     differing: tuple[str, ...]  # the phases with a divergence in the step
-
-    def to_json(self) -> dict[str, Any]:
-        return {"code": self.code, "phase": self.phase, "sentence": self.sentence,
-                "recorded": list(self.recorded), "differing": list(self.differing)}
 
 
 def divergence_kind(first: Divergence, *, recorded: Iterable[str], differing: Iterable[str]) -> DivergenceKind:
@@ -877,32 +856,28 @@ class Report:
             "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy, "exact": config.exact,
                         "ranks": config.ranks, "phases": None if config.phases is None else list(config.phases)},
             "verdict": "agree" if self.agrees else "diverged",
-            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
-            "first_divergence_kind": kind.to_json() if (kind := self.first_divergence_kind()) else None,
+            "first_divergence": json_value(self.first_divergence),
+            "first_divergence_kind": json_value(self.first_divergence_kind()),
             **({"bytes": BIT_IDENTICAL if self.agrees else BYTES_DIFFER} if config.exact else {}),
-            **({"per_rank": {str(rank): None if first is None else first.to_json()
-                             for rank, first in self.per_rank().items()}} if config.ranks else {}),
-            "noise_floor": None if self.noise_floor is None else self.noise_floor.to_json(),
+            **({"per_rank": json_value(self.per_rank())} if config.ranks else {}),
+            "noise_floor": json_value(self.noise_floor),
             "counts": {"matched": self.matched, "diverged": self.diverged_count,
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
                        "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},
-            "steps": {"base": {str(r): s for r, s in self.base_steps.items()},
-                      "other": {str(r): s for r, s in self.other_steps.items()},
+            "steps": {"base": json_value(self.base_steps), "other": json_value(self.other_steps),
                       "only_in_base": self.steps_only_in_base, "only_in_other": self.steps_only_in_other,
-                      "unfinished": {side: {str(r): s for r, s in ranks.items()}
-                                     for side, ranks in self.unfinished.items()}},
+                      "unfinished": json_value(self.unfinished)},
             "only_in_base": [key_json(key) for key in self.only_in_base],
             "only_in_other": [key_json(key) for key in self.only_in_other],
             "zero_grads": [{**key_json(key), "present_in": side, "note": ZERO_GRAD_NOTE}
                            for key, side in self.zero_grads],
-            "first_nonfinite": {side: anomaly.to_json() if anomaly else None
-                                for side, anomaly in self.first_nonfinite.items()},
-            "renamed": [rename.to_json() for rename in self.renamed],
-            "damaged": {side: [item.to_json() for item in self.damaged.get(side, [])]
+            "first_nonfinite": json_value(self.first_nonfinite),
+            "renamed": json_value(self.renamed),
+            "damaged": {side: json_value(self.damaged.get(side, []))
                         for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
-            "per_step": [summary.to_json() for summary in self.per_step()],
-            "divergences": [record.to_json() for record in self.records.at(self.records.diverged_rows())],
-            **({"operations": self.operations.to_json()} if self.operations is not None else {}),
+            "per_step": json_value(self.per_step()),
+            "divergences": json_value(self.records.at(self.records.diverged_rows())),
+            **({"operations": json_value(self.operations)} if self.operations is not None else {}),
         }
 
 
