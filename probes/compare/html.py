@@ -3,14 +3,10 @@
     from probes.compare import write_html
     write_html(report, "compare.html")        # or: python -m probes compare BASE OTHER --html compare.html
 
-The page shows the verdict and the first divergence, a heatmap of the relative error over
-step x layer per phase (first divergence ringed), the statistic trajectories of both runs for the
-layers that matter most (the first divergence's and the worst ones), the per-step summary, the
-records present in one run only and, as notes, the materialised zero gradients (exactly zero in
-one run, absent in the other; not divergences unless compared with strict_zero_grads). Hovering a
-heatmap cell shows its numbers (SVG <title>). Inline SVG only (no scripts): the relative-error heatmap
-(step x layer, ``Grid.build``, ``heatmap``) and the trajectories (``trajectories``). It reads the result model
-and the shared sentences (``terminal.verdict``) only, never the engine.
+The page shows the verdict and the first divergence, a heatmap of the relative error over step x layer per phase
+(``Grid``, ``heatmap``; the first divergence ringed, a cell's numbers on hover), the statistic trajectories of
+both runs for the layers that matter most (``trajectories``), the per-step summary, the records of one run only
+and the materialised zero gradients. It reads the result model and the shared sentences (``terminal``) only.
 """
 
 from __future__ import annotations
@@ -56,8 +52,6 @@ class HtmlConfig:
     trajectories: int = 6  # layers with trajectory plots
     max_points: int = 200  # steps of a trajectory drawn point by point (hover each); beyond: thinned, see _thinned
     max_steps: int = 500  # rows of the per-step table: steps that diverged or miss records first, then the worst
-
-
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -227,7 +221,7 @@ def _row_label(row: Row, multi_rank: bool) -> str:
     return (f"r{rank} " if multi_rank else "") + name
 
 
-def _cell_title(row: Row, step: int | str, cell: CellView | str | None) -> str:
+def _cell_title(row: Row, step: str, cell: CellView | str | None) -> str:
     rank, phase, name = row
     where = f"rank {rank} step {step} {phase} {name}"
     if cell is None:
@@ -263,10 +257,10 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     height = top + cell_h * len(rows) + 50
     parts = [f'<svg class="heatmap" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="relative error heatmap, {phase}">']
+    labels = [str(column[0]) if len(column) == 1 else f"{column[0]}-{column[-1]}" for column in columns]
     label_every = max(1, math.ceil(len(columns) / 20))
-    for c, column in enumerate(columns):
+    for c, label in enumerate(labels):
         if c % label_every == 0:
-            label = str(column[0]) if len(column) == 1 else f"{column[0]}-{column[-1]}"
             x = label_width + cell_w * (c + 0.5)
             parts.append(f'<text x="{x:.1f}" y="{top - 8:.1f}" class="axis" text-anchor="middle">{escape(label)}</text>')
     parts.append(f'<text x="{label_width:.1f}" y="12" class="axis">step \u2192</text>')
@@ -278,7 +272,6 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
         for c, column in enumerate(columns):
             x = label_width + c * cell_w
             cell = cells.get((r, c))
-            step_label = column[0] if len(column) == 1 else f"{column[0]}-{column[-1]}"
             if cell is None:
                 fill, stroke = "#ffffff", ""
             elif isinstance(cell, str):
@@ -288,7 +281,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
                 stroke = ' stroke="#000" stroke-width="1.2"' if cell.diverged else ""
             parts.append(f'<rect class="cell" x="{x:.1f}" y="{y:.1f}" width="{cell_w - 1:.1f}" '
                          f'height="{cell_h - 1:.1f}" fill="{fill}"{stroke}>'
-                         f'<title>{escape(_cell_title(row, step_label, cell))}</title></rect>')
+                         f'<title>{escape(_cell_title(row, labels[c], cell))}</title></rect>')
             if first is not None and row == first_row and first.step in column:
                 marked = (x, y)
     if marked is not None:
@@ -321,13 +314,12 @@ def _heat_legend(x: float, y: float) -> str:
     for exponent in range(int(low), int(high) + 1, 3):
         tx = x0 + (exponent - low) / (high - low) * bar_w
         parts.append(f'<text x="{tx:.1f}" y="{y + 22:.1f}" class="axis" text-anchor="middle">1e{exponent}</text>')
-    x1 = x0 + bar_w + 20
-    parts.append(f'<rect x="{x1:.1f}" y="{y:.1f}" width="10" height="10" fill="{EQUAL_COLOR}" stroke="#999"/>'
-                 f'<text x="{x1 + 14:.1f}" y="{y + 9:.1f}" class="axis">equal</text>')
-    parts.append(f'<rect x="{x1 + 60:.1f}" y="{y:.1f}" width="10" height="10" fill="#fff" stroke="#000"/>'
-                 f'<text x="{x1 + 74:.1f}" y="{y + 9:.1f}" class="axis">diverged (outlined)</text>')
-    parts.append(f'<rect x="{x1 + 190:.1f}" y="{y:.1f}" width="10" height="10" fill="{MISSING_COLOR}"/>'
-                 f'<text x="{x1 + 204:.1f}" y="{y + 9:.1f}" class="axis">one run only</text>')
+    for dx, paint, label in ((20, f'fill="{EQUAL_COLOR}" stroke="#999"', "equal"),
+                             (80, 'fill="#fff" stroke="#000"', "diverged (outlined)"),
+                             (210, f'fill="{MISSING_COLOR}"', "one run only")):
+        x1 = x0 + bar_w + dx
+        parts.append(f'<rect x="{x1:.1f}" y="{y:.1f}" width="10" height="10" {paint}/>'
+                     f'<text x="{x1 + 14:.1f}" y="{y + 9:.1f}" class="axis">{label}</text>')
     return "".join(parts)
 
 
@@ -479,18 +471,21 @@ def _table(header: Sequence[str] | None, rows: Iterable[Sequence[Any]], numeric:
     return f"<table>{head}{body}</table>"
 
 
-def _zero_grad_section(report: Report, limit: int = 500) -> str:
+def _first_rows(header: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Collection[int],
+                limit: int = 500) -> list[str]:
+    """A table of the first ``limit`` rows, then how many more the JSON report lists."""
+    more = [f'<p class="note">{len(rows) - limit} more in the JSON report.</p>'] if len(rows) > limit else []
+    return [_table(header, rows[:limit], numeric), *more]
+
+
+def _zero_grad_section(report: Report) -> str:
     """The notes on materialised zero gradients: which records, and which run has them."""
-    shown = report.zero_grads[:limit]
-    rows = [(*key, side, "other" if side == "base" else "base") for key, side in shown]
-    parts = [f'<h2 id="zero-grads">Notes: {escape(ZERO_GRAD_NOTE)} ({len(report.zero_grads)})</h2>',
-             '<p class="note">A gradient that is exactly zero everywhere in one run and has no record in the other '
-             "(one backend materialises the zeros another leaves out). Not a divergence; compare with "
-             "<code>--strict-zero-grads</code> (<code>strict_zero_grads=True</code>) to count it as one.</p>",
-             _table(["rank", "step", "phase", "name", "zero in", "absent in"], rows, {0, 1})]
-    if len(report.zero_grads) > len(shown):
-        parts.append(f'<p class="note">{len(report.zero_grads) - len(shown)} more in the JSON report.</p>')
-    return "".join(parts)
+    rows = [(*key, side, "other" if side == "base" else "base") for key, side in report.zero_grads]
+    return "".join([f'<h2 id="zero-grads">Notes: {escape(ZERO_GRAD_NOTE)} ({len(report.zero_grads)})</h2>',
+                    '<p class="note">A gradient that is exactly zero everywhere in one run and has no record in the '
+                    "other (one backend materialises the zeros another leaves out). Not a divergence; compare with "
+                    "<code>--strict-zero-grads</code> (<code>strict_zero_grads=True</code>) to count it as one.</p>",
+                    *_first_rows(["rank", "step", "phase", "name", "zero in", "absent in"], rows, {0, 1})])
 
 
 def _first_operation_section(report: Report) -> str:
@@ -644,11 +639,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                      "step (per_step).</p>")
     for label, keys in (("Only in base", report.only_in_base), ("Only in other", report.only_in_other)):
         if keys:
-            shown = keys[:500]
-            parts.append(f"<h2>{label} ({len(keys)})</h2>")
-            parts.append(_table(["rank", "step", "phase", "name"], shown, {0, 1}))
-            if len(keys) > len(shown):
-                parts.append(f'<p class="note">{len(keys) - len(shown)} more in the JSON report.</p>')
+            parts += [f"<h2>{label} ({len(keys)})</h2>", *_first_rows(["rank", "step", "phase", "name"], keys, {0, 1})]
     if report.renamed:
         parts.append(f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>')
         parts.append(_table(["phase", "other", "base", "how", "confidence", "why"],

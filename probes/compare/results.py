@@ -284,7 +284,6 @@ class CellView:
                    worst.base if worst else None, worst.other if worst else None)
 
 
-
 @dataclass(frozen=True)
 class GradNorm(JsonFields):
     """A step's global gradient norm in both runs (None: that run has no grad record with a norm there)."""
@@ -334,7 +333,6 @@ class Rename(JsonFields):
         return f"{where}{self.other} -> {self.base} ({self.how}{sure})"
 
 
-
 @dataclass(frozen=True)
 class Damaged(JsonFields):
     """A step file left out of a comparison because it cannot be read (``skip_damaged``)."""
@@ -349,22 +347,16 @@ class Damaged(JsonFields):
         return f"{self.path}{'' if self.line is None else f', line {self.line}'}: {self.problem}"
 
 
-
 @dataclass(frozen=True)
 class NoiseFloor:
     """With a calibration run: how the matched records stand against their noise floors (``RecordDiff.beyond_noise``).
+    Records without a counterpart in the calibration run are in none of its counts (``Report.noise_unmatched``)."""
 
-    ``beyond``/``within``: records with / without a metric beyond its floor; ``silent``: records whose calibration
-    run is identical to the base (no noise measured: their tolerance is the default or given one alone); ``first_beyond``: the first
-    record beyond it in execution order; ``largest``: the largest |diff| / noise floor. Records without a
-    counterpart in the calibration run are in none of these (``Report.noise_unmatched``).
-    """
-
-    beyond: int
+    beyond: int  # records with a metric beyond its floor
     within: int
-    silent: int
-    first_beyond: RecordKey | None
-    largest: float | None
+    silent: int  # records identical in the calibration run: no noise measured, their tolerance alone
+    first_beyond: RecordKey | None  # in execution order
+    largest: float | None  # the largest |diff| / noise floor
 
     @classmethod
     def merged(cls, parts: "Sequence[NoiseFloor]") -> "NoiseFloor":
@@ -377,8 +369,7 @@ class NoiseFloor:
 
     def to_json(self) -> dict[str, Any]:
         return {"beyond": self.beyond, "within": self.within, "silent": self.silent,
-                "first_beyond": None if self.first_beyond is None else dict(zip(("rank", "step", "phase", "name"),
-                                                                                 self.first_beyond)),
+                "first_beyond": None if self.first_beyond is None else key_json(self.first_beyond),
                 "largest_ratio": json_value(self.largest)}
 
 
