@@ -115,30 +115,24 @@ class Grid:
         place = {row: position for position, row in enumerate(rows)}
         starts = np.array([column[0] for column in columns], np.int64)
         width = len(columns)
-        # Per cell the sort key of its best record so far: (not diverged, -rel_error, -ratio, row), smallest wins.
-        have = np.zeros(len(rows) * width, dtype=bool)
-        keys = (np.zeros(len(have), dtype=bool), np.zeros(len(have)), np.zeros(len(have)), np.zeros(len(have), np.int64))
-        views: dict[int, CellView] = {}
-        for offset, chunk in self.records.chunks():  # each part's best per cell, then the best of those
+        found: list[tuple[np.ndarray, ...]] = []  # each part's best record per cell, then the best of those
+        views: list[CellView] = []
+        for offset, chunk in self.records.chunks():
             which = self._positions(chunk, place)
             shown = np.flatnonzero(which >= 0)
             if not len(shown):
                 continue
             column = np.searchsorted(starts, chunk.step[shown], side="right") - 1
-            ratio, rel_error = _descending(chunk.ratio[shown]), _descending(chunk.rel_error[shown])
-            calm = ~np.asarray(chunk.diverged[shown], bool)
-            order = np.lexsort((shown, ratio, rel_error, calm, column, which[shown]))
-            cell = which[shown[order]] * width + column[order]
-            keep = order[np.concatenate([[True], cell[1:] != cell[:-1]])]
-            cell = which[shown[keep]] * width + column[keep]
-            found = (calm[keep], rel_error[keep], ratio[keep], offset + shown[keep])
-            better = ~have[cell] | _earlier(found, tuple(key[cell] for key in keys))
-            cell = cell[better]
-            have[cell] = True
-            for key, value in zip(keys, found):
-                key[cell] = value[better]
-            views.update(zip(cell.tolist(), chunk.views(shown[keep][better])))
-        cells: dict[tuple[int, int], CellView | str] = {divmod(at, width): view for at, view in views.items()}
+            keys = (offset + shown, _descending(chunk.ratio[shown]), _descending(chunk.rel_error[shown]),
+                    ~np.asarray(chunk.diverged[shown], bool), which[shown] * width + column)
+            best = _first_per_cell(keys)
+            found.append(tuple(key[best] for key in keys))
+            views += chunk.views(shown[best])
+        cells: dict[tuple[int, int], CellView | str] = {}
+        if found:
+            keys = tuple(np.concatenate(key) for key in zip(*found))
+            best = _first_per_cell(keys)
+            cells.update((divmod(at, width), views[index]) for at, index in zip(keys[-1][best].tolist(), best.tolist()))
         for position, row in enumerate(rows):
             for c, steps in enumerate(columns):
                 if (position, c) not in cells:
@@ -168,14 +162,11 @@ class Grid:
         return found
 
 
-def _earlier(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Per position whether the key ``a`` sorts before ``b`` (tuples of arrays compared element by element)."""
-    before = np.zeros(len(a[0]), dtype=bool)
-    tied = np.ones(len(a[0]), dtype=bool)
-    for x, y in zip(a, b):
-        before |= tied & (x < y)
-        tied &= x == y
-    return before
+def _first_per_cell(keys: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Per cell (the last of ``keys``) the index of its first record, sorted by the keys (the last the primary)."""
+    order = np.lexsort(keys)
+    cell = keys[-1][order]
+    return order[np.concatenate([[True], cell[1:] != cell[:-1]])]
 
 
 def _descending(values: np.ndarray) -> np.ndarray:
