@@ -333,7 +333,9 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     steps the lines are ``_thinned`` and only the diverged steps are points to hover."""
     width, height = 230.0, 130.0
     left, right, top, bottom = 52.0, 8.0, 18.0, 20.0
-    values = [v for _, _, vals, _ in series for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+    finite = [[(step, v) for step, v in zip(steps, vals) if isinstance(v, (int, float)) and math.isfinite(v)]
+              for _, _, vals, _ in series]
+    values = [v for found in finite for _, v in found]
     parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              f'viewBox="0 0 {width:.0f} {height:.0f}">',
              f'<text x="{left:.0f}" y="12" class="title">{escape(title)}</text>',
@@ -363,9 +365,8 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
         x = sx(mark_step)
         parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" y2="{height - bottom:.0f}" '
                      f'stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
-    for label, color, vals, dash in series:
-        points = [(sx(step), sy(v)) for step, v in zip(steps, vals)
-                  if isinstance(v, (int, float)) and math.isfinite(v)]
+    for (label, color, _, dash), shown in zip(series, finite):
+        points = [(sx(step), sy(v)) for step, v in shown]
         reduced = len(steps) > max_points
         if reduced:
             points = _thinned(points)
@@ -374,7 +375,6 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash_attr}>'
                          f'<title>{escape(label)}</title></polyline>')
-        shown = [(step, v) for step, v in zip(steps, vals) if isinstance(v, (int, float)) and math.isfinite(v)]
         if reduced:  # the first diverged steps of the other run, as many as a chart of max_points shows
             shown = [(step, v) for step, v in shown if label == "other" and step in diverged_steps][:max_points]
         for step, v in shown:

@@ -182,11 +182,7 @@ class RecordDiff:
     @property
     def worst(self) -> MetricDiff | None:
         """The metric with the largest |diff| / tolerance (the first in check order on ties)."""
-        worst = None
-        for metric in self.metrics:
-            if worst is None or metric.ratio > worst.ratio:
-                worst = metric
-        return worst
+        return max(self.metrics, key=lambda metric: metric.ratio, default=None)
 
     @property
     def ratio(self) -> float:
