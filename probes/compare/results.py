@@ -612,6 +612,11 @@ class Operations(JsonFields):
                 f"{first.explained()}")
 
 
+# --------------------------------------------------------------------------------------------- the report
+# The kind of a first divergence is its phase: every record of the phases before it in that step agrees, on every
+# rank. "Agree" is said only of phases the step recorded; the earlier ones it did not record are named ("backward
+# not recorded"): nothing is known of them.
+
 JSON_FORMAT = "probes-compare"
 JSON_VERSION = 1
 
@@ -689,24 +694,18 @@ class Report:
     unfinished: dict[str, dict[int, list[int]]]  # "base"/"other" -> rank -> unfinished steps (not read)
     first_divergence: Divergence | None = None
     noise_unmatched: int = 0  # matched records without a counterpart in the noise run
-    # (key, "base" or "other": the run that has it) of each gradient exactly zero in one run and absent
-    # in the other, in execution order; not in only_in_base/only_in_other. Empty with strict_zero_grads.
+    # (key, the run that has it) of each gradient exactly zero in one run and absent in the other, in execution
+    # order; not in only_in_base/only_in_other. Empty with strict_zero_grads.
     zero_grads: list[tuple[RecordKey, str]] = field(default_factory=list)
-    # "base"/"other" -> the run's first record holding nan or inf (execution order, across ranks), or None.
+    # run -> its first record holding nan or inf (execution order, across ranks), or None
     first_nonfinite: dict[str, Anomaly | None] = field(default_factory=dict)
-    # OTHER's names compared under BASE's names (name map, fuzzy alignment), in BASE's execution order.
-    renamed: list[Rename] = field(default_factory=list)
-    # "base"/"other"/"noise" -> step files left out because they cannot be read (skip_damaged); a step damaged
-    # in one run is left out of both.
+    renamed: list[Rename] = field(default_factory=list)  # OTHER's names compared as BASE's, in BASE's order
+    # run -> step files left out as unreadable (skip_damaged); a step damaged in one run is left out of both
     damaged: dict[str, list[Damaged]] = field(default_factory=dict)
-    # "base"/"other" -> (rank, step) -> the step's global gradient norm (probes.dump.statistics.global_grad_norms
-    # of the grad records compared, in file order); only the (rank, step)s with grad records.
+    # run -> (rank, step) -> the step's global gradient norm (of the grad records compared, in file order)
     grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
-    # With a calibration run (``noise``): the records beyond and within their noise floors; None without one.
-    noise_floor: NoiseFloor | None = None
-    # When a run has op records (kind "op"): the diverged operations under their module calls, the first diverging
-    # operation and what its inputs' records say (``probes.compare.results``); None when neither run has op records.
-    operations: Operations | None = None
+    noise_floor: NoiseFloor | None = None  # None without a calibration run
+    operations: Operations | None = None  # None when neither run has op records
 
     @property
     def matched(self) -> int:
