@@ -492,8 +492,7 @@ def _first_operation_section(report: Report) -> str:
              _table(["rank", "step", "phase", "name", "metric", "ratio"],
                     [(found.rank, found.step, found.phase, found.name, found.metric, found.ratio)], {0, 1, 5}),
              f'<p class="kind">{escape(found.explained())}</p>']
-    checks = [(f"input {position}", check) for position, check in enumerate(found.inputs)]
-    checks += [("gradient from", check) for check in found.gradients]
+    checks = found.sources()
     if checks:
         parts.append(_table(["", "record", "phase", "says", "metric", "ratio", "note"],
                             [(label, check.name or "-", check.phase, check.status, check.metric, check.ratio,

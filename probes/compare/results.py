@@ -503,6 +503,11 @@ class OpFinding:
         """The records it is computed from that already differ."""
         return [check for check in (*self.inputs, *self.gradients) if check.status == DIFFERS]
 
+    def sources(self) -> list[tuple[str, Check]]:
+        """The records it is computed from, labelled as the reports list them ("input 0", "gradient from")."""
+        return [*((f"input {position}", check) for position, check in enumerate(self.inputs)),
+                *(("gradient from", check) for check in self.gradients)]
+
     @property
     def cause(self) -> str:
         """``propagated``, ``local`` or ``unknown`` (the comment that opens the operations above)."""
