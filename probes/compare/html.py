@@ -99,9 +99,6 @@ class Grid:
         steps.update(step for _, step in missing)
         return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing)
 
-    def row_ratio(self, row: Row) -> float:
-        return self.ratios[row]
-
     @staticmethod
     def _positions(chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
         """Per record of ``chunk``: ``place`` of its row, -1 for rows not in ``place``."""
@@ -231,7 +228,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     first_row = (first.rank, first.phase, first.name) if first else None
     omitted = 0
     if len(rows) > config.max_rows:
-        ranked = sorted(rows, key=lambda row: (row != first_row, -grid.row_ratio(row)))  # stable sort
+        ranked = sorted(rows, key=lambda row: (row != first_row, -grid.ratios[row]))  # stable sort
         keep = set(ranked[:config.max_rows])
         omitted = len(rows) - len(keep)
         rows = [row for row in rows if row in keep]
@@ -391,7 +388,7 @@ def _trajectory_rows(grid: Grid, report: Report, count: int) -> list[Row]:
     chosen: list[Row] = []
     if first is not None and (first.rank, first.phase, first.name) in grid.rows:
         chosen.append((first.rank, first.phase, first.name))
-    ranked = sorted(grid.rows, key=grid.row_ratio, reverse=True)  # stable: ties keep execution order
+    ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
     for row in ranked:
         if len(chosen) >= count:
             break

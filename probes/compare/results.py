@@ -577,20 +577,15 @@ class ModuleOps(JsonFields):
 
 @dataclass
 class Operations(JsonFields):
-    """What a comparison says of op records, when a run has them (``Report.operations``; None when neither has).
+    """What a comparison says of op records, when a run has them (``Report.operations``; None when neither has)."""
 
-    ``matched``, ``diverged``: op records matched, and diverged; ``modules``: the module calls with diverged
-    operations (matched, or in one run only in a step both finished), in execution order of their first;
-    ``first``: the first diverging operation: the first divergence itself, or the earliest diverged operation
-    of the first divergence's module call (or of a module inside it) when the first divergence is that module's
-    record; ``inside_first``: then, how many op records that module call has in the phase (None: the first
-    divergence is no module record, or there is no first divergence).
-    """
-
-    matched: int = 0
+    matched: int = 0  # op records matched
     diverged: int = 0
+    # the module calls with diverged operations (matched, or in one run only in a step both finished), in execution
+    # order of their first
     modules: list[ModuleOps] = field(default_factory=list)
-    first: OpFinding | None = None
+    first: OpFinding | None = None  # the first diverging operation (``Report.first_operation``)
+    # when the first divergence is a module's record: how many op records that module call has in the phase
     inside_first: int | None = None
     json_fields = ("matched", "diverged", "first", "inside_first", "modules")
 
@@ -805,8 +800,7 @@ class Report:
     @property
     def first_operation(self) -> OpFinding | None:
         """The first diverging operation, with its inputs' verdicts: the first divergence when it is an op record,
-        else the earliest diverged operation of the first divergence's module call (or of a module inside it);
-        None when there is none or no run has op records."""
+        else the earliest diverged operation of the first divergence's module call (or of a module inside it)."""
         return None if self.operations is None else self.operations.first
 
     def first_divergence_kind(self) -> DivergenceKind | None:
