@@ -42,14 +42,12 @@ from ..utils.flags import OptionError, check_keywords, option, positive, positiv
 from ..utils.phases import GRAD, GRADIENT_PHASES, PARAMETER_PHASES
 from ..utils.progress import progress_meter
 from .evaluation import NOISED, WORST, measure, noise_levels, record_diffs
-from .names import NameMap, NameMapLike, as_name_map
 from .operations import align_operations, apply_renames, find_operations, fuzzy_renames, reference_step
-from .options import DEFAULT_WINDOW, CompareConfig
+from .options import DEFAULT_WINDOW, CompareConfig, NameMap, NameMapLike, as_name_map
 from .pairs import match
 from .reading import LoadedDump, check_hashes, drop_steps, rank_pairs, rank_steps, read_dump
 from .recorddiffs import RecordDiffs, SpilledRecordDiffs, Summary, WorstMetric, spill
-from .report import Report
-from .results import Damaged, Divergence, NoiseFloor, Operations, RecordDiff, Rename, op_name
+from .results import Damaged, Divergence, NoiseFloor, Operations, RecordDiff, Rename, Report, op_name
 
 __all__ = ["CompareOptions", "compare_dumps", "compare_loaded", "compare_records", "is_zero_gradient", "windows_of"]
 

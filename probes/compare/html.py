@@ -3,14 +3,10 @@
     from probes.compare import write_html
     write_html(report, "compare.html")        # or: python -m probes compare BASE OTHER --html compare.html
 
-The page shows the verdict and the first divergence, a heatmap of the relative error over
-step x layer per phase (first divergence ringed), the statistic trajectories of both runs for the
-layers that matter most (the first divergence's and the worst ones), the per-step summary, the
-records present in one run only and, as notes, the materialised zero gradients (exactly zero in
-one run, absent in the other; not divergences unless compared with strict_zero_grads). Hovering a
-heatmap cell shows its numbers (SVG <title>). Inline SVG only (no scripts): the relative-error heatmap
-(step x layer, ``Grid.build``, ``heatmap``) and the trajectories (``trajectories``). It reads the result model
-and the shared sentences (``terminal.verdict``) only, never the engine.
+The page shows the verdict and the first divergence, a heatmap of the relative error over step x layer per phase
+(``Grid``, ``heatmap``; the first divergence ringed, a cell's numbers on hover), the statistic trajectories of
+both runs for the layers that matter most (``trajectories``), the per-step summary, the records of one run only
+and the materialised zero gradients. It reads the result model and the shared sentences (``terminal``) only.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ import numpy as np
 from ..utils.phases import phase_rank
 from .options import MOMENTS
 from .recorddiffs import RecordDiffs, Row
-from .report import Report
-from .results import ZERO_GRAD_NOTE, CellView, StepSummary, format_value, relative_name
+from .results import ZERO_GRAD_NOTE, CellView, Report, StepSummary, format_value, relative_name
 from .terminal import (GRAD_NORM_HEADER, clip, damaged_lines, grad_norm_cells, kind_line, noise_floor_line,
                        precision_table, rule_line, verdict)
 
@@ -57,8 +52,6 @@ class HtmlConfig:
     trajectories: int = 6  # layers with trajectory plots
     max_points: int = 200  # steps of a trajectory drawn point by point (hover each); beyond: thinned, see _thinned
     max_steps: int = 500  # rows of the per-step table: steps that diverged or miss records first, then the worst
-
-
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -106,9 +99,6 @@ class Grid:
         steps.update(step for _, step in missing)
         return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing)
 
-    def row_ratio(self, row: Row) -> float:
-        return self.ratios[row]
-
     @staticmethod
     def _positions(chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
         """Per record of ``chunk``: ``place`` of its row, -1 for rows not in ``place``."""
@@ -122,30 +112,24 @@ class Grid:
         place = {row: position for position, row in enumerate(rows)}
         starts = np.array([column[0] for column in columns], np.int64)
         width = len(columns)
-        # Per cell the sort key of its best record so far: (not diverged, -rel_error, -ratio, row), smallest wins.
-        have = np.zeros(len(rows) * width, dtype=bool)
-        keys = (np.zeros(len(have), dtype=bool), np.zeros(len(have)), np.zeros(len(have)), np.zeros(len(have), np.int64))
-        views: dict[int, CellView] = {}
-        for offset, chunk in self.records.chunks():  # each part's best per cell, then the best of those
+        found: list[tuple[np.ndarray, ...]] = []  # each part's best record per cell, then the best of those
+        views: list[CellView] = []
+        for offset, chunk in self.records.chunks():
             which = self._positions(chunk, place)
             shown = np.flatnonzero(which >= 0)
             if not len(shown):
                 continue
             column = np.searchsorted(starts, chunk.step[shown], side="right") - 1
-            ratio, rel_error = _descending(chunk.ratio[shown]), _descending(chunk.rel_error[shown])
-            calm = ~np.asarray(chunk.diverged[shown], bool)
-            order = np.lexsort((shown, ratio, rel_error, calm, column, which[shown]))
-            cell = which[shown[order]] * width + column[order]
-            keep = order[np.concatenate([[True], cell[1:] != cell[:-1]])]
-            cell = which[shown[keep]] * width + column[keep]
-            found = (calm[keep], rel_error[keep], ratio[keep], offset + shown[keep])
-            better = ~have[cell] | _earlier(found, tuple(key[cell] for key in keys))
-            cell = cell[better]
-            have[cell] = True
-            for key, value in zip(keys, found):
-                key[cell] = value[better]
-            views.update(zip(cell.tolist(), chunk.views(shown[keep][better])))
-        cells: dict[tuple[int, int], CellView | str] = {divmod(at, width): view for at, view in views.items()}
+            keys = (offset + shown, _descending(chunk.ratio[shown]), _descending(chunk.rel_error[shown]),
+                    ~np.asarray(chunk.diverged[shown], bool), which[shown] * width + column)
+            best = _first_per_cell(keys)
+            found.append(tuple(key[best] for key in keys))
+            views += chunk.views(shown[best])
+        cells: dict[tuple[int, int], CellView | str] = {}
+        if found:
+            keys = tuple(np.concatenate(key) for key in zip(*found))
+            best = _first_per_cell(keys)
+            cells.update((divmod(at, width), views[index]) for at, index in zip(keys[-1][best].tolist(), best.tolist()))
         for position, row in enumerate(rows):
             for c, steps in enumerate(columns):
                 if (position, c) not in cells:
@@ -175,14 +159,11 @@ class Grid:
         return found
 
 
-def _earlier(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Per position whether the key ``a`` sorts before ``b`` (tuples of arrays compared element by element)."""
-    before = np.zeros(len(a[0]), dtype=bool)
-    tied = np.ones(len(a[0]), dtype=bool)
-    for x, y in zip(a, b):
-        before |= tied & (x < y)
-        tied &= x == y
-    return before
+def _first_per_cell(keys: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Per cell (the last of ``keys``) the index of its first record, sorted by the keys (the last the primary)."""
+    order = np.lexsort(keys)
+    cell = keys[-1][order]
+    return order[np.concatenate([[True], cell[1:] != cell[:-1]])]
 
 
 def _descending(values: np.ndarray) -> np.ndarray:
@@ -228,7 +209,7 @@ def _row_label(row: Row, multi_rank: bool) -> str:
     return (f"r{rank} " if multi_rank else "") + name
 
 
-def _cell_title(row: Row, step: int | str, cell: CellView | str | None) -> str:
+def _cell_title(row: Row, step: str, cell: CellView | str | None) -> str:
     rank, phase, name = row
     where = f"rank {rank} step {step} {phase} {name}"
     if cell is None:
@@ -247,7 +228,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     first_row = (first.rank, first.phase, first.name) if first else None
     omitted = 0
     if len(rows) > config.max_rows:
-        ranked = sorted(rows, key=lambda row: (row != first_row, -grid.row_ratio(row)))  # stable sort
+        ranked = sorted(rows, key=lambda row: (row != first_row, -grid.ratios[row]))  # stable sort
         keep = set(ranked[:config.max_rows])
         omitted = len(rows) - len(keep)
         rows = [row for row in rows if row in keep]
@@ -264,10 +245,10 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     height = top + cell_h * len(rows) + 50
     parts = [f'<svg class="heatmap" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              f'viewBox="0 0 {width:.0f} {height:.0f}" role="img" aria-label="relative error heatmap, {phase}">']
+    labels = [str(column[0]) if len(column) == 1 else f"{column[0]}-{column[-1]}" for column in columns]
     label_every = max(1, math.ceil(len(columns) / 20))
-    for c, column in enumerate(columns):
+    for c, label in enumerate(labels):
         if c % label_every == 0:
-            label = str(column[0]) if len(column) == 1 else f"{column[0]}-{column[-1]}"
             x = label_width + cell_w * (c + 0.5)
             parts.append(f'<text x="{x:.1f}" y="{top - 8:.1f}" class="axis" text-anchor="middle">{escape(label)}</text>')
     parts.append(f'<text x="{label_width:.1f}" y="12" class="axis">step \u2192</text>')
@@ -279,7 +260,6 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
         for c, column in enumerate(columns):
             x = label_width + c * cell_w
             cell = cells.get((r, c))
-            step_label = column[0] if len(column) == 1 else f"{column[0]}-{column[-1]}"
             if cell is None:
                 fill, stroke = "#ffffff", ""
             elif isinstance(cell, str):
@@ -289,7 +269,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
                 stroke = ' stroke="#000" stroke-width="1.2"' if cell.diverged else ""
             parts.append(f'<rect class="cell" x="{x:.1f}" y="{y:.1f}" width="{cell_w - 1:.1f}" '
                          f'height="{cell_h - 1:.1f}" fill="{fill}"{stroke}>'
-                         f'<title>{escape(_cell_title(row, step_label, cell))}</title></rect>')
+                         f'<title>{escape(_cell_title(row, labels[c], cell))}</title></rect>')
             if first is not None and row == first_row and first.step in column:
                 marked = (x, y)
     if marked is not None:
@@ -322,13 +302,12 @@ def _heat_legend(x: float, y: float) -> str:
     for exponent in range(int(low), int(high) + 1, 3):
         tx = x0 + (exponent - low) / (high - low) * bar_w
         parts.append(f'<text x="{tx:.1f}" y="{y + 22:.1f}" class="axis" text-anchor="middle">1e{exponent}</text>')
-    x1 = x0 + bar_w + 20
-    parts.append(f'<rect x="{x1:.1f}" y="{y:.1f}" width="10" height="10" fill="{EQUAL_COLOR}" stroke="#999"/>'
-                 f'<text x="{x1 + 14:.1f}" y="{y + 9:.1f}" class="axis">equal</text>')
-    parts.append(f'<rect x="{x1 + 60:.1f}" y="{y:.1f}" width="10" height="10" fill="#fff" stroke="#000"/>'
-                 f'<text x="{x1 + 74:.1f}" y="{y + 9:.1f}" class="axis">diverged (outlined)</text>')
-    parts.append(f'<rect x="{x1 + 190:.1f}" y="{y:.1f}" width="10" height="10" fill="{MISSING_COLOR}"/>'
-                 f'<text x="{x1 + 204:.1f}" y="{y + 9:.1f}" class="axis">one run only</text>')
+    for dx, paint, label in ((20, f'fill="{EQUAL_COLOR}" stroke="#999"', "equal"),
+                             (80, 'fill="#fff" stroke="#000"', "diverged (outlined)"),
+                             (210, f'fill="{MISSING_COLOR}"', "one run only")):
+        x1 = x0 + bar_w + dx
+        parts.append(f'<rect x="{x1:.1f}" y="{y:.1f}" width="10" height="10" {paint}/>'
+                     f'<text x="{x1 + 14:.1f}" y="{y + 9:.1f}" class="axis">{label}</text>')
     return "".join(parts)
 
 
@@ -351,7 +330,9 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     steps the lines are ``_thinned`` and only the diverged steps are points to hover."""
     width, height = 230.0, 130.0
     left, right, top, bottom = 52.0, 8.0, 18.0, 20.0
-    values = [v for _, _, vals, _ in series for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+    finite = [[(step, v) for step, v in zip(steps, vals) if isinstance(v, (int, float)) and math.isfinite(v)]
+              for _, _, vals, _ in series]
+    values = [v for found in finite for _, v in found]
     parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              f'viewBox="0 0 {width:.0f} {height:.0f}">',
              f'<text x="{left:.0f}" y="12" class="title">{escape(title)}</text>',
@@ -381,9 +362,8 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
         x = sx(mark_step)
         parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" y2="{height - bottom:.0f}" '
                      f'stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
-    for label, color, vals, dash in series:
-        points = [(sx(step), sy(v)) for step, v in zip(steps, vals)
-                  if isinstance(v, (int, float)) and math.isfinite(v)]
+    for (label, color, _, dash), shown in zip(series, finite):
+        points = [(sx(step), sy(v)) for step, v in shown]
         reduced = len(steps) > max_points
         if reduced:
             points = _thinned(points)
@@ -392,7 +372,6 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash_attr}>'
                          f'<title>{escape(label)}</title></polyline>')
-        shown = [(step, v) for step, v in zip(steps, vals) if isinstance(v, (int, float)) and math.isfinite(v)]
         if reduced:  # the first diverged steps of the other run, as many as a chart of max_points shows
             shown = [(step, v) for step, v in shown if label == "other" and step in diverged_steps][:max_points]
         for step, v in shown:
@@ -409,7 +388,7 @@ def _trajectory_rows(grid: Grid, report: Report, count: int) -> list[Row]:
     chosen: list[Row] = []
     if first is not None and (first.rank, first.phase, first.name) in grid.rows:
         chosen.append((first.rank, first.phase, first.name))
-    ranked = sorted(grid.rows, key=grid.row_ratio, reverse=True)  # stable: ties keep execution order
+    ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
     for row in ranked:
         if len(chosen) >= count:
             break
@@ -480,18 +459,21 @@ def _table(header: Sequence[str] | None, rows: Iterable[Sequence[Any]], numeric:
     return f"<table>{head}{body}</table>"
 
 
-def _zero_grad_section(report: Report, limit: int = 500) -> str:
+def _first_rows(header: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Collection[int],
+                limit: int = 500) -> list[str]:
+    """A table of the first ``limit`` rows, then how many more the JSON report lists."""
+    more = [f'<p class="note">{len(rows) - limit} more in the JSON report.</p>'] if len(rows) > limit else []
+    return [_table(header, rows[:limit], numeric), *more]
+
+
+def _zero_grad_section(report: Report) -> str:
     """The notes on materialised zero gradients: which records, and which run has them."""
-    shown = report.zero_grads[:limit]
-    rows = [(*key, side, "other" if side == "base" else "base") for key, side in shown]
-    parts = [f'<h2 id="zero-grads">Notes: {escape(ZERO_GRAD_NOTE)} ({len(report.zero_grads)})</h2>',
-             '<p class="note">A gradient that is exactly zero everywhere in one run and has no record in the other '
-             "(one backend materialises the zeros another leaves out). Not a divergence; compare with "
-             "<code>--strict-zero-grads</code> (<code>strict_zero_grads=True</code>) to count it as one.</p>",
-             _table(["rank", "step", "phase", "name", "zero in", "absent in"], rows, {0, 1})]
-    if len(report.zero_grads) > len(shown):
-        parts.append(f'<p class="note">{len(report.zero_grads) - len(shown)} more in the JSON report.</p>')
-    return "".join(parts)
+    rows = [(*key, side, "other" if side == "base" else "base") for key, side in report.zero_grads]
+    return "".join([f'<h2 id="zero-grads">Notes: {escape(ZERO_GRAD_NOTE)} ({len(report.zero_grads)})</h2>',
+                    '<p class="note">A gradient that is exactly zero everywhere in one run and has no record in the '
+                    "other (one backend materialises the zeros another leaves out). Not a divergence; compare with "
+                    "<code>--strict-zero-grads</code> (<code>strict_zero_grads=True</code>) to count it as one.</p>",
+                    *_first_rows(["rank", "step", "phase", "name", "zero in", "absent in"], rows, {0, 1})])
 
 
 def _first_operation_section(report: Report) -> str:
@@ -507,8 +489,7 @@ def _first_operation_section(report: Report) -> str:
              _table(["rank", "step", "phase", "name", "metric", "ratio"],
                     [(found.rank, found.step, found.phase, found.name, found.metric, found.ratio)], {0, 1, 5}),
              f'<p class="kind">{escape(found.explained())}</p>']
-    checks = [(f"input {position}", check) for position, check in enumerate(found.inputs)]
-    checks += [("gradient from", check) for check in found.gradients]
+    checks = found.sources()
     if checks:
         parts.append(_table(["", "record", "phase", "says", "metric", "ratio", "note"],
                             [(label, check.name or "-", check.phase, check.status, check.metric, check.ratio,
@@ -645,11 +626,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                      "step (per_step).</p>")
     for label, keys in (("Only in base", report.only_in_base), ("Only in other", report.only_in_other)):
         if keys:
-            shown = keys[:500]
-            parts.append(f"<h2>{label} ({len(keys)})</h2>")
-            parts.append(_table(["rank", "step", "phase", "name"], shown, {0, 1}))
-            if len(keys) > len(shown):
-                parts.append(f'<p class="note">{len(keys) - len(shown)} more in the JSON report.</p>')
+            parts += [f"<h2>{label} ({len(keys)})</h2>", *_first_rows(["rank", "step", "phase", "name"], keys, {0, 1})]
     if report.renamed:
         parts.append(f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>')
         parts.append(_table(["phase", "other", "base", "how", "confidence", "why"],

@@ -1,26 +1,29 @@
-"""The options of a comparison, each declared once: tolerances, filters, and which statistics are compared how.
+"""The options of a comparison, each declared once: tolerances, filters, which statistics are compared how, the name map.
 
     config = CompareConfig()                                          # the per-dtype default tolerances
     config = CompareConfig(rtol=1e-3, atol=1e-5)                      # one fixed rule: atol + rtol * |x|
     PRECISIONS["bfloat16"].rtol; precision_of("complex64")            # the default tolerances, defined here only
     config.wants_step(3); config.wants_name("fc1.output.0")          # the filters a dump is read with
     STRUCTURE, COUNTS, MOMENTS                                        # compared equal, equal, within the tolerance
+    load_name_map("names.yaml").apply("blocks.1.ffn.0.output.0")     # OTHER's name as BASE writes it (--map)
 
-The rules themselves (tolerance, difference, noise, sample pairing) are ``rules``'s; docs/compare.md
-(Tolerance) gives the default rule, the constants and the measurements behind them. Each field of
-``CompareConfig`` is an option (``probes.utils.flags``): ``compare_dumps``' keyword, ``probes compare``'s flag,
-their help and their check come from it (the options of the run itself: ``windows.CompareOptions``).
+The rules themselves are ``rules``'s; docs/compare.md (Tolerance) gives the default rule, its constants and the
+measurements behind them. Each field of ``CompareConfig`` is an option (``probes.utils.flags``): ``compare_dumps``'
+keyword, ``probes compare``'s flag, their help and their check (the options of the run: ``engine.CompareOptions``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, Union
 
 from ..dump.statistics import STATISTICS, names
 from ..utils.flags import option, settle
@@ -28,8 +31,9 @@ from ..utils.patterns import check_patterns, name_matcher
 from ..utils.phases import PHASES
 
 __all__ = ["AGGREGATES", "COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "DEFAULT_WINDOW", "EXACT",
-           "MOMENT_PASSES", "MOMENTS", "OPTIONAL_MOMENTS", "PRECISIONS", "STRUCTURE", "CompareConfig",
-           "Precision", "coarseness", "parse_steps", "precision_of"]
+           "MOMENT_PASSES", "MOMENTS", "OPTIONAL_MOMENTS", "PRECISIONS", "STRUCTURE", "CompareConfig", "NameMap",
+           "NameMapError", "NameMapLike", "NameRules", "Precision", "as_name_map", "coarseness", "load_name_map",
+           "parse_steps", "precision_of"]
 
 STRUCTURE = ("shape", "dtype", "numel")
 COUNTS = names(compared="count")  # ("nan", "inf"): exact
@@ -173,7 +177,7 @@ class CompareConfig:
         "a gradient exactly zero in one run and absent in the other is a divergence (default: a note)"))
     fuzzy: bool = option(False, convert=bool, help=(
         "pair the records still found in one run only by module class, shape and execution order, and list the "
-        "pairs with their confidence (probes.compare.align)"))
+        "pairs with their confidence (probes.compare.operations)"))
     exact: bool = option(False, convert=bool, help=(
         "a record agrees only when bit-identical (its hash; both runs recorded with hash=True); tolerances are "
         "not used"))
@@ -213,3 +217,100 @@ class CompareConfig:
 
     def wants_phase(self, phase: str) -> bool:
         return self.phases is None or phase in self.phases
+
+
+# --------------------------------------------------------------------------------------------- the name map
+# How the record names of OTHER are written in BASE, as regular expressions applied in order, each to the result of
+# the previous one (the run checked is renamed; BASE and the noise run keep their names). A map file is YAML or JSON
+# (by its ending: .yaml/.yml, else JSON): ``{pattern: replacement}`` or ``[{pattern: ..., replace: ...}, ...]``;
+# a pattern is searched anywhere in a name (anchor it with ^/$), its replacement may use its groups (\1).
+
+NameRules = Union[Mapping[str, str], Sequence[Mapping[str, str]]]
+NameMapLike = Union["NameMap", NameRules, str, Path]  # what ``name_map=`` options accept
+FORMAT_HELP = ('a mapping {"pattern": "replacement"} or a list of {"pattern": ..., "replace": ...} entries, '
+               "patterns being Python regular expressions")
+
+
+class NameMapError(ValueError):
+    """A name map that cannot be used: unreadable, malformed, an invalid pattern, or two names made one."""
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """Ordered (pattern, replacement) rules rewriting OTHER's record names into BASE's."""
+
+    rules: tuple[tuple[re.Pattern[str], str], ...]
+    source: str = "name map"
+
+    @classmethod
+    def from_rules(cls, rules: NameRules, *, source: str = "name map") -> "NameMap":
+        """A map from ``{pattern: replacement}`` or ``[{"pattern": ..., "replace": ...}, ...]``."""
+        if isinstance(rules, Mapping):
+            pairs = list(rules.items())
+        elif isinstance(rules, Sequence) and not isinstance(rules, (str, bytes)):
+            pairs = []
+            for number, entry in enumerate(rules, 1):
+                if not isinstance(entry, Mapping) or set(entry) != {"pattern", "replace"}:
+                    raise NameMapError(f"{source}: entry {number} is {entry!r}; each entry of a list needs exactly "
+                                       f"the keys 'pattern' and 'replace' ({FORMAT_HELP})")
+                pairs.append((entry["pattern"], entry["replace"]))
+        else:
+            raise NameMapError(f"{source}: holds {type(rules).__name__}; write {FORMAT_HELP}")
+        if not pairs:
+            raise NameMapError(f"{source}: has no rule; write {FORMAT_HELP}")
+        compiled = []
+        for pattern, replacement in pairs:
+            if not isinstance(pattern, str) or not isinstance(replacement, str) or not pattern:
+                raise NameMapError(f"{source}: rule {pattern!r} -> {replacement!r}: a pattern and its replacement "
+                                   "must be strings, the pattern not empty (quote numbers in YAML)")
+            try:
+                regex = re.compile(pattern)
+                regex.sub(replacement, "")  # a bad group reference in the replacement fails here
+            except re.error as error:
+                raise NameMapError(f"{source}: rule {pattern!r} -> {replacement!r} is not a valid regular expression "
+                                   f"({error}); escape literal dots and brackets (\\\\.)") from None
+            compiled.append((regex, replacement))
+        return cls(tuple(compiled), source)
+
+    def apply(self, name: str) -> str:
+        """``name`` rewritten by every rule in turn."""
+        for regex, replacement in self.rules:
+            name = regex.sub(replacement, name)
+        return name
+
+
+def load_name_map(path: str | Path) -> NameMap:
+    """Reads a YAML (.yaml, .yml) or JSON name map file; NameMapError says what is wrong with it."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise NameMapError(f"name map {path}: cannot be read ({reason}); give a YAML or JSON file") from None
+    return NameMap.from_rules(_parse(path, text), source=f"name map {path}")
+
+
+def _parse(path: Path, text: str) -> Any:
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise NameMapError(f"name map {path}: reading YAML needs PyYAML (pip install PyYAML), "
+                               "or write the map as JSON") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise NameMapError(f"name map {path}: not valid YAML ({' '.join(str(error).split())})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise NameMapError(f"name map {path}: not valid JSON ({error}); name a YAML map .yaml or .yml") from None
+
+
+def as_name_map(name_map: NameMapLike | None) -> NameMap | None:
+    """A ``name_map=`` option as a NameMap: a NameMap, its rules, or the path of a YAML/JSON file."""
+    if name_map is None or isinstance(name_map, NameMap):
+        return name_map
+    if isinstance(name_map, (str, Path)):
+        return load_name_map(name_map)
+    return NameMap.from_rules(name_map)

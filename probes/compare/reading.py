@@ -28,8 +28,7 @@ from ..dump.reader import StepFile
 from ..dump.record import RecordKey
 from ..dump.columns import records_to_table, table_to_records
 from ..utils.phases import PARAMETER_PHASES, phase_rank
-from .options import COUNTS, MOMENTS, CompareConfig
-from .names import NameMap, NameMapError
+from .options import COUNTS, MOMENTS, CompareConfig, NameMap, NameMapError
 from .results import Damaged
 from .rules import precisions, rms, scale_floors
 

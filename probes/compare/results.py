@@ -1,37 +1,41 @@
-"""What a comparison finds, record by record: the differences of one record, the first divergence, a rename.
+"""The result model of a comparison: the Report ``compare_dumps`` returns and what it is made of, and its JSON.
 
+    report.agrees; report.first_divergence; report.per_step()
     record.diverged; record.worst; record.divergence()       # RecordDiff: one matched record, its MetricDiffs
     str(divergence); divergence.to_json()                   # Divergence: where two runs first differ
-    CellView.of(record)                                     # what a plot shows of one record
-    op_name("blocks.0.attn/einsum:2.output.0").short        # OpName: an op record's name taken apart ("einsum:2...")
-    report.first_operation.cause                            # OpFinding: a diverged operation, local or propagated
-    format_value(1.234567891); json_value(float("nan"))     # "1.23457"; "NaN": how a value prints and goes to JSON
+    report.first_operation.explained()                      # OpFinding: "local: the operation itself (...)"
+    report.first_divergence_kind().sentence                 # "gradients agree, the update differs" (KINDS)
+    json.dump(report.to_json(), file)                       # the schema of docs/compare.md
 
-The matched records as arrays are ``recorddiffs`` (RecordDiffs), the whole report ``report`` (Report).
+The matched records as arrays are ``recorddiffs.RecordDiffs`` (built on RecordDiff, so not imported here).
 Nothing here reads a dump or compares values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from ..dump.anomaly import Anomaly
 from ..dump.record import RecordKey
-from ..utils.phases import GRADIENT_PHASES
-from .options import MOMENTS
+from ..utils.phases import GRADIENT_PHASES, PHASES, RECOMPUTE, phase_rank
 from ..utils.tables import printable
+from .options import MOMENTS, PRECISIONS, CompareConfig
+
+__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "JSON_FORMAT", "JSON_VERSION", "KINDS", "NO_RECORD",
+           "UNPAIRED", "ZERO_GRAD_NOTE", "CellView", "Check", "Damaged", "Divergence", "DivergenceKind", "GradNorm",
+           "Kind", "MetricDiff", "ModuleOps", "NoiseFloor", "OpFinding", "OpName", "Operations", "RecordDiff", "Rename",
+           "Report", "StepSummary", "divergence_kind", "format_value", "is_finite_number", "json_value", "key_json",
+           "module_record", "op_name", "relative_name"]
 
 BIT_IDENTICAL, BYTES_DIFFER = "bit-identical", "differs in its bytes"  # an exact comparison's two verdicts
-
-__all__ = ["AGREES", "BIT_IDENTICAL", "BYTES_DIFFER", "DIFFERS", "NO_RECORD", "UNPAIRED", "ZERO_GRAD_NOTE",
-           "CellView", "Check", "Damaged", "Divergence", "GradNorm", "MetricDiff", "ModuleOps",
-           "NoiseFloor", "OpFinding", "OpName", "Operations", "RecordDiff", "Rename", "StepSummary",
-           "format_value", "is_finite_number", "json_value", "key_json", "module_record", "op_name",
-           "relative_name"]
-
 ZERO_GRAD_NOTE = "materialised zero gradient, absent in the other run"
 
 
@@ -57,12 +61,28 @@ def key_json(key: RecordKey) -> dict[str, Any]:
 
 
 def json_value(value: Any) -> Any:
-    """A value as strict JSON holds it: non-finite floats become "NaN", "Infinity", "-Infinity"."""
+    """A value as strict JSON holds it: non-finite floats become "NaN", "Infinity", "-Infinity"; keys strings; a
+    result its JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, (list, tuple)):
         return [json_value(item) for item in value]
-    return value
+    if isinstance(value, dict):
+        return {str(key): json_value(item) for key, item in value.items()}
+    return value.to_json() if hasattr(value, "to_json") else value
+
+
+class JsonFields:
+    """A result whose JSON is its fields as ``json_value``s: all in order, or those of ``json_fields`` (a class
+    attribute); those of ``optional`` only when not None."""
+
+    json_fields: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        names = self.json_fields or [item.name for item in dataclasses.fields(self)]  # type: ignore[arg-type]
+        return {name: json_value(getattr(self, name)) for name in names
+                if name not in self.optional or getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
@@ -97,12 +117,16 @@ class MetricDiff:
 
 
 @dataclass(frozen=True)
-class Divergence:
+class Divergence(JsonFields):
     """Where two runs first differ: a record and the metric that broke, with both values.
 
     ``metric`` "record" means the record exists in one run only (``base``/``other`` say "present"
     or "missing"). ``noise_floor``: with a calibration run, "beyond" or "within" (``RecordDiff.beyond_noise``).
     """
+
+    json_fields = ("rank", "step", "phase", "name", "seq", "metric", "base", "other", "abs_diff", "rel_diff",
+                   "tolerance", "noise_floor")
+    optional = ("noise_floor",)
 
     rank: int
     step: int
@@ -128,13 +152,6 @@ class Divergence:
         if self.noise_floor is not None:
             text += f", {self.noise_floor} the noise floor"
         return text
-
-    def to_json(self) -> dict[str, Any]:
-        found = {key: json_value(getattr(self, key)) for key in (
-            "rank", "step", "phase", "name", "seq", "metric", "base", "other", "abs_diff", "rel_diff", "tolerance")}
-        if self.noise_floor is not None:
-            found["noise_floor"] = self.noise_floor
-        return found
 
 
 @dataclass
@@ -165,11 +182,7 @@ class RecordDiff:
     @property
     def worst(self) -> MetricDiff | None:
         """The metric with the largest |diff| / tolerance (the first in check order on ties)."""
-        worst = None
-        for metric in self.metrics:
-            if worst is None or metric.ratio > worst.ratio:
-                worst = metric
-        return worst
+        return max(self.metrics, key=lambda metric: metric.ratio, default=None)
 
     @property
     def ratio(self) -> float:
@@ -193,13 +206,6 @@ class RecordDiff:
             magnitude = max(abs(m.base) if is_finite_number(m.base) else 0.0, scale)
             error = max(error, m.abs_diff / magnitude if magnitude > 0 else math.inf)
         return error
-
-    def value(self, run: str, metric: str) -> Any:
-        """The base ("base") or other ("other") value of a metric, None when it was not compared."""
-        for item in self.metrics:
-            if item.metric == metric:
-                return item.base if run == "base" else item.other
-        return None
 
     @property
     def noise_ratio(self) -> float | None:
@@ -249,7 +255,7 @@ class RecordDiff:
                         for m in self.metrics},
             "samples": {"compared": self.samples_compared, "max_abs_diff": json_value(self.samples_max_abs),
                         "cosine": json_value(self.samples_cosine)},
-            "noise": None if self.noise is None else {name: json_value(level) for name, level in self.noise.items()},
+            "noise": json_value(self.noise),
             "noise_ratio": json_value(self.noise_ratio),
             "noise_floor": None if (beyond := self.beyond_noise) is None else "beyond" if beyond else "within",
             "notes": self.notes,
@@ -274,17 +280,13 @@ class CellView:
                    worst.base if worst else None, worst.other if worst else None)
 
 
-
 @dataclass(frozen=True)
-class GradNorm:
+class GradNorm(JsonFields):
     """A step's global gradient norm in both runs (None: that run has no grad record with a norm there)."""
 
     rank: int
     base: float | None
     other: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "base": json_value(self.base), "other": json_value(self.other)}
 
 
 @dataclass(frozen=True)
@@ -306,19 +308,19 @@ class StepSummary:
                 "rank": worst.rank, "phase": worst.phase, "name": worst.name,
                 "metric": worst.worst.metric if worst.worst else None, "ratio": json_value(worst.ratio),
                 "rel_error": json_value(worst.rel_error)},
-            "global_grad_norm": None if self.grad_norm is None else self.grad_norm.to_json(),
+            "global_grad_norm": json_value(self.grad_norm),
         }
 
 
 @dataclass(frozen=True)
-class Rename:
+class Rename(JsonFields):
     """A name of OTHER compared as a name of BASE: given by the name map, or paired by fuzzy alignment."""
 
     phase: str | None  # None: every phase (a name map renames a name wherever it stands)
     other: str
     base: str
     how: str  # "map" or "fuzzy"
-    confidence: float  # 1.0 for the map; fuzzy: see probes.compare.align
+    confidence: float  # 1.0 for the map; fuzzy: see probes.compare.operations
     reason: str
 
     def __str__(self) -> str:
@@ -326,14 +328,9 @@ class Rename:
         sure = "" if self.how == "map" else f", confidence {self.confidence:.2f}: {self.reason}"
         return f"{where}{self.other} -> {self.base} ({self.how}{sure})"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"phase": self.phase, "other": self.other, "base": self.base, "how": self.how,
-                "confidence": self.confidence, "reason": self.reason}
-
-
 
 @dataclass(frozen=True)
-class Damaged:
+class Damaged(JsonFields):
     """A step file left out of a comparison because it cannot be read (``skip_damaged``)."""
 
     path: str
@@ -345,26 +342,17 @@ class Damaged:
     def __str__(self) -> str:
         return f"{self.path}{'' if self.line is None else f', line {self.line}'}: {self.problem}"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "rank": self.rank, "step": self.step, "line": self.line, "problem": self.problem}
-
-
 
 @dataclass(frozen=True)
 class NoiseFloor:
     """With a calibration run: how the matched records stand against their noise floors (``RecordDiff.beyond_noise``).
+    Records without a counterpart in the calibration run are in none of its counts (``Report.noise_unmatched``)."""
 
-    ``beyond``/``within``: records with / without a metric beyond its floor; ``silent``: records whose calibration
-    run is identical to the base (no noise measured: their tolerance is the default or given one alone); ``first_beyond``: the first
-    record beyond it in execution order; ``largest``: the largest |diff| / noise floor. Records without a
-    counterpart in the calibration run are in none of these (``Report.noise_unmatched``).
-    """
-
-    beyond: int
+    beyond: int  # records with a metric beyond its floor
     within: int
-    silent: int
-    first_beyond: RecordKey | None
-    largest: float | None
+    silent: int  # records identical in the calibration run: no noise measured, their tolerance alone
+    first_beyond: RecordKey | None  # in execution order
+    largest: float | None  # the largest |diff| / noise floor
 
     @classmethod
     def merged(cls, parts: "Sequence[NoiseFloor]") -> "NoiseFloor":
@@ -377,8 +365,7 @@ class NoiseFloor:
 
     def to_json(self) -> dict[str, Any]:
         return {"beyond": self.beyond, "within": self.within, "silent": self.silent,
-                "first_beyond": None if self.first_beyond is None else dict(zip(("rank", "step", "phase", "name"),
-                                                                                 self.first_beyond)),
+                "first_beyond": None if self.first_beyond is None else key_json(self.first_beyond),
                 "largest_ratio": json_value(self.largest)}
 
 
@@ -394,12 +381,12 @@ class NoiseFloor:
 #   (``inputs``: the forward records of the same names);
 #   ``propagated`` when one of these differs, ``local`` (the backward of the operations that used it) when none
 #   does and a gradient it is computed from agrees, ``unknown`` otherwise.
-# ``opfinding`` computes the findings of a window.
+# ``operations`` computes the findings of a window.
 
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
-# An op record of OTHER whose name a paired record took (op alignment, ``align``) is listed with this suffix.
+# An op record of OTHER whose name a paired record took (op alignment, ``operations``) is listed with this suffix.
 UNPAIRED = " (unpaired)"
 _OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)"
                  r"(?P<unpaired> \(unpaired\))?$")
@@ -454,7 +441,7 @@ def relative_name(name: str, module: str) -> str:
 
 
 @dataclass(frozen=True)
-class Check:
+class Check(JsonFields):
     """What one record, looked up by its name in the same rank and step, says: it agrees, it differs, or there is
     none. ``metric``, ``ratio``: the metric that broke and its |diff| / tolerance (``record``, inf: the record is in
     one run only); ``note``: why there is no record, or which run has it."""
@@ -479,10 +466,6 @@ class Check:
                                              and self.ratio is not None and math.isfinite(self.ratio) else None,
                                              self.note or None) if part)
         return f"{name} {self.status}" + (f" ({detail})" if detail else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "phase": self.phase, "status": self.status, "metric": self.metric,
-                "ratio": json_value(self.ratio), "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -519,6 +502,11 @@ class OpFinding:
     def differing(self) -> list[Check]:
         """The records it is computed from that already differ."""
         return [check for check in (*self.inputs, *self.gradients) if check.status == DIFFERS]
+
+    def sources(self) -> list[tuple[str, Check]]:
+        """The records it is computed from, labelled as the reports list them ("input 0", "gradient from")."""
+        return [*((f"input {position}", check) for position, check in enumerate(self.inputs)),
+                *(("gradient from", check) for check in self.gradients)]
 
     @property
     def cause(self) -> str:
@@ -562,12 +550,11 @@ class OpFinding:
                 "module": parsed.module, "call": parsed.call, "op": parsed.op, "index": parsed.index,
                 "output": parsed.output, "metric": self.metric, "ratio": json_value(self.ratio),
                 "cause": self.cause, "explanation": self.explained(),
-                "inputs": [check.to_json() for check in self.inputs],
-                "gradients": [check.to_json() for check in self.gradients]}
+                "inputs": json_value(self.inputs), "gradients": json_value(self.gradients)}
 
 
 @dataclass(frozen=True)
-class ModuleOps:
+class ModuleOps(JsonFields):
     """One call of one module (rank, step, phase) with diverged operations: its own records, then those operations
     in execution order. How the reports nest op records under their module."""
 
@@ -587,28 +574,20 @@ class ModuleOps:
         """Its own records in a line: ``"input.0 agrees, output.0 differs (std, ratio 4)"``."""
         return ", ".join(check.describe(self.module, own=True) for check in self.records) or "no record of its own"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "phase": self.phase, "module": self.module, "call": self.call,
-                "records": [check.to_json() for check in self.records], "ops": [op.to_json() for op in self.ops]}
-
 
 @dataclass
-class Operations:
-    """What a comparison says of op records, when a run has them (``Report.operations``; None when neither has).
+class Operations(JsonFields):
+    """What a comparison says of op records, when a run has them (``Report.operations``; None when neither has)."""
 
-    ``matched``, ``diverged``: op records matched, and diverged; ``modules``: the module calls with diverged
-    operations (matched, or in one run only in a step both finished), in execution order of their first;
-    ``first``: the first diverging operation: the first divergence itself, or the earliest diverged operation
-    of the first divergence's module call (or of a module inside it) when the first divergence is that module's
-    record; ``inside_first``: then, how many op records that module call has in the phase (None: the first
-    divergence is no module record, or there is no first divergence).
-    """
-
-    matched: int = 0
+    matched: int = 0  # op records matched
     diverged: int = 0
+    # the module calls with diverged operations (matched, or in one run only in a step both finished), in execution
+    # order of their first
     modules: list[ModuleOps] = field(default_factory=list)
-    first: OpFinding | None = None
+    first: OpFinding | None = None  # the first diverging operation (``Report.first_operation``)
+    # when the first divergence is a module's record: how many op records that module call has in the phase
     inside_first: int | None = None
+    json_fields = ("matched", "diverged", "first", "inside_first", "modules")
 
     @classmethod
     def merged(cls, parts: "list[Operations]", first: "Operations | None") -> "Operations":
@@ -632,7 +611,270 @@ class Operations:
         return (f"first diverging operation inside: {first.name} ({first.metric}, ratio {first.ratio:.3g}); "
                 f"{first.explained()}")
 
+
+# --------------------------------------------------------------------------------------------- the report
+# The kind of a first divergence is its phase: every record of the phases before it in that step agrees, on every
+# rank. "Agree" is said only of phases the step recorded; the earlier ones it did not record are named ("backward
+# not recorded"): nothing is known of them.
+
+JSON_FORMAT = "probes-compare"
+JSON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a first divergence in ``phase`` means; ``agrees`` says so of the ``basis`` phases, when recorded."""
+
+    phase: str
+    code: str  # stable, for scripts reading the JSON
+    differs: str
+    agrees: str = ""
+    basis: tuple[str, ...] = ()
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("forward", "forward", "the forward differs (activations)"),
+    Kind("backward", "backward", "the gradients flowing back differ", "the forward agrees", ("forward",)),
+    Kind("recompute", "recompute", "the recomputed forward differs (activation checkpointing)",
+         "the forward and the backward agree", ("forward", "backward")),
+    Kind("grad", "gradients", "the parameter gradients differ (accumulation, clipping, all-reduce)",
+         "activations agree", ("forward", "backward")),
+    Kind("param", "update", "the update differs", "gradients agree", ("grad",)),
+    Kind("optim", "optimizer_state", "the optimizer state differs", "parameters agree", ("param",)),
+)
+_BY_PHASE = {kind.phase: kind for kind in KINDS}
+_NOUNS = {"forward": "the forward", "backward": "the backward", "recompute": "the recomputed forward",
+          "grad": "the gradients", "param": "the parameters"}
+
+
+@dataclass(frozen=True)
+class DivergenceKind(JsonFields):
+    """The kind of a report's first divergence, and what it was decided from (phases of the diverging step)."""
+
+    code: str
+    phase: str
+    sentence: str
+    recorded: tuple[str, ...]  # the phases the step holds records of, in either run
+    differing: tuple[str, ...]  # the phases with a divergence in the step
+
+
+def divergence_kind(first: Divergence, *, recorded: Iterable[str], differing: Iterable[str]) -> DivergenceKind:
+    """The kind of ``first``, given the phases its step ``recorded`` (either run, any rank) and those ``differing``."""
+    held = tuple(sorted(set(recorded) | {first.phase}, key=phase_rank))
+    kind = _BY_PHASE.get(first.phase, Kind(first.phase, "other", f"the {first.phase} records differ"))
+    earlier = [phase for phase in PHASES if phase_rank(phase) < phase_rank(first.phase)]
+    agreeing = [phase for phase in earlier if phase in held]
+    missing = [phase for phase in earlier if phase not in held and phase != RECOMPUTE]  # recompute is optional
+    if kind.basis and all(phase in held for phase in kind.basis):
+        lead = kind.agrees
+    elif agreeing:
+        lead = " and ".join(_NOUNS[phase] for phase in agreeing) + (" agrees" if len(agreeing) == 1 else " agree")
+    else:
+        lead = ""
+    sentence = f"{lead}, {kind.differs}" if lead else kind.differs
+    if missing:
+        sentence += f" ({', '.join(missing)} not recorded)"
+    return DivergenceKind(kind.code, first.phase, sentence, held,
+                          tuple(sorted(set(differing) | {first.phase}, key=phase_rank)))
+
+
+@dataclass
+class Report:
+    """The result of ``compare_dumps``; ``agrees`` is the verdict."""
+
+    base: str
+    other: str
+    noise: str | None
+    config: CompareConfig
+    records: RecordDiffs  # recorddiffs.RecordDiffs: the matched records, in execution order
+    only_in_base: list[RecordKey]
+    only_in_other: list[RecordKey]
+    base_steps: dict[int, list[int]]  # rank -> finished steps compared
+    other_steps: dict[int, list[int]]
+    unfinished: dict[str, dict[int, list[int]]]  # "base"/"other" -> rank -> unfinished steps (not read)
+    first_divergence: Divergence | None = None
+    noise_unmatched: int = 0  # matched records without a counterpart in the noise run
+    # (key, the run that has it) of each gradient exactly zero in one run and absent in the other, in execution
+    # order; not in only_in_base/only_in_other. Empty with strict_zero_grads.
+    zero_grads: list[tuple[RecordKey, str]] = field(default_factory=list)
+    # run -> its first record holding nan or inf (execution order, across ranks), or None
+    first_nonfinite: dict[str, Anomaly | None] = field(default_factory=dict)
+    renamed: list[Rename] = field(default_factory=list)  # OTHER's names compared as BASE's, in BASE's order
+    # run -> step files left out as unreadable (skip_damaged); a step damaged in one run is left out of both
+    damaged: dict[str, list[Damaged]] = field(default_factory=dict)
+    # run -> (rank, step) -> the step's global gradient norm (of the grad records compared, in file order)
+    grad_norms: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
+    noise_floor: NoiseFloor | None = None  # None without a calibration run
+    operations: Operations | None = None  # None when neither run has op records
+
+    @property
+    def matched(self) -> int:
+        return len(self.records)
+
+    @property
+    def diverged_count(self) -> int:
+        """How many matched records diverged."""
+        return len(self.records.diverged_rows())
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        """Every diverged matched record, in execution order."""
+        return [record.divergence() for record in self.records.at(self.records.diverged_rows())]
+
+    @property
+    def steps_only_in_base(self) -> list[int]:
+        return sorted(_all_steps(self.base_steps) - _all_steps(self.other_steps))
+
+    @property
+    def steps_only_in_other(self) -> list[int]:
+        return sorted(_all_steps(self.other_steps) - _all_steps(self.base_steps))
+
+    @property
+    def agrees(self) -> bool:
+        """True when every record of both runs is matched and within tolerance. Op records of one run only are
+        listed, not counted (``ops_in_one_run``): decompositions differ between backends, and an operation that
+        changes a result shows in the records of the operations after it."""
+        return self.first_divergence is None and len(self.ops_in_one_run) == len(self.only_in_base) + len(
+            self.only_in_other)
+
+    @property
+    def ops_in_one_run(self) -> list[RecordKey]:
+        """The op records in ``only_in_base`` and ``only_in_other`` (docs/compare.md, operations of one run only)."""
+        return [key for key in (*self.only_in_base, *self.only_in_other) if op_name(key[3]) is not None]
+
+    def per_rank(self) -> dict[int, Divergence | None]:
+        """Per rank compared (``ranks=True``: each rank against rank 0): its first divergence, None where it agrees."""
+        found: dict[int, Divergence | None] = {rank: None for rank in sorted({*self.base_steps, *self.other_steps})}
+        for offset, chunk in self.records.chunks():
+            diverged = chunk.summary().diverged_rows
+            if not len(diverged):
+                continue
+            ranks = np.asarray(chunk.rank[diverged])
+            for rank in found:
+                rows = diverged[ranks == rank]
+                if found[rank] is None and len(rows):
+                    found[rank] = self.records[offset + int(rows[0])].divergence()
+        first = self.first_divergence
+        if first is not None and found.get(first.rank) is None:
+            found[first.rank] = first  # a record on one side only
+        return found
+
+    def per_step(self) -> list[StepSummary]:
+        """One summary per step of either run (matched, diverged, only in one run, the worst record)."""
+        key = (len(self.records), len(self.only_in_base), len(self.only_in_other))
+        cached = self.__dict__.get("_per_step")
+        if cached is None or cached[0] != key:
+            self.__dict__["_per_step"] = cached = (key, self._per_step())
+        return list(cached[1])
+
+    def _per_step(self) -> list[StepSummary]:
+        matched: Counter[int] = Counter()
+        diverged: Counter[int] = Counter()
+        worst: dict[int, tuple[float, int]] = {}  # step -> (ratio, row) of its worst record so far
+        for offset, chunk in self.records.chunks():  # a part's counts and worst, merged in execution order
+            part = chunk.summary()
+            for key, count, bad, row, ratio in zip(part.steps.tolist(), part.matched.tolist(), part.diverged.tolist(),
+                                                   part.worst_rows.tolist(), part.worst_ratios.tolist()):
+                matched[key] += count
+                diverged[key] += bad
+                if key not in worst or ratio > worst[key][0] or (math.isnan(worst[key][0]) and not math.isnan(ratio)):
+                    worst[key] = (ratio, offset + row)
+        steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(matched))
+        rows = [row for _, row in worst.values()]
+        records = dict(zip(worst, self.records.at(rows)))
+        only_base = Counter(key[1] for key in self.only_in_base)
+        only_other = Counter(key[1] for key in self.only_in_other)
+        norms = self._grad_norms()
+        return [StepSummary(step, matched[step], diverged[step], only_base[step], only_other[step], records.get(step),
+                            norms.get(step))
+                for step in steps]
+
+    def _grad_norms(self) -> dict[int, GradNorm]:
+        """Per step the global gradient norms of both runs, on the lowest rank either run has one for."""
+        base, other = self.grad_norms.get("base", {}), self.grad_norms.get("other", {})
+        lowest: dict[int, int] = {}
+        for rank, step in (*base, *other):
+            lowest[step] = min(rank, lowest.get(step, rank))
+        return {step: GradNorm(rank, base.get((rank, step)), other.get((rank, step))) for step, rank in lowest.items()}
+
+    @property
+    def first_operation(self) -> OpFinding | None:
+        """The first diverging operation, with its inputs' verdicts: the first divergence when it is an op record,
+        else the earliest diverged operation of the first divergence's module call (or of a module inside it)."""
+        return None if self.operations is None else self.operations.first
+
+    def first_divergence_kind(self) -> DivergenceKind | None:
+        """What kind of divergence the first one is (``divergence_kind``), from the phases of its step."""
+        first = self.first_divergence
+        if first is None:
+            return None
+        phases = list(self.records.labels[0])
+        recorded: set[str] = set()
+        differing: set[str] = set()
+        for _, chunk in self.records.chunks():
+            if first.step not in chunk.summary().steps:
+                continue
+            at_step = np.asarray(chunk.step) == first.step
+            if at_step.any():
+                recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}
+                differing |= {phases[code] for code in np.unique(chunk.phase[at_step & chunk.diverged]).tolist()}
+        base_steps, other_steps = self.base_steps, self.other_steps
+        for rank, step, phase, _ in (*self.only_in_base, *self.only_in_other):
+            if step == first.step:
+                recorded.add(phase)
+                if step in base_steps.get(rank, ()) and step in other_steps.get(rank, ()):
+                    differing.add(phase)  # a record missing in a step both runs finished
+        return divergence_kind(first, recorded=recorded, differing=differing)
+
     def to_json(self) -> dict[str, Any]:
-        return {"matched": self.matched, "diverged": self.diverged,
-                "first": None if self.first is None else self.first.to_json(), "inside_first": self.inside_first,
-                "modules": [group.to_json() for group in self.modules]}
+        """The JSON document of docs/compare.md (strict JSON: non-finite numbers become strings)."""
+        config = self.config
+        return {
+            "format": JSON_FORMAT,
+            "version": JSON_VERSION,
+            "base": self.base,
+            "other": self.other,
+            "noise": self.noise,
+            "tolerance": tolerance_json(config),
+            "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
+                        "names": list(config.names)},
+            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy, "exact": config.exact,
+                        "ranks": config.ranks, "phases": None if config.phases is None else list(config.phases)},
+            "verdict": "agree" if self.agrees else "diverged",
+            "first_divergence": json_value(self.first_divergence),
+            "first_divergence_kind": json_value(self.first_divergence_kind()),
+            **({"bytes": BIT_IDENTICAL if self.agrees else BYTES_DIFFER} if config.exact else {}),
+            **({"per_rank": json_value(self.per_rank())} if config.ranks else {}),
+            "noise_floor": json_value(self.noise_floor),
+            "counts": {"matched": self.matched, "diverged": self.diverged_count,
+                       "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
+                       "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},
+            "steps": {"base": json_value(self.base_steps), "other": json_value(self.other_steps),
+                      "only_in_base": self.steps_only_in_base, "only_in_other": self.steps_only_in_other,
+                      "unfinished": json_value(self.unfinished)},
+            "only_in_base": [key_json(key) for key in self.only_in_base],
+            "only_in_other": [key_json(key) for key in self.only_in_other],
+            "zero_grads": [{**key_json(key), "present_in": side, "note": ZERO_GRAD_NOTE}
+                           for key, side in self.zero_grads],
+            "first_nonfinite": json_value(self.first_nonfinite),
+            "renamed": json_value(self.renamed),
+            "damaged": {side: json_value(self.damaged.get(side, []))
+                        for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
+            "per_step": json_value(self.per_step()),
+            "divergences": json_value(self.records.at(self.records.diverged_rows())),
+            **({"operations": json_value(self.operations)} if self.operations is not None else {}),
+        }
+
+
+def tolerance_json(config: CompareConfig) -> dict[str, Any]:
+    """The report's ``tolerance``: the fixed rule's rtol and atol when given, else null and the per-dtype defaults."""
+    found: dict[str, Any] = {"rtol": None, "atol": None, "noise_factor": config.noise_factor}
+    if config.fixed is not None:
+        found["rtol"], found["atol"] = config.fixed
+        return found
+    found["per_dtype"] = {name: {"rtol": p.rtol, "mtol": p.mtol, "tiny": p.tiny} for name, p in PRECISIONS.items()}
+    return found
+
+
+def _all_steps(steps: Mapping[int, list[int]]) -> set[int]:
+    return {step for by_rank in steps.values() for step in by_rank}

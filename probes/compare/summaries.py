@@ -1,22 +1,14 @@
 """Per-step text summaries of two runs in the baseline's order, like onnxruntime's merge_activation_summary.
 
     python -m probes merge --pt_dir pt_out --ort_dir ort_out --output_dir merged [--overwrite]
-    (the command line is ``probes.cli.merge``; ``python -m probes.merge_activation_summary`` is the same)
 
-Command-line compatible with ``onnxruntime.training.utils.hooks.merge_activation_summary`` but reads
-probes dumps. It writes ``<output_dir>/merge_pt/step_<N>_.txt`` and ``<output_dir>/merge_ort/step_<N>_.txt``:
-for every step, one text block per record (the original's block layout, statistics from the dump),
-both files in the same order, the baseline (``--pt_dir``) run's execution order, so that a plain
-``diff`` of the two files lines up. Differences from the original, each deliberate:
-
-- the order of each step is the baseline's order in that step (the original reused step 0's order);
-- records of the ORT run missing from the baseline are appended at the end of its file, with a
-  warning (the original dropped them silently); missing records are warned about once per step;
-- ``--overwrite`` replaces ``merge_pt`` and ``merge_ort`` only: other files in ``--output_dir`` are
-  never deleted (the original deleted the whole directory);
-- one rank per run (``--rank``, default: the baseline's lowest rank); samples are those the dump kept,
-  labelled with their flat indices (the original printed the first 128 elements).
-For a numeric comparison with tolerances and the first divergence, use ``python -m probes compare``.
+The original tool's flags (``probes.cli.merge``; ``python -m probes.merge_activation_summary`` too), on probes
+dumps: ``<output_dir>/merge_pt/step_<N>_.txt`` and ``merge_ort/step_<N>_.txt`` hold one block per record (the
+original's layout) in the baseline's order of that step, so that a plain ``diff`` lines up. Deliberately unlike
+the original: each step has its own order (not step 0's); ORT records missing from the baseline are appended (not
+dropped), and records missing from either run are warned about once per step; ``--overwrite`` replaces merge_pt/
+and merge_ort/ only (not the whole directory); one rank (``--rank``); samples are those the dump kept, labelled with
+their flat indices. For a numeric comparison, ``probes compare``.
 """
 
 from __future__ import annotations

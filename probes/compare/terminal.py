@@ -12,12 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
 from .options import PRECISIONS, CompareConfig
-from .report import Report
-from .results import ZERO_GRAD_NOTE, RecordDiff, StepSummary, format_value, op_name, relative_name
+from .results import ZERO_GRAD_NOTE, RecordDiff, Report, StepSummary, format_value, op_name, relative_name
 
-__all__ = ["clip", "counts_line", "format_report", "grad_norm_cells", "kind_line", "noise_floor_line", "nonfinite_lines",
-           "plural", "precision_table", "rank_lines", "ranges", "rule_line", "tolerance_name",
-           "tolerance_rule", "verdict"]
+__all__ = ["GRAD_NORM_HEADER", "clip", "counts_line", "damaged_lines", "format_report", "grad_norm_cells", "kind_line",
+           "noise_floor_line", "nonfinite_lines", "plural", "precision_table", "rank_lines", "ranges", "renamed_lines",
+           "rule_line", "tolerance_name", "tolerance_rule", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -298,8 +297,7 @@ def _first_operation(report: Report) -> list[str]:
     if found is None:
         return [f"  operations: {said}"]
     lines = [f"  operation: {said}" if found.name == first.name else f"  {format_value(said)}"]
-    lines += [f"    input {position}: {check.describe()}" for position, check in enumerate(found.inputs)]
-    lines += [f"    gradient from: {check.describe()}" for check in found.gradients]
+    lines += [f"    {label}: {check.describe()}" for label, check in found.sources()]
     return lines
 
 

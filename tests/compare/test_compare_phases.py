@@ -12,7 +12,7 @@ from param_runs import global_grad_norm, train_dump
 from probes.cli import main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import render_html
-from probes.compare.report import KINDS, divergence_kind
+from probes.compare.results import KINDS, divergence_kind
 from probes.compare.results import Divergence
 
 
