@@ -8,7 +8,7 @@
 
 One path: pairs are read from their columns (``pairs.from_columns``), ``evaluate`` computes every metric once,
 ``verdicts`` reduces it to per-pair verdicts and ``record_diffs`` reads the RecordDiffs of a few pairs from the
-same arrays: nothing else decides a metric. The tolerance: ``tolerance`` with ``bounds``' rule per pair.
+same arrays: nothing else decides a metric. The tolerance: ``_tolerance`` with ``_bounds``' rule per pair.
 """
 
 from __future__ import annotations
@@ -24,21 +24,22 @@ import pyarrow as pa
 from ..dump.hashes import HASH, hex_hash
 from .options import (AGGREGATES, COUNTS, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
                       precision_of)
-from .pairs import Pairs, SampleBlock, Values, both_ints, difference, distance, exact_distance, from_columns, numbers, same
+from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, distance, exact_distance, from_columns,
+                    numbers, same)
 from .reading import LoadedDump, rms
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
-__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "bounds", "evaluate", "measure",
-           "noise_level", "noise_levels", "ratio", "record_diffs", "tolerance"]
+__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_level",
+           "noise_levels", "record_diffs"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
 NOISED = (*MOMENTS, "samples")
 
 
-def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
+def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
            floor: np.ndarray | None = None, phase: np.ndarray | None = None
            ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
-    """The fixed tolerance's (rtol, atol, scale) per pair, of single values and of moments (``tolerance``'s
+    """The fixed tolerance's (rtol, atol, scale) per pair, of single values and of moments (``_tolerance``'s
     ``rule``): ``config.fixed``'s (rtol, atol, 0) for every pair when given; else of each pair's ``precision``
     (names): rtol, and for moments max(passes * mtol, rtol / sqrt(numel)) (``PRECISIONS``; passes of the pair's
     ``phase``, ``MOMENT_PASSES``, 1 when none), no atol, and the scale max(rms, floor, tiny), rms the base
@@ -62,21 +63,14 @@ def bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean
     return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)
 
 
-def tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None, numbers: np.ndarray | None = None,
-              rule: tuple[Any, Any, Any] | None = None) -> np.ndarray:
-    """atol + rtol * max(|base|, scale) (``base`` float64; |base| taken as 0 where it is no finite number,
-    ``numbers``), raised to noise_factor * noise where that is larger; ``rule``: (rtol, atol, scale), numbers or
-    per value (``bounds``; None: ``config.fixed``'s, scale 0, only when it has one); ``noise``: per value the
-    record's noise level, nan (or None for all) without one."""
-    numbers = np.isfinite(base) if numbers is None else numbers
-    if rule is None:
-        if config.fixed is None:
-            raise ValueError("tolerance: the per-dtype defaults need each value's rule (evaluation.bounds)")
-        rule = (*config.fixed, 0.0)
+def _tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None, numbers: np.ndarray,
+               rule: tuple[Any, Any, Any]) -> np.ndarray:
+    """atol + rtol * max(|base|, scale) (|base| taken as 0 where it is no finite number, ``numbers``), raised to
+    noise_factor * noise where that is larger; ``rule``: (rtol, atol, scale), numbers or per value (``_bounds``);
+    ``noise``: per value the record's noise level, nan (or None for all) without one."""
     rtol, atol, scale = rule
-    every = bool(numbers.all())  # the common case: no value to set aside
     fixed = np.abs(base)
-    if not every:
+    if not numbers.all():  # the common case: no value to set aside
         fixed[~numbers] = 0.0
     with np.errstate(invalid="ignore", over="ignore"):
         if not np.isscalar(scale) or scale:
@@ -90,7 +84,7 @@ def tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None,
     return np.where(bound > fixed, bound, fixed)
 
 
-def ratio(diff: np.ndarray, tol: np.ndarray) -> np.ndarray:
+def _ratio(diff: np.ndarray, tol: np.ndarray) -> np.ndarray:
     """MetricDiff.ratio: 0 for no difference, else |diff| / tolerance (inf for a tolerance of 0)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         found = diff / np.where(tol > 0, tol, 1.0)
@@ -162,7 +156,7 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
         unequal |= found
     statistics = (np.where(numbers(pairs.base[name]), pairs.base[name].floats, np.nan)
                   for name in ("numel", "mean", "std"))
-    single, aggregate = bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
+    single, aggregate = _bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
     moments = {}
     for name in MOMENTS:
         base, other = pairs.base[name], pairs.other[name]
@@ -170,8 +164,8 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
         number = numbers(base)
         level = None if noise is None else noise[:, NOISED.index(name)]
         moments[name] = Moment(compared, difference(base, other, pairs.equal),
-                               tolerance(config, base.floats, level, number, aggregate if name in AGGREGATES else single),
-                               number, level)
+                               _tolerance(config, base.floats, level, number,
+                                          aggregate if name in AGGREGATES else single), number, level)
     count = pairs.count
     level = None if noise is None else noise[:, NOISED.index("samples")]
     samples = Samples(np.zeros(count, dtype=bool), np.full(count, None, dtype=object), np.zeros(count),
@@ -183,17 +177,13 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
 
 
 def _rule_rows(rule: tuple, rows: np.ndarray, column: bool) -> tuple:
-    """A per-pair rule (``bounds``) for the pairs ``rows``: as a column against their samples or as is."""
+    """A per-pair rule (``_bounds``) for the pairs ``rows``: as a column against their samples or as is."""
     return tuple(part if np.isscalar(part) else part[rows, None] if column else part[rows] for part in rule)
 
 
 def _column_max(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Per row ``max(0.0, v0, v1, ...)`` over the valid values, in order, as Python's max keeps the first."""
-    largest = np.full(len(values), 0.0, dtype=values.dtype)
-    for j in range(values.shape[1]):
-        larger = valid[:, j] & (values[:, j] > largest).astype(bool)
-        largest[larger] = values[larger, j]
-    return largest
+    """Per row ``max(0.0, v0, v1, ...)`` over the valid values (>= 0), as Python's max takes it (never a nan)."""
+    return np.where(valid & (values > 0), values, 0.0).max(axis=1, initial=0.0)
 
 
 # Pairs scanned at a time: each row's metrics are its own, and temporaries of a MB or so are reused
@@ -204,20 +194,16 @@ _SCAN_ROWS = 4096
 def _scan(block: SampleBlock, pairs: Pairs, config: CompareConfig, found: Samples, summaries: bool, rule: tuple
           ) -> None:
     """The samples of the pairs of one block, into ``found``, a slice of rows at a time: the pairs whose
-    samples are all valid floats with a finite difference (the common case) on a shorter path."""
+    samples are all valid numbers with a finite difference (the common case) on a shorter path."""
     for start in range(0, len(block.rows), _SCAN_ROWS):
         part = block.take(slice(start, start + _SCAN_ROWS))
         base, other = part.sides()
         raw = distance(base, other)
-        if part.exact is not None or not part.valid.all():
-            _scan_rows(part, base, other, raw, pairs, config, found, summaries, False, rule)
-            continue
-        plain = np.isfinite(raw).all(axis=1)
-        if plain.all():
-            _scan_rows(part, base, other, raw, pairs, config, found, summaries, True, rule)
-            continue
+        plain = np.isfinite(raw).all(axis=1) & part.valid.all(axis=1) & (part.exact is None)
         for which, is_plain in ((plain, True), (~plain, False)):
-            if which.any():
+            if which.all():  # the whole slice: no copy
+                _scan_rows(part, base, other, raw, pairs, config, found, summaries, is_plain, rule)
+            elif which.any():
                 _scan_rows(part.take(which), base.take(which), other.take(which), raw[which], pairs, config, found,
                            summaries, is_plain, rule)
 
@@ -225,25 +211,25 @@ def _scan(block: SampleBlock, pairs: Pairs, config: CompareConfig, found: Sample
 def _scan_rows(block: SampleBlock, base: Values, other: Values, raw: np.ndarray, pairs: Pairs,
                config: CompareConfig, found: Samples, summaries: bool, plain: bool, rule: tuple) -> None:
     """``_scan`` of pairs whose distances are ``raw``; ``plain``: every sample valid, every distance finite;
-    ``rule``: the single values' rule of every pair (``bounds``)."""
+    ``rule``: the single values' rule of every pair (``_bounds``)."""
     valid, rows = block.valid, block.rows
     level = None if found.noise is None else found.noise[rows, None]
     per_sample = _rule_rows(rule, rows, True)
     if plain:  # no nan or inf to compare by equality, no padding: diff is raw, and its ratio can be no nan
         usable = valid
         diff = raw
-        tol = tolerance(config, base.floats, level, np.broadcast_to(True, raw.shape), per_sample)
+        tol = _tolerance(config, base.floats, level, np.broadcast_to(True, raw.shape), per_sample)
         no_difference = diff == 0
-        # ratio(diff, tol) in place of a new block: tol >= 0 (rtol, atol >= 0), so a zero tolerance gives inf,
+        # _ratio(diff, tol) in place of a new block: tol >= 0 (rtol, atol >= 0), so a zero tolerance gives inf,
         # and no difference (0 / 0 too) is set to -1: never the worst. The tolerance is taken back below.
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             position_ratio = np.divide(diff, tol, out=tol)
         position_ratio[no_difference] = -1.0
     else:
-        tol = tolerance(config, base.floats, level, numbers(base), per_sample)
+        tol = _tolerance(config, base.floats, level, numbers(base), per_sample)
         usable = np.isfinite(raw) & valid  # a nan or inf on either side: must be the same value
         diff = np.where(usable, raw, np.where(same(base, other, pairs.equal), 0.0, np.inf))
-        position_ratio = ratio(diff, tol)
+        position_ratio = _ratio(diff, tol)
         position_ratio[~(valid & (diff != 0) & (position_ratio >= 0))] = -1.0  # nan (inf / inf) is never the worst
     at = np.argmax(position_ratio, axis=1)  # the first of the largest
     picked = np.arange(len(rows))
@@ -252,10 +238,10 @@ def _scan_rows(block: SampleBlock, base: Values, other: Values, raw: np.ndarray,
     found.base[rows], found.other[rows] = _floats(worst_base), _floats(worst_other)
     found.diff[rows] = difference(worst_base, worst_other, pairs.equal)
     # The tolerance is per value: that of the worst sample alone is the same number.
-    found.tolerance[rows] = tolerance(config, worst_base.floats, None if level is None else level[:, 0],
+    found.tolerance[rows] = _tolerance(config, worst_base.floats, None if level is None else level[:, 0],
                                       numbers(worst_base), _rule_rows(rule, rows, False)) if plain else tol[picked, at]
     if found.largest is not None:
-        found.largest[rows] = diff.max(axis=1) if plain else _column_max(diff, valid)
+        found.largest[rows] = _column_max(diff, valid)
     if not summaries:
         return
     found.index[rows] = block.indices[picked, at].tolist()
@@ -413,7 +399,7 @@ def verdicts(evaluated: Evaluation, config_factor: float = 0.0) -> Measured:
 
     def broke(metric: str, diff: np.ndarray, tolerance: np.ndarray, where: np.ndarray, values_b: np.ndarray,
               values_o: np.ndarray, nulls: np.ndarray) -> None:
-        new = ratio(diff, tolerance)
+        new = _ratio(diff, tolerance)
         # RecordDiff.worst: the first metric, replaced by a later one of a larger ratio (never by a nan ratio)
         larger = where & ((found.worst == 0) | (new > found.ratio))
         found.worst[larger] = WORST.index(metric)
@@ -459,7 +445,7 @@ def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
     for diff, level, where in metrics:
         usable = where & ~np.isnan(level)
         with np.errstate(over="ignore"):
-            new = ratio(np.where(usable, diff, 0.0), factor * np.where(usable, level, 0.0))
+            new = _ratio(np.where(usable, diff, 0.0), factor * np.where(usable, level, 0.0))
         found = np.where(usable, np.maximum(found, new), found)
     return np.where(has_level & evaluated.unequal, np.inf, found)
 
@@ -534,7 +520,7 @@ def record_diffs(base_dump: LoadedDump, other_dump: LoadedDump, rows: tuple[np.n
                 if name in pairs.base:
                     shown = [side[name].value(row, pairs.objects) for side in (pairs.base, pairs.other)]
                 else:
-                    shown = [pairs.structure(side, name, row) for side in (0, 1)]
+                    shown = [side.python(name, row) for side in pairs.sides]
                 metrics.append(MetricDiff(name, *shown, float(sizes[name][row]) if name in COUNTS else math.inf,
                                           math.inf, 0.0))
         for name, moment in evaluated.moments.items():

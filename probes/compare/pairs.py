@@ -1,15 +1,12 @@
-"""The matched record pairs of two dumps, both sides as arrays, and the rules on their values.
+"""The matched record pairs of two dumps, both sides as arrays (``Values``), and the rules on their values.
 
     rows = match(base, other)                      # (base rows, other rows) with the same key
-    pairs, shown = from_columns(base, other, rows) # every pair from its columns; ``shown``: see below
-    difference(b, o, pairs.equal); distance(b, o)  # |other - base| of single values, of samples (Values)
+    pairs, shown = from_columns(base, other, rows) # ``shown``: pairs a plot shows through their RecordDiff
+    difference(b, o, pairs.equal); distance(b, o)  # |other - base| of single values, of samples
 
-Every value is read from its columns, exactly: float64, an integer from its ``*_int`` twin (int64), and the few
-values kept in ``extra`` (a value of no column's type) decoded into the same arrays (``Values``: an integer
-beyond int64 as a Python int in an object array, a bool, a None sample, a str or list by equality only).
-Samples pair by position where the index lists are equal; otherwise at the common indices (``_by_index``).
-``shown`` marks the pairs that a plot shows through their RecordDiff (values from ``extra``, samples paired by
-index). docs/compare.md states the rules in words.
+Every value is read from its columns exactly (an integer from its ``*_int`` twin), the few kept in ``extra`` (of
+no column's type) decoded into the same arrays. Samples pair by position where the index lists are equal,
+else at the common indices (``_by_index``). docs/compare.md states the rules in words.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ import pyarrow.compute as pc
 from .options import COUNTS, MOMENTS
 from .reading import LoadedDump, one_key
 
-__all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "difference", "distance", "both_ints", "exact_distance", "from_columns",
-           "int_distance", "match", "numbers", "same"]
+__all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "both_ints", "difference", "distance", "exact_distance",
+           "from_columns", "int_distance", "match", "numbers", "same"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
 _TWINS = {"min": "min_int", "max": "max_int", "numel": "numel", **{name: name for name in COUNTS}}  # exact ints
@@ -190,14 +187,7 @@ class Pairs:
     integer: np.ndarray  # an integer in an *_int column on either side: its RecordDiff shows it
     objects: list[Any] = field(default_factory=list)  # the values of no number type (Values.odd)
     equal: np.ndarray | None = None  # (objects + 1) x (objects + 1): Python's == of two of them (0: none)
-    shown: tuple[dict[str, dict[int, Any]], ...] = ({}, {})  # per side, key -> pair -> a value from ``extra``
-    tables: tuple[pa.Table, ...] = ()  # per side the compared columns of the pairs' rows
-
-    def structure(self, side: int, key: str, row: int) -> Any:
-        """A structure field's value of a pair's base (0) or other (1) record, as the record holds it."""
-        if row in self.shown[side].get(key, {}):
-            return self.shown[side][key][row]
-        return self.tables[side].column(key)[row].as_py()
+    sides: tuple[_Columns, ...] = ()  # base's, other's: a record's value of a key (``_Columns.python``)
 
 
 class _Columns:
@@ -235,24 +225,25 @@ class _Columns:
         """An integer column as int64 (0 where null: read with ``present``)."""
         return self.table.column(name).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
+    def python(self, key: str, row: int) -> Any:
+        """A row's value of ``key`` as its record holds it."""
+        found = self.extra.get(key, {})
+        return found[row] if row in found else self.table.column(key)[row].as_py()
+
     def values(self, name: str, objects: list[Any]) -> Values:
         """A statistic's ``Values``, those kept in ``extra`` decoded into them."""
-        floats, null = self.floats(name)
         twin = _TWINS.get(name)
-        ints, is_int = (self.ints(twin), self.present(twin)) if twin else (None, None)
+        found = Values(*self.floats(name), *((self.ints(twin), self.present(twin)) if twin else (None, None)))
         decoded = self.extra.get(name)
         if not decoded:
-            return Values(floats, null, ints, is_int)
-        rows = list(decoded)
-        found = _decoded([decoded[row] for row in rows], objects)
-        floats, null = floats.copy(), null.copy()
-        ints = np.zeros(len(floats), found.ints.dtype) if ints is None else ints.astype(found.ints.dtype)
-        is_int = np.zeros(len(floats), bool) if is_int is None else is_int.copy()
-        odd = np.zeros(len(floats), np.int64)
-        for array, part in ((floats, found.floats), (null, found.null), (ints, found.ints), (is_int, found.is_int),
-                            (odd, found.odd)):
-            array[rows] = part
-        return Values(floats, null, ints, is_int, odd)
+            return found
+        part = _decoded(list(decoded.values()), objects)
+        fields = []
+        for mine, theirs in zip(found, part):
+            fields.append(np.zeros(len(found.floats), theirs.dtype) if mine is None else
+                          mine.astype(np.result_type(mine, theirs)))
+            fields[-1][list(decoded)] = theirs
+        return Values(*fields)
 
     def lists(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat values, start offset per row, length per row; -1 for a null list), over every chunk."""
@@ -358,83 +349,62 @@ def _flat_side(side: _Columns, rows: np.ndarray, objects: list[Any]
             np.cumsum([0] + [len(part) for part in index_parts]))
 
 
+def _entries(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, position in the row) of every entry of rows of ``lengths`` entries, row by row."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    return rows, np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
 def _by_index(b: _Columns, o: _Columns, rows: np.ndarray, equal_lists: np.ndarray, objects: list[Any]
-              ) -> tuple[SampleBlock | None, np.ndarray]:
-    """The samples of ``rows`` paired as ``zip`` and a dict of the other record's would pair them: by position
-    where the index lists are equal (``equal_lists``), else at the base's indices the other has (its last
-    sample at an index). (The block, or None when no pair; per row of ``rows`` whether the lists differ.)"""
-    sides = [_flat_side(side, rows, objects) for side in (b, o)]
-    (values_b, start_b, index_b, istart_b), (values_o, start_o, index_o, istart_o) = sides
-    n = len(rows)
-    length_b, length_o = np.diff(start_b), np.diff(start_o)
-    ilength_b, ilength_o = np.diff(istart_b), np.diff(istart_o)
-    usable_b, usable_o = np.minimum(length_b, ilength_b), np.minimum(length_o, ilength_o)  # what zip pairs
-    # Equal lists: position j with j, below the shortest of the three lists.
-    count = np.where(equal_lists, np.minimum(usable_b, length_o), 0)
-    row_e = np.repeat(np.arange(n), count)
-    position = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    pos_b, pos_o = start_b[row_e] + position, start_o[row_e] + position
-    at_b = istart_b[row_e] + position
-    # Other lists: the other's entries (row, index) -> its last position; the base's entries looked up.
-    take_b = np.repeat(~equal_lists, usable_b)
-    row_b = np.repeat(np.arange(n), usable_b)
-    j_b = np.arange(len(row_b)) - np.repeat(np.cumsum(usable_b) - usable_b, usable_b)
-    row_o = np.repeat(np.arange(n), usable_o)
-    j_o = np.arange(len(row_o)) - np.repeat(np.cumsum(usable_o) - usable_o, usable_o)
-    key_b_index, key_o_index = index_b[istart_b[row_b] + j_b], index_o[istart_o[row_o] + j_o]
-    codes = np.unique(np.concatenate([key_b_index, key_o_index]), return_inverse=True)[1].reshape(-1)
-    width = int(codes.max(initial=0)) + 1
-    key_b, key_o = row_b * width + codes[:len(row_b)], row_o * width + codes[len(row_b):]
-    order = np.lexsort((j_o, key_o))
-    sorted_o = key_o[order]
+              ) -> SampleBlock | None:
+    """The samples of ``rows`` paired as ``zip`` and a dict of the other record's pair them: by position where
+    the index lists are equal (``equal_lists``), else at the base's indices that the other has (its last sample
+    at an index). None: no pair."""
+    (values_b, start_b, index_b, istart_b), (values_o, start_o, index_o, istart_o) = (
+        _flat_side(side, rows, objects) for side in (b, o))
+    usable_b = np.minimum(np.diff(start_b), np.diff(istart_b))  # what zip pairs
+    usable_o = np.minimum(np.diff(start_o), np.diff(istart_o))
+    (row_b, j_b), (row_o, j_o) = _entries(usable_b), _entries(usable_o)
+    codes = np.unique(np.concatenate([index_b[istart_b[row_b] + j_b], index_o[istart_o[row_o] + j_o]]),
+                      return_inverse=True)[1].reshape(-1)
+    key_b, key_o = row_b * (len(codes) + 1) + codes[:len(row_b)], row_o * (len(codes) + 1) + codes[len(row_b):]
+    order = np.lexsort((j_o, key_o))  # the other's (row, index) -> its last position: a dict of its samples
+    key_o, j_o = key_o[order], j_o[order]
     last = np.ones(len(order), bool)
-    last[:-1] = sorted_o[1:] != sorted_o[:-1]
-    sorted_o, last_j = sorted_o[last], j_o[order][last]
-    found = np.minimum(np.searchsorted(sorted_o, key_b), max(len(sorted_o) - 1, 0))
-    hit = take_b & (sorted_o[found] == key_b) if len(sorted_o) else np.zeros(len(key_b), bool)
-    row_s = row_b[hit]
-    pos_bs, pos_os = start_b[row_s] + j_b[hit], start_o[row_s] + last_j[found[hit]]
-    at_bs = istart_b[row_s] + j_b[hit]
-    # Both kinds of pairs, by row then position.
-    row_all = np.concatenate([row_e, row_s])
-    order = np.argsort(row_all, kind="stable")
-    row_all = row_all[order]
-    pos_b, pos_o, at = (np.concatenate(parts)[order] for parts in ((pos_b, pos_bs), (pos_o, pos_os), (at_b, at_bs)))
-    shifted = ~equal_lists
-    if not len(row_all):
-        return None, shifted
-    paired, per_row = np.unique(row_all, return_counts=True)
-    column = np.arange(len(row_all)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-    line = np.repeat(np.arange(len(paired)), per_row)
+    last[:-1] = key_o[1:] != key_o[:-1]
+    known, position = key_o[last], j_o[last]
+    at = np.minimum(np.searchsorted(known, key_b), max(len(known) - 1, 0))
+    hit = known[at] == key_b if len(known) else np.zeros(len(key_b), bool)
+    j_o = position[at] if len(known) else j_b
+    equal = equal_lists[row_b]
+    hit, j_o = np.where(equal, j_b < usable_o[row_b], hit), np.where(equal, j_b, j_o)
+    row_b, j_b, j_o = row_b[hit], j_b[hit], j_o[hit]
+    if not len(row_b):
+        return None
+    paired, per_row = np.unique(row_b, return_counts=True)
+    line, column = _entries(per_row)
     shape = (len(paired), int(per_row.max()))
 
-    def block(values: Values, positions: np.ndarray) -> Values:
-        parts = []
-        for part, fill in zip(values, (0.0, True, 0, False, 0)):
-            found = np.full(shape, fill, dtype=part.dtype)
-            found[line, column] = part[positions]
-            parts.append(found)
-        return Values(*parts)
+    def placed(values: np.ndarray, at: np.ndarray, fill: Any) -> np.ndarray:
+        found = np.full(shape, fill, dtype=values.dtype)
+        found[line, column] = values[at]
+        return found
 
-    base, other = block(values_b, pos_b), block(values_o, pos_o)
-    indices = np.zeros(shape, index_b.dtype)
-    indices[line, column] = index_b[at]
-    valid = np.zeros(shape, bool)
-    valid[line, column] = True
-    return SampleBlock(rows[paired], indices, base.floats, other.floats, valid, (base, other)), shifted
+    fills = (0.0, True, 0, False, 0)
+    base = Values(*(placed(part, start_b[row_b] + j_b, fill) for part, fill in zip(values_b, fills)))
+    other = Values(*(placed(part, start_o[row_b] + j_o, fill) for part, fill in zip(values_o, fills)))
+    return SampleBlock(rows[paired], placed(index_b, istart_b[row_b] + j_b, 0), base.floats, other.floats,
+                       placed(np.ones(len(row_b), bool), np.arange(len(row_b)), False), (base, other))
 
 
 def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]
                  ) -> tuple[Pairs, np.ndarray]:
     """The pairs ``rows`` (base rows, other rows) on their columns, and the mask of those whose values or sample
-    pairing only their RecordDiff shows (values from ``extra``, samples paired by index)."""
+    pairing only their RecordDiff shows (values kept in ``extra``, samples paired by index)."""
     b, o = _Columns(base, rows[0]), _Columns(other, rows[1])
     count = len(rows[0])
     objects: list[Any] = []
-    shown = np.zeros(count, dtype=bool)
-    for side in (b, o):
-        for decoded in side.extra.values():
-            shown[list(decoded)] = True
+    shown = b.present("extra") | o.present("extra")
     integer = np.zeros(count, dtype=bool)
     for side in (b, o):
         for name in ("min_int", "max_int", "samples_int"):
@@ -445,57 +415,44 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         unequal[name] = ~same(*values[name], None, nan_equal=False)
     samples_b, samples_o = b.lists("samples"), o.lists("samples")
     indices_b, indices_o = b.lists("sample_indices"), o.lists("sample_indices")
+    same_indices = _same_lists(indices_b, indices_o)
     lengths = [lists[2].copy() for lists in (samples_b, indices_b, samples_o, indices_o)]
-    for key in ("shape", "dtype", "samples", "sample_indices"):  # decoded from ``extra``: Python's ==
+    for key in ("shape", "dtype", "samples", "sample_indices"):  # those kept in ``extra``: by Python's == and len
         for row in sorted({*b.extra.get(key, {}), *o.extra.get(key, {})}):
-            pair = [side.extra[key][row] if row in side.extra.get(key, {}) else side.table.column(key)[row].as_py()
-                    for side in (b, o)]
+            pair = [side.python(key, row) for side in (b, o)]
             if key in ("shape", "dtype"):
                 unequal[key][row] = pair[0] != pair[1]
-            else:
-                for side, value in enumerate(pair):
-                    lengths[2 * side + (key == "sample_indices")][row] = len(value) if isinstance(value, list) else -1
+                continue
+            if key == "sample_indices":
+                same_indices[row] = pair[0] == pair[1]
+            for side, value in enumerate(pair):
+                lengths[2 * side + (key == "sample_indices")][row] = len(value) if isinstance(value, list) else -1
     have = (np.minimum.reduce(lengths) >= 0) & ~unequal["shape"]
-    same_indices = _same_lists(indices_b, indices_o)
-    for row in sorted({*b.extra.get("sample_indices", {}), *o.extra.get("sample_indices", {})}):
-        same_indices[row] = _list_of(b, "sample_indices", row) == _list_of(o, "sample_indices", row)
     by_position = have & same_indices & (lengths[0] == lengths[2]) & (lengths[0] == lengths[1])
     general = have & (~by_position | shown)
-    shown |= have & ~by_position
+    shown |= general
     paired = by_position & ~general & (lengths[0] > 0)
     ints_b, ints_o = b.present("samples_int"), o.present("samples_int")
-    lists = {(True, False): samples_b, (True, True): b.lists("samples_int"), (False, False): samples_o,
-             (False, True): o.lists("samples_int")}
+    lists = {(0, False): samples_b, (0, True): b.lists("samples_int"), (1, False): samples_o,
+             (1, True): o.lists("samples_int")}
     blocks = []
     for kind_b, kind_o in ((False, False), (True, True), (True, False), (False, True)):
         kind = paired & (ints_b == kind_b) & (ints_o == kind_o)
         for length in np.unique(lengths[0][kind]):
             found = np.flatnonzero(kind & (lengths[0] == length))
-            blocks.append(SampleBlock(found, _rows_of(indices_b, found, length),
-                                      _rows_of(lists[(True, kind_b)], found, length),
-                                      _rows_of(lists[(False, kind_o)], found, length),
+            blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(lists[0, kind_b], found,
+                                      length), _rows_of(lists[1, kind_o], found, length),
                                       np.ones((len(found), length), dtype=bool)))
-    shifted = np.zeros(count, dtype=bool)
-    rows_general = np.flatnonzero(general)
-    if len(rows_general):
-        block, shifted[rows_general] = _by_index(b, o, rows_general, same_indices[rows_general], objects)
-        if block is not None:
-            blocks.append(block)
-    equal = None
-    if objects:
-        equal = np.zeros((len(objects) + 1, len(objects) + 1), bool)
-        for i, first in enumerate(objects):
-            for j, second in enumerate(objects):
-                equal[i + 1, j + 1] = bool(first == second)
+    shifted = general & ~same_indices
+    if general.any():
+        block = _by_index(b, o, np.flatnonzero(general), same_indices[general], objects)
+        blocks += [block] if block is not None else []
+    equal = np.array([[False] * (len(objects) + 1)] + [[False] + [bool(first == second) for second in objects]
+                                                      for first in objects]) if objects else None
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
-                  {name: pair[1] for name, pair in values.items()}, blocks, shifted,
-                  b.labels("precision"), b.floats("scale_floor")[0], b.labels("phase"), integer, objects, equal,
-                  (b.extra, o.extra), (b.table, o.table))
+                  {name: pair[1] for name, pair in values.items()}, blocks, shifted, b.labels("precision"),
+                  b.floats("scale_floor")[0], b.labels("phase"), integer, objects, equal, (b, o))
     return pairs, shown
-
-
-def _list_of(side: _Columns, key: str, row: int) -> Any:
-    return side.extra[key][row] if row in side.extra.get(key, {}) else side.table.column(key)[row].as_py()
 
 
 def _differs(mine: _Columns, other: _Columns, name: str) -> np.ndarray:

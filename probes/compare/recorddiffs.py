@@ -69,9 +69,9 @@ def _summarised(records: "RecordDiffs") -> tuple[Summary, np.ndarray]:
     phases, names = records.labels
     rows = [(int(records.rank[index]), phases[records.phase[index]], names[records.name[index]])
             for index in first.tolist()]
-    row_first = np.stack([step[first], np.asarray(records.seq)[first]], axis=1) if len(first) else np.zeros((0, 2), np.int64)
+    row_first = np.stack([step[first], np.asarray(records.seq)[first]], axis=1).astype(np.int64)
     return Summary(steps, counts, bad, worst, ratio[worst], top, ratio[top], np.flatnonzero(diverged), rows,
-                   row_first.astype(np.int64), row_max), row_of.astype(np.int32)
+                   row_first, row_max), row_of.astype(np.int32)
 
 
 def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
@@ -183,9 +183,6 @@ class RecordDiffs(Sequence[RecordDiff]):
         if len(missing):
             self._built.update(zip(missing.tolist(), self._build(missing)))
         return [self._built[row] for row in rows]
-
-    def select(self, mask: np.ndarray) -> list[RecordDiff]:
-        return self.at(np.flatnonzero(mask))
 
     def views(self, rows: Sequence[int] | np.ndarray) -> list[CellView]:
         """What plots show of ``rows``, from the arrays where they say it (records are built for the rest)."""
