@@ -113,7 +113,7 @@ class Moment:
 @dataclass
 class Samples:
     """The samples of every pair: the worst paired sample (largest |diff| / tolerance, the first on ties) and
-    its index and values (float64, nan where no number or a bool), how many were paired, the largest |diff| and
+    its position in the base record's lists and values (float64, nan where no number or a bool), how many were paired, the largest |diff| and
     the cosine; ``shown``: per pair the worst sample's two values and the largest |diff| as a record holds them."""
 
     has: np.ndarray
@@ -168,7 +168,7 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
                                           aggregate if name in AGGREGATES else single), number, level)
     count = pairs.count
     level = None if noise is None else noise[:, NOISED.index("samples")]
-    samples = Samples(np.zeros(count, dtype=bool), np.full(count, None, dtype=object), np.zeros(count),
+    samples = Samples(np.zeros(count, dtype=bool), np.zeros(count, np.int64), np.zeros(count),
                       np.zeros(count), np.zeros(count), np.zeros(count), np.zeros(count, np.int64), np.ones(count), {},
                       level, None if level is None else np.zeros(count))
     for block in pairs.samples:
@@ -244,7 +244,7 @@ def _scan_rows(block: SampleBlock, base: Values, other: Values, raw: np.ndarray,
         found.largest[rows] = _column_max(diff, valid)
     if not summaries:
         return
-    found.index[rows] = block.indices[picked, at].tolist()
+    found.index[rows] = block.positions[picked, at]
     found.compared[rows] = valid.sum(axis=1)
     largest = _column_max(diff, valid)
     exact = _exact_largest(base, other, diff, usable, largest)
@@ -534,7 +534,8 @@ def record_diffs(base_dump: LoadedDump, other_dump: LoadedDump, rows: tuple[np.n
             value_b, value_o, largest = samples.shown[row]
             metrics.append(MetricDiff("samples", value_b, value_o, float(samples.diff[row]),
                                       float(relative["samples"][row]), float(samples.tolerance[row]),
-                                      samples.index[row], floor=_floor(config, samples.noise, row)))
+                                      pairs.sides[0].python("sample_indices", row)[samples.index[row]],
+                                      floor=_floor(config, samples.noise, row)))
             record.samples_compared = int(samples.compared[row])
             record.samples_max_abs = largest
             record.samples_cosine = float(samples.cosine[row])

@@ -144,12 +144,13 @@ def distance(base: Values, other: Values) -> np.ndarray:
 
 @dataclass
 class SampleBlock:
-    """Paired samples of some pairs: row i of each array belongs to pair ``rows[i]``, ``valid`` masks padding.
-    ``base`` and ``other``: float64, or int64 where that side's samples are integers; ``exact``: both sides as
-    ``Values`` where an array alone does not say them (samples paired by index, decoded from ``extra``)."""
+    """Paired samples of some pairs: row i of each array belongs to pair ``rows[i]``, ``valid`` masks padding,
+    ``positions``: each sample's position in the base record's lists. ``base`` and ``other``: float64, or int64
+    where that side's samples are integers; ``exact``: both sides as ``Values`` where an array alone does not say
+    them (samples paired by index, or decoded from ``extra``)."""
 
     rows: np.ndarray
-    indices: np.ndarray
+    positions: np.ndarray
     base: np.ndarray
     other: np.ndarray
     valid: np.ndarray
@@ -161,7 +162,7 @@ class SampleBlock:
         return _as_values(self.base), _as_values(self.other)
 
     def take(self, which: Any) -> "SampleBlock":
-        return SampleBlock(self.rows[which], self.indices[which], self.base[which], self.other[which],
+        return SampleBlock(self.rows[which], self.positions[which], self.base[which], self.other[which],
                            self.valid[which],
                            None if self.exact is None else (self.exact[0].take(which), self.exact[1].take(which)))
 
@@ -321,32 +322,40 @@ def _rows_of(lists: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray,
     return values[starts[rows, None] + np.arange(length)]
 
 
-def _gathered(lists: tuple[np.ndarray, np.ndarray, np.ndarray], row: int) -> np.ndarray:
+def _spread(lists: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``rows``' lists one after the other: (values, start per row, length per row; a null list: empty)."""
     values, starts, lengths = lists
-    return values[starts[row]:starts[row] + max(lengths[row], 0)]
+    count = np.maximum(lengths[rows], 0)
+    first = np.cumsum(count) - count
+    return values[np.repeat(starts[rows] - first, count) + np.arange(int(count.sum()))], first, count
 
 
 def _flat_side(side: _Columns, rows: np.ndarray, objects: list[Any]
-               ) -> tuple[Values, np.ndarray, np.ndarray, np.ndarray]:
-    """The samples and sample indices of ``rows`` (every list present) one row after the other, decoded from
-    ``extra`` where kept there: (samples, their start per row and one past, indices, theirs)."""
-    samples, indices = side.extra.get("samples", {}), side.extra.get("sample_indices", {})
-    lists = side.lists("samples"), side.lists("samples_int"), side.lists("sample_indices")
-    parts, index_parts = [], []
-    for row in rows.tolist():
-        if row in samples:
-            parts.append(_decoded(samples[row], objects))
-        else:
-            floats = _gathered(lists[0], row).astype(np.float64)
-            exact = lists[1][2][row] >= 0
-            parts.append(Values(floats, np.zeros(len(floats), bool),
-                                _gathered(lists[1], row) if exact else np.zeros(len(floats), np.int64),
-                                np.full(len(floats), exact), np.zeros(len(floats), np.int64)))
-        # indices of no int64 type (or None): as floats (None: nan)
-        index_parts.append(_decoded(indices[row], []).floats if row in indices else _gathered(lists[2], row))
-    joined = Values(*(np.concatenate([part[k] for part in parts]) for k in range(5)))
-    return (joined, np.cumsum([0] + [len(part.floats) for part in parts]), np.concatenate(index_parts),
-            np.cumsum([0] + [len(part) for part in index_parts]))
+               ) -> tuple[Values, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The samples of ``rows`` (as Values, start and length per row) and their indices (the same), from the
+    columns, or decoded from ``extra`` where kept there (after the others; indices of no int64 as floats)."""
+    floats, start, length = _spread(side.lists("samples"), rows)
+    exact = side.lists("samples_int")
+    is_int = np.repeat(exact[2][rows] >= 0, length)
+    ints = np.zeros(len(floats), np.int64)
+    ints[is_int] = _spread(exact, rows)[0]
+    parts = [Values(floats.astype(np.float64), np.zeros(len(floats), bool), ints, is_int,
+                    np.zeros(len(floats), np.int64))]
+    indices, index_start, index_length = _spread(side.lists("sample_indices"), rows)
+    index_parts = [indices]
+    where = {value: at for at, value in enumerate(rows.tolist())}
+    for key, found, starts, lengths in (("samples", parts, start, length),
+                                         ("sample_indices", index_parts, index_start, index_length)):
+        end = len(found[0][0] if key == "samples" else found[0])
+        for row, value in side.extra.get(key, {}).items():
+            if row in where:
+                decoded = _decoded(value, objects if key == "samples" else [])
+                found.append(decoded if key == "samples" else decoded.floats)
+                starts[where[row]], lengths[where[row]] = end, len(value)
+                end += len(value)
+    return (Values(*(np.concatenate([part[k] for part in parts]) for k in range(5))), start, length,
+            np.concatenate(index_parts), index_start, index_length)
 
 
 def _entries(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -360,10 +369,9 @@ def _by_index(b: _Columns, o: _Columns, rows: np.ndarray, equal_lists: np.ndarra
     """The samples of ``rows`` paired as ``zip`` and a dict of the other record's pair them: by position where
     the index lists are equal (``equal_lists``), else at the base's indices that the other has (its last sample
     at an index). None: no pair."""
-    (values_b, start_b, index_b, istart_b), (values_o, start_o, index_o, istart_o) = (
-        _flat_side(side, rows, objects) for side in (b, o))
-    usable_b = np.minimum(np.diff(start_b), np.diff(istart_b))  # what zip pairs
-    usable_o = np.minimum(np.diff(start_o), np.diff(istart_o))
+    values_b, start_b, length_b, index_b, istart_b, ilength_b = _flat_side(b, rows, objects)
+    values_o, start_o, length_o, index_o, istart_o, ilength_o = _flat_side(o, rows, objects)
+    usable_b, usable_o = np.minimum(length_b, ilength_b), np.minimum(length_o, ilength_o)  # what zip pairs
     (row_b, j_b), (row_o, j_o) = _entries(usable_b), _entries(usable_o)
     codes = np.unique(np.concatenate([index_b[istart_b[row_b] + j_b], index_o[istart_o[row_o] + j_o]]),
                       return_inverse=True)[1].reshape(-1)
@@ -393,7 +401,7 @@ def _by_index(b: _Columns, o: _Columns, rows: np.ndarray, equal_lists: np.ndarra
     fills = (0.0, True, 0, False, 0)
     base = Values(*(placed(part, start_b[row_b] + j_b, fill) for part, fill in zip(values_b, fills)))
     other = Values(*(placed(part, start_o[row_b] + j_o, fill) for part, fill in zip(values_o, fills)))
-    return SampleBlock(rows[paired], placed(index_b, istart_b[row_b] + j_b, 0), base.floats, other.floats,
+    return SampleBlock(rows[paired], placed(j_b, np.arange(len(j_b)), 0), base.floats, other.floats,
                        placed(np.ones(len(row_b), bool), np.arange(len(row_b)), False), (base, other))
 
 
@@ -440,9 +448,9 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         kind = paired & (ints_b == kind_b) & (ints_o == kind_o)
         for length in np.unique(lengths[0][kind]):
             found = np.flatnonzero(kind & (lengths[0] == length))
-            blocks.append(SampleBlock(found, _rows_of(indices_b, found, length), _rows_of(lists[0, kind_b], found,
-                                      length), _rows_of(lists[1, kind_o], found, length),
-                                      np.ones((len(found), length), dtype=bool)))
+            sides = [_rows_of(lists[side, kind], found, length) for side, kind in ((0, kind_b), (1, kind_o))]
+            blocks.append(SampleBlock(found, np.broadcast_to(np.arange(length), sides[0].shape), *sides,
+                                      np.ones(sides[0].shape, dtype=bool)))
     shifted = general & ~same_indices
     if general.any():
         block = _by_index(b, o, np.flatnonzero(general), same_indices[general], objects)
