@@ -24,8 +24,8 @@ import pyarrow as pa
 from ..dump.hashes import HASH, hex_hash
 from .options import (AGGREGATES, COUNTS, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
                       precision_of)
-from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, distance, exact_distance, from_columns,
-                    numbers, same)
+from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, distance, exact_distance,
+                    from_columns, numbers, same)
 from .reading import LoadedDump, rms
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
@@ -462,27 +462,15 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     for values in (found.worst_base, found.worst_other, *found.moments.values()):
         part = values[marked]
         values[marked] = np.where(np.isfinite(part), part, np.nan)
-    if config.exact:
-        differs = _hashes_differ(base, other, rows)
-        found.diverged = differs
-        found.ratio = np.where(differs, np.inf, 0.0)
-        found.worst = np.where(differs, WORST.index("structure"), 0).astype(np.int8)  # a RecordDiff shows the hash
-        found.worst_base = np.full(len(differs), np.nan)
-        found.worst_other = np.full(len(differs), np.nan)
-        found.worst_null = np.zeros((len(differs), 2), dtype=bool)
-        found.noise_ratio = None  # exact mode: the moments and rel_error stay for the plots
+    if config.exact:  # a pair diverges when its hashes differ (both missing: the same), whatever the tolerances
+        changed = differs(*(loaded.table.column("hash").take(pa.array(at, pa.int64()))
+                            for loaded, at in ((base, rows[0]), (other, rows[1]))))
+        found.diverged, found.ratio = changed, np.where(changed, np.inf, 0.0)
+        found.worst = np.where(changed, WORST.index("structure"), 0).astype(np.int8)  # a RecordDiff shows the hash
+        found.worst_base, found.worst_other = np.full(len(changed), np.nan), np.full(len(changed), np.nan)
+        found.worst_null = np.zeros((len(changed), 2), dtype=bool)
+        found.noise_ratio = None  # the moments and rel_error stay for the plots
     return found
-
-
-def _hashes_differ(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Per pair: the hashes differ (both missing: the same)."""
-    hashes = []
-    for loaded, at in ((base, rows[0]), (other, rows[1])):
-        column = loaded.table.column("hash").take(pa.array(at, pa.int64()))
-        hashes.append((column.is_null().to_numpy(zero_copy_only=False),
-                       column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)))
-    (null_b, hash_b), (null_o, hash_o) = hashes
-    return (null_b != null_o) | (~null_b & (hash_b != hash_o))
 
 
 def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:

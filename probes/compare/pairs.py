@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from .options import COUNTS, MOMENTS
 from .reading import LoadedDump, one_key
 
-__all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "both_ints", "difference", "distance", "exact_distance",
+__all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "both_ints", "difference", "differs", "distance", "exact_distance",
            "from_columns", "int_distance", "match", "numbers", "same"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
@@ -418,7 +418,8 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         for name in ("min_int", "max_int", "samples_int"):
             integer |= side.present(name)
     values = {name: (b.values(name, objects), o.values(name, objects)) for name in SCALARS}
-    unequal = {"shape": ~_same_lists(b.lists("shape"), o.lists("shape")), "dtype": _differs(b, o, "dtype")}
+    unequal = {"shape": ~_same_lists(b.lists("shape"), o.lists("shape")),
+               "dtype": differs(b.table.column("dtype"), o.table.column("dtype"))}
     for name in ("numel", *COUNTS):
         unequal[name] = ~same(*values[name], None, nan_equal=False)
     samples_b, samples_o = b.lists("samples"), o.lists("samples")
@@ -463,9 +464,8 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
     return pairs, shown
 
 
-def _differs(mine: _Columns, other: _Columns, name: str) -> np.ndarray:
-    """Per row: this side's value of a string column is not the other's (None equals only None)."""
-    first, second = mine.table.column(name), other.table.column(name)
+def differs(first: pa.ChunkedArray, second: pa.ChunkedArray) -> np.ndarray:
+    """Per row: the two columns' values differ (None equals only None)."""
     unequal = pc.fill_null(pc.not_equal(first, second), False)
     return pc.or_(unequal, pc.not_equal(pc.is_null(first), pc.is_null(second))).to_numpy(zero_copy_only=False)
 
