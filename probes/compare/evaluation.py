@@ -37,13 +37,11 @@ NOISED = (*MOMENTS, "samples")
 
 
 def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
-           floor: np.ndarray | None = None, phase: np.ndarray | None = None
-           ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
-    """The fixed tolerance's (rtol, atol, scale) per pair, of single values and of moments (``_tolerance``'s
-    ``rule``): ``config.fixed``'s (rtol, atol, 0) for every pair when given; else of each pair's ``precision``
-    (names): rtol, and for moments max(passes * mtol, rtol / sqrt(numel)) (``PRECISIONS``; passes of the pair's
-    ``phase``, ``MOMENT_PASSES``, 1 when none), no atol, and the scale max(rms, floor, tiny), rms the base
-    tensor's (``reading.rms``), ``floor`` its scale floor (nan or None: 0)."""
+            floor: np.ndarray, phase: np.ndarray) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+    """The (rtol, atol, scale) per pair of single values and of moments (``_tolerance``'s ``rule``):
+    ``config.fixed``'s (rtol, atol, 0) when given; else of each pair's ``precision``: rtol, for moments
+    max(passes * mtol, rtol / sqrt(numel)) (passes of its ``phase``, ``MOMENT_PASSES``), no atol, and the scale
+    max(rms of the base tensor, ``floor``, tiny)."""
     if config.fixed is not None:
         rtol, atol = config.fixed
         return (rtol, atol, 0.0), (rtol, atol, 0.0)
@@ -52,12 +50,9 @@ def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mea
         which = precision == name
         found = EXACT if name == EXACT.name else precision_of(name)
         rtol[which], mtol[which], tiny[which] = found.rtol, found.mtol, found.tiny
-    scale = np.maximum(rms(numel, mean, std), tiny)
-    if floor is not None:
-        scale = np.maximum(scale, np.nan_to_num(floor, nan=0.0))
-    if phase is not None:
-        for name in set(phase.tolist()):
-            mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
+    scale = np.maximum(np.maximum(rms(numel, mean, std), tiny), np.nan_to_num(floor, nan=0.0))
+    for name in set(phase.tolist()):
+        mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
     count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
     zero = np.zeros(len(precision))
     return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)

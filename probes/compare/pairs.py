@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 from .options import COUNTS, MOMENTS
 from .reading import LoadedDump, one_key
 
-__all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "both_ints", "difference", "differs", "distance", "exact_distance",
-           "from_columns", "int_distance", "match", "numbers", "same"]
+__all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "both_ints", "difference", "differs", "distance",
+           "exact_distance", "from_columns", "match", "numbers", "same"]
 
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
 _TWINS = {"min": "min_int", "max": "max_int", "numel": "numel", **{name: name for name in COUNTS}}  # exact ints
@@ -96,13 +96,9 @@ def same(base: Values, other: Values, equal: np.ndarray | None, nan_equal: bool 
     return np.where(null_b | null_o, null_b & null_o, found)
 
 
-def int_distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """|other - base| of integers, exact, then rounded to float64 as Python's float() rounds the exact integer."""
-    return exact_distance(base, other).astype(np.float64)
-
-
 def exact_distance(base: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """|other - base| of integers, exact: uint64 for int64 values (it fits), Python ints for Python ints."""
+    """|other - base| of integers, exact: uint64 for int64 values (it fits), Python ints for Python ints. As
+    float64 it is rounded as Python's float() rounds the exact integer."""
     if base.dtype == object or other.dtype == object:
         return np.abs(other.astype(object) - base.astype(object))
     with np.errstate(over="ignore"):
@@ -120,7 +116,7 @@ def difference(base: Values, other: Values, equal: np.ndarray | None) -> np.ndar
     ints = both_ints(base, other)
     if ints is not False:
         exact = both & ints
-        diff[exact] = int_distance(base.ints[exact], other.ints[exact])
+        diff[exact] = exact_distance(base.ints[exact], other.ints[exact]).astype(np.float64)
     return diff
 
 
@@ -128,12 +124,12 @@ def distance(base: Values, other: Values) -> np.ndarray:
     """|other - base| of samples as Python subtracts them (a bool is a number here; None or no number: inf)."""
     ints = both_ints(base, other)
     if ints is True:
-        return int_distance(base.ints, other.ints)
+        return exact_distance(base.ints, other.ints).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         found = other.floats - base.floats
     found = np.abs(found, out=found)  # in place: a second temporary of a large block costs more than the pass
     if ints is not False:
-        found[ints] = int_distance(base.ints[ints], other.ints[ints])
+        found[ints] = exact_distance(base.ints[ints], other.ints[ints]).astype(np.float64)
     for side in (base, other):
         if side.null is not None:
             found[side.null] = np.inf
@@ -159,16 +155,12 @@ class SampleBlock:
     def sides(self) -> tuple[Values, Values]:
         if self.exact is not None:
             return self.exact
-        return _as_values(self.base), _as_values(self.other)
+        return tuple(Values(side) if side.dtype.kind == "f" else Values(side.astype(np.float64), ints=side)
+                     for side in (self.base, self.other))  # type: ignore[return-value]
 
     def take(self, which: Any) -> "SampleBlock":
-        return SampleBlock(self.rows[which], self.positions[which], self.base[which], self.other[which],
-                           self.valid[which],
+        return SampleBlock(*(part[which] for part in (self.rows, self.positions, self.base, self.other, self.valid)),
                            None if self.exact is None else (self.exact[0].take(which), self.exact[1].take(which)))
-
-
-def _as_values(array: np.ndarray) -> Values:
-    return Values(array) if array.dtype.kind == "f" else Values(array.astype(np.float64), ints=array)
 
 
 @dataclass
