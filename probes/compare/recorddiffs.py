@@ -5,9 +5,8 @@
     for offset, chunk in records.chunks(): ...           # the arrays a part at a time (what reports read)
     spill(records, "3.arrow")                            # a window's arrays as one Arrow IPC file
 
-A comparison read in windows keeps its arrays on disk, one Arrow IPC file per window (SpilledRecordDiffs,
-memory-mapped): the report's tables and plots read them a window at a time (``chunks``), so memory does not
-grow with the dumps.
+A comparison read in windows keeps its arrays on disk (SpilledRecordDiffs, memory-mapped): the report reads
+them a window at a time (``chunks``), so memory does not grow with the dumps.
 """
 
 from __future__ import annotations
@@ -111,11 +110,7 @@ class WorstMetric(NamedTuple):
 
 class RecordDiffs(Sequence[RecordDiff]):
     """The matched records of a comparison, in execution order: the verdict of each as arrays, each
-    RecordDiff built only when asked for (a comparison of a million records builds the few a report shows).
-
-        records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
-        records[0]; records.at([3, 7]); list(records)       # RecordDiff objects
-    """
+    RecordDiff built only when asked for (a comparison of a million records builds the few a report shows)."""
 
     def __init__(self, *, rank: np.ndarray, step: np.ndarray, seq: np.ndarray, phase: np.ndarray, name: np.ndarray,
                  labels: tuple[Sequence[str], Sequence[str]], ratio: np.ndarray, diverged: np.ndarray,
