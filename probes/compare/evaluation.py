@@ -107,9 +107,9 @@ class Moment:
 
 @dataclass
 class Samples:
-    """The samples of every pair: the worst paired sample (largest |diff| / tolerance, the first on ties) and
-    its position in the base record's lists and values (float64, nan where no number or a bool), how many were paired, the largest |diff| and
-    the cosine; ``shown``: per pair the worst sample's two values and the largest |diff| as a record holds them."""
+    """The samples of every pair: the worst paired sample (largest |diff| / tolerance, the first on ties), its
+    position in the base record's lists and values (float64, nan where no number or a bool), how many were
+    paired and the cosine; ``shown``: the worst sample's values and the largest |diff| as a record holds them."""
 
     has: np.ndarray
     index: np.ndarray

@@ -405,10 +405,8 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
     count = len(rows[0])
     objects: list[Any] = []
     shown = b.present("extra") | o.present("extra")
-    integer = np.zeros(count, dtype=bool)
-    for side in (b, o):
-        for name in ("min_int", "max_int", "samples_int"):
-            integer |= side.present(name)
+    twins = ("min_int", "max_int", "samples_int")
+    integer = np.logical_or.reduce([side.present(name) for side in (b, o) for name in twins])
     values = {name: (b.values(name, objects), o.values(name, objects)) for name in SCALARS}
     unequal = {"shape": ~_same_lists(b.lists("shape"), o.lists("shape")),
                "dtype": differs(b.table.column("dtype"), o.table.column("dtype"))}
