@@ -416,10 +416,10 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
     indices_b, indices_o = b.lists("sample_indices"), o.lists("sample_indices")
     same_indices = _same_lists(indices_b, indices_o)
     lengths = [lists[2].copy() for lists in (samples_b, indices_b, samples_o, indices_o)]
-    for key in ("shape", "dtype", "samples", "sample_indices"):  # those kept in ``extra``: by Python's == and len
+    for key in ("shape", "dtype", "numel", *COUNTS, "samples", "sample_indices"):  # kept in ``extra``: by == and len
         for row in sorted({*b.extra.get(key, {}), *o.extra.get(key, {})}):
             pair = [side.python(key, row) for side in (b, o)]
-            if key in ("shape", "dtype"):
+            if key in unequal:
                 unequal[key][row] = pair[0] != pair[1]
                 continue
             if key == "sample_indices":
