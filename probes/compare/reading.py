@@ -36,8 +36,7 @@ from .options import COUNTS, EXACT, MOMENTS, PRECISIONS, CompareConfig, coarsene
 from .names import NameMap, NameMapError
 from .results import Damaged
 
-__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "precisions", "rank_pairs", "read_dump", "rms",
-           "scale_floors"]
+__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "read_dump", "rms"]
 
 
 class MissingHashes(ValueError):
@@ -305,12 +304,12 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
 def _add_context(loaded: LoadedDump) -> None:
     """What the default tolerance of each record depends on beyond the record itself (docs/compare.md, Tolerance),
     from every record of its step before any filter, so that selecting records does not change it: ``precision``
-    (``precisions``: the least precise floating-point dtype of its rank and step) and ``scale_floor``
-    (``scale_floors``: for a parameter's grad, param or optim record, the largest root mean square of the
+    (``_precisions``: the least precise floating-point dtype of its rank and step) and ``scale_floor``
+    (``_scale_floors``: for a parameter's grad, param or optim record, the largest root mean square of the
     same records of its module: a bias gradient that is zero in exact arithmetic is rounding noise of the size
     of its module's weight gradient). The dump's statistics columns are read as float64."""
     codes, dtypes = loaded.codes("dtype")
-    names, index = precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
+    names, index = _precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
     table = loaded.table
     floats = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in ("numel", "mean", "std")]
     phase_codes, phases = loaded.codes("phase")
@@ -330,13 +329,13 @@ def _add_context(loaded: LoadedDump) -> None:
         state = np.where(phase_codes[rows] == optim, state + 1, 0)
         parameter_groups[rows] = _groups([loaded.rank[rows], loaded.step[rows], phase_codes[rows],
                                           modules.indices.fill_null(-1).to_numpy(zero_copy_only=False) + 1, state])
-    floors = scale_floors(rms(*floats), parameter_groups)
+    floors = _scale_floors(rms(*floats), parameter_groups)
     column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
     loaded.table = table.append_column("precision", column).append_column(
         "scale_floor", pa.array(np.where(of_parameters, floors, 0.0), pa.float64()))
 
 
-def precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) -> tuple[list[str], np.ndarray]:
+def _precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) -> tuple[list[str], np.ndarray]:
     """(precision names, per row the index of its precision): a floating-point record is compared at the least
     precise of its own dtype and every floating-point dtype of its group (its rank and step: a float32 tensor
     computed from bfloat16 ones carries their rounding); an integer or bool one exactly.
@@ -358,7 +357,7 @@ def rms(numel: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     return np.hypot(mean, std * np.sqrt((count - 1) / count))
 
 
-def scale_floors(scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
+def _scale_floors(scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """Per row the largest of ``scales`` in its group (``groups``: 0 to n - 1; -1: a group of its own)."""
     grouped = groups >= 0
     largest = np.zeros(int(groups.max(initial=-1)) + 1)
