@@ -439,7 +439,7 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
         kind = paired & (ints_b == kind_b) & (ints_o == kind_o)
         for length in np.unique(lengths[0][kind]):
             found = np.flatnonzero(kind & (lengths[0] == length))
-            sides = [_rows_of(lists[side, kind], found, length) for side, kind in ((0, kind_b), (1, kind_o))]
+            sides = [_rows_of(lists[side, exact], found, length) for side, exact in ((0, kind_b), (1, kind_o))]
             blocks.append(SampleBlock(found, np.broadcast_to(np.arange(length), sides[0].shape), *sides,
                                       np.ones(sides[0].shape, dtype=bool)))
     shifted = general & ~same_indices
