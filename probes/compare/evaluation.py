@@ -6,18 +6,15 @@
     levels = noise_levels(base, noise_run, rows)        # per pair and statistic: the noise level (nan: none)
     diffs = record_diffs(base, other, rows, config, noise=levels)      # one RecordDiff per pair
 
-The rules of ``rules`` applied to ``pairs``, on columns: pairs are read from their columns
-(``pairs.from_columns``: float64, an integer tensor's values int64, compared exactly); those no column holds
-(anything kept in ``extra``, samples to pair by index) and the RecordDiffs' pairs are read with the values the
-records hold (``pairs.from_records``, object arrays). ``evaluate`` computes every metric once; ``verdicts`` reduces an
-evaluation to per-pair verdicts (ratio, diverged, the worst metric), ``record_diffs`` turns the one of a few pairs
-into RecordDiff objects: both read what ``evaluate`` computed, nothing else decides a metric.
+One path: pairs are read from their columns (``pairs.from_columns``), ``evaluate`` computes every metric once,
+``verdicts`` reduces it to per-pair verdicts and ``record_diffs`` reads the RecordDiffs of a few pairs from the
+same arrays: nothing else decides a metric. The tolerance: ``_tolerance`` with ``_bounds``' rule per pair.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,17 +22,76 @@ import numpy as np
 import pyarrow as pa
 
 from ..dump.hashes import HASH, hex_hash
-from .options import AGGREGATES, COUNTS, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig
-from .pairs import Pairs, SampleBlock, context_of, from_columns, from_records
-from .reading import LoadedDump
+from .options import (AGGREGATES, COUNTS, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
+                      precision_of)
+from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, distance, exact_distance,
+                    from_columns, numbers, same)
+from .reading import LoadedDump, rms
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
-from .rules import as_floats, bounds, difference, distance, finite, int_distance, ratio, relative, same, tolerance
 
 __all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_level",
            "noise_levels", "record_diffs"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
 NOISED = (*MOMENTS, "samples")
+
+
+def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
+            floor: np.ndarray, phase: np.ndarray) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+    """The (rtol, atol, scale) per pair of single values and of moments (``_tolerance``'s ``rule``):
+    ``config.fixed``'s (rtol, atol, 0) when given; else of each pair's ``precision``: rtol, for moments
+    max(passes * mtol, rtol / sqrt(numel)) (passes of its ``phase``, ``MOMENT_PASSES``), no atol, and the scale
+    max(rms of the base tensor, ``floor``, tiny)."""
+    if config.fixed is not None:
+        rtol, atol = config.fixed
+        return (rtol, atol, 0.0), (rtol, atol, 0.0)
+    rtol, mtol, tiny = (np.zeros(len(precision)) for _ in range(3))
+    for name in set(precision.tolist()):  # a few precisions: one pass over the pairs each
+        which = precision == name
+        found = EXACT if name == EXACT.name else precision_of(name)
+        rtol[which], mtol[which], tiny[which] = found.rtol, found.mtol, found.tiny
+    scale = np.maximum(np.maximum(rms(numel, mean, std), tiny), np.nan_to_num(floor, nan=0.0))
+    for name in set(phase.tolist()):
+        mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
+    count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
+    zero = np.zeros(len(precision))
+    return (rtol, zero, scale), (np.maximum(mtol, rtol / np.sqrt(count)), zero, scale)
+
+
+def _tolerance(config: CompareConfig, base: np.ndarray, noise: np.ndarray | None, numbers: np.ndarray,
+               rule: tuple[Any, Any, Any]) -> np.ndarray:
+    """atol + rtol * max(|base|, scale) (|base| taken as 0 where it is no finite number, ``numbers``), raised to
+    noise_factor * noise where that is larger; ``rule``: (rtol, atol, scale), numbers or per value (``_bounds``);
+    ``noise``: per value the record's noise level, nan (or None for all) without one."""
+    rtol, atol, scale = rule
+    fixed = np.abs(base)
+    if not numbers.all():  # the common case: no value to set aside
+        fixed[~numbers] = 0.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        if not np.isscalar(scale) or scale:
+            np.maximum(fixed, scale, out=fixed)
+        fixed *= rtol
+        fixed += atol
+    if noise is None:
+        return fixed
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = config.noise_factor * noise  # nan (0 * inf, or no level) never raises the tolerance
+    return np.where(bound > fixed, bound, fixed)
+
+
+def _ratio(diff: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """MetricDiff.ratio: 0 for no difference, else |diff| / tolerance (inf for a tolerance of 0)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        found = diff / np.where(tol > 0, tol, 1.0)
+    return np.where(diff == 0, 0.0, np.where(tol > 0, found, np.inf))
+
+
+def _relative(diff: np.ndarray, base: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """rel_diff: |diff| / |base| (0 when both are 0, inf when only base is); for non-numbers the diff itself."""
+    magnitude = np.abs(np.where(numbers, base, np.nan))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scaled = diff / np.where(magnitude != 0, magnitude, 1.0)
+    return np.where(~numbers, diff, np.where(magnitude != 0, scaled, np.where(diff == 0, 0.0, np.inf)))
 
 
 @dataclass
@@ -51,8 +107,9 @@ class Moment:
 
 @dataclass
 class Samples:
-    """The samples of every pair: the worst paired sample (largest |diff| / tolerance, the first on ties) and
-    its index and values (object or float64 arrays), how many were paired, the largest |diff| and the cosine."""
+    """The samples of every pair: the worst paired sample (largest |diff| / tolerance, the first on ties), its
+    position in the base record's lists and values (float64, nan where no number or a bool), how many were
+    paired and the cosine; ``shown``: the worst sample's values and the largest |diff| as a record holds them."""
 
     has: np.ndarray
     index: np.ndarray
@@ -61,8 +118,8 @@ class Samples:
     diff: np.ndarray
     tolerance: np.ndarray
     compared: np.ndarray
-    max_abs: np.ndarray
     cosine: np.ndarray
+    shown: dict[int, tuple[Any, Any, Any]]
     noise: np.ndarray | None = None  # the noise level of every sample (nan: none); None without a calibration run
     largest: np.ndarray | None = None  # with a noise level: the largest |diff| of the paired samples
 
@@ -73,6 +130,12 @@ class Evaluation:
     unequal: np.ndarray  # a structure field or count differs
     moments: dict[str, Moment]
     samples: Samples
+
+
+def _floats(values: Values) -> np.ndarray:
+    """Values as float64, nan where None, a bool or of no number type."""
+    hidden = np.zeros(values.floats.shape, bool) if values.null is None else values.null
+    return np.where(hidden if values.odd is None else hidden | (values.odd != 0), np.nan, values.floats)
 
 
 def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = None, *,
@@ -86,66 +149,36 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     unequal = np.zeros(pairs.count, dtype=bool)
     for found in pairs.unequal.values():
         unequal |= found
-    statistics = (_base_floats(pairs, name) for name in ("numel", "mean", "std"))
-    single, aggregate = bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
+    statistics = (np.where(numbers(pairs.base[name]), pairs.base[name].floats, np.nan)
+                  for name in ("numel", "mean", "std"))
+    single, aggregate = _bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
     moments = {}
     for name in MOMENTS:
-        (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
-        compared = ~(null_b | null_o) if name in OPTIONAL_MOMENTS else ~(null_b & null_o)
-        numbers = finite(values_b) & ~null_b
+        base, other = pairs.base[name], pairs.other[name]
+        compared = ~(base.null | other.null) if name in OPTIONAL_MOMENTS else ~(base.null & other.null)
+        number = numbers(base)
         level = None if noise is None else noise[:, NOISED.index(name)]
-        moments[name] = Moment(compared, _difference(pairs, name),
-                               tolerance(config, values_b, level, numbers, aggregate if name in AGGREGATES else single),
-                               numbers, level)
-    return Evaluation(pairs, unequal, moments,
-                      _samples(pairs, config, None if noise is None else noise[:, NOISED.index("samples")], summaries,
-                               single))
-
-
-def _difference(pairs: Pairs, name: str) -> np.ndarray:
-    """``rules.difference`` of a single value of every pair, exact where both sides hold an integer."""
-    (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
-    diff = difference(values_b, values_o, null_b, null_o)
-    if name in pairs.ints:
-        ints_b, ints_o, both = pairs.ints[name]
-        diff[both] = int_distance(ints_b[both], ints_o[both])
-    return diff
-
-
-def _base_floats(pairs: Pairs, name: str) -> np.ndarray:
-    values, null = pairs.base[name]
-    return as_floats(values, finite(values) & ~null)
+        moments[name] = Moment(compared, difference(base, other, pairs.equal),
+                               _tolerance(config, base.floats, level, number,
+                                          aggregate if name in AGGREGATES else single), number, level)
+    count = pairs.count
+    level = None if noise is None else noise[:, NOISED.index("samples")]
+    samples = Samples(np.zeros(count, dtype=bool), np.zeros(count, np.int64), np.zeros(count),
+                      np.zeros(count), np.zeros(count), np.zeros(count), np.zeros(count, np.int64), np.ones(count), {},
+                      level, None if level is None else np.zeros(count))
+    for block in pairs.samples:
+        _scan(block, pairs, config, samples, summaries, single)
+    return Evaluation(pairs, unequal, moments, samples)
 
 
 def _rule_rows(rule: tuple, rows: np.ndarray, column: bool) -> tuple:
-    """A per-pair rule (``rules.bounds``) for the pairs ``rows``: as a column against their samples or as is."""
+    """A per-pair rule (``_bounds``) for the pairs ``rows``: as a column against their samples or as is."""
     return tuple(part if np.isscalar(part) else part[rows, None] if column else part[rows] for part in rule)
 
 
-def _samples(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None, summaries: bool, rule: tuple
-             ) -> Samples:
-    count = pairs.count
-    kind = object if any(block.base.dtype == object for block in pairs.samples) else np.float64
-    found = Samples(np.zeros(count, dtype=bool), np.full(count, None, dtype=object), np.zeros(count, dtype=kind),
-                    np.zeros(count, dtype=kind), np.zeros(count), np.zeros(count), np.zeros(count, np.int64),
-                    np.zeros(count, dtype=kind), np.ones(count), noise, None if noise is None else np.zeros(count))
-    for block in pairs.samples:
-        _scan(block, config, noise, found, summaries, rule)
-    return found
-
-
 def _column_max(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Per row ``max(0.0, v0, v1, ...)`` over the valid values, in order, as Python's max keeps the first."""
-    largest = np.full(len(values), 0.0, dtype=values.dtype)
-    for j in range(values.shape[1]):
-        larger = valid[:, j] & (values[:, j] > largest).astype(bool)
-        largest[larger] = values[larger, j]
-    return largest
-
-
-def _rows(block: SampleBlock, which: np.ndarray | slice) -> SampleBlock:
-    return SampleBlock(block.rows[which], block.indices[which], block.base[which], block.other[which],
-                       block.valid[which])
+    """Per row ``max(0.0, v0, v1, ...)`` over the valid values (>= 0), as Python's max takes it (never a nan)."""
+    return np.where(valid & (values > 0), values, 0.0).max(axis=1, initial=0.0)
 
 
 # Pairs scanned at a time: each row's metrics are its own, and temporaries of a MB or so are reused
@@ -153,78 +186,104 @@ def _rows(block: SampleBlock, which: np.ndarray | slice) -> SampleBlock:
 _SCAN_ROWS = 4096
 
 
-def _scan(block: SampleBlock, config: CompareConfig, noise: np.ndarray | None, found: Samples,
-          summaries: bool, rule: tuple) -> None:
+def _scan(block: SampleBlock, pairs: Pairs, config: CompareConfig, found: Samples, summaries: bool, rule: tuple
+          ) -> None:
     """The samples of the pairs of one block, into ``found``, a slice of rows at a time: the pairs whose
-    samples are all valid floats with a finite difference (the common case) on a shorter path."""
+    samples are all valid numbers with a finite difference (the common case) on a shorter path."""
     for start in range(0, len(block.rows), _SCAN_ROWS):
-        part = _rows(block, slice(start, start + _SCAN_ROWS))
-        raw = distance(part.base, part.other)
-        if raw.dtype.kind != "f" or not part.valid.all():
-            _scan_rows(part, raw, config, noise, found, summaries, False, rule)
-            continue
-        plain = np.isfinite(raw).all(axis=1)
-        if plain.all():
-            _scan_rows(part, raw, config, noise, found, summaries, True, rule)
-            continue
+        part = block.take(slice(start, start + _SCAN_ROWS))
+        base, other = part.sides()
+        raw = distance(base, other)
+        plain = np.isfinite(raw).all(axis=1) & part.valid.all(axis=1) & (part.exact is None)
         for which, is_plain in ((plain, True), (~plain, False)):
-            if which.any():
-                _scan_rows(_rows(part, which), raw[which], config, noise, found, summaries, is_plain, rule)
+            if which.all():  # the whole slice: no copy
+                _scan_rows(part, base, other, raw, pairs, config, found, summaries, is_plain, rule)
+            elif which.any():
+                _scan_rows(part.take(which), base.take(which), other.take(which), raw[which], pairs, config, found,
+                           summaries, is_plain, rule)
 
 
-def _scan_rows(block: SampleBlock, raw: np.ndarray, config: CompareConfig, noise: np.ndarray | None,
-               found: Samples, summaries: bool, plain: bool, rule: tuple) -> None:
+def _scan_rows(block: SampleBlock, base: Values, other: Values, raw: np.ndarray, pairs: Pairs,
+               config: CompareConfig, found: Samples, summaries: bool, plain: bool, rule: tuple) -> None:
     """``_scan`` of pairs whose distances are ``raw``; ``plain``: every sample valid, every distance finite;
-    ``rule``: the single values' rule of every pair (``rules.bounds``)."""
-    base, other, valid, rows = block.base, block.other, block.valid, block.rows
-    level = None if noise is None else noise[rows, None]
+    ``rule``: the single values' rule of every pair (``_bounds``)."""
+    valid, rows = block.valid, block.rows
+    level = None if found.noise is None else found.noise[rows, None]
     per_sample = _rule_rows(rule, rows, True)
     if plain:  # no nan or inf to compare by equality, no padding: diff is raw, and its ratio can be no nan
         usable = valid
         diff = raw
-        tol = tolerance(config, base, level, np.broadcast_to(True, base.shape), per_sample)
+        tol = _tolerance(config, base.floats, level, np.broadcast_to(True, raw.shape), per_sample)
         no_difference = diff == 0
-        # ratio(diff, tol) in place of a new block: tol >= 0 (rtol, atol >= 0), so a zero tolerance gives inf,
+        # _ratio(diff, tol) in place of a new block: tol >= 0 (rtol, atol >= 0), so a zero tolerance gives inf,
         # and no difference (0 / 0 too) is set to -1: never the worst. The tolerance is taken back below.
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             position_ratio = np.divide(diff, tol, out=tol)
         position_ratio[no_difference] = -1.0
     else:
-        tol = tolerance(config, base, level, None, per_sample)
-        usable = np.isfinite(raw.astype(np.float64)) & valid  # a nan or inf on either side: must be the same value
-        diff = np.where(usable, raw, np.where(same(base, other), 0.0, np.inf))
-        as_float = diff.astype(np.float64)
-        position_ratio = ratio(as_float, tol)
-        position_ratio[~(valid & (as_float != 0) & (position_ratio >= 0))] = -1.0  # nan (inf / inf) is never the worst
+        tol = _tolerance(config, base.floats, level, numbers(base), per_sample)
+        usable = np.isfinite(raw) & valid  # a nan or inf on either side: must be the same value
+        diff = np.where(usable, raw, np.where(same(base, other, pairs.equal), 0.0, np.inf))
+        position_ratio = _ratio(diff, tol)
+        position_ratio[~(valid & (diff != 0) & (position_ratio >= 0))] = -1.0  # nan (inf / inf) is never the worst
     at = np.argmax(position_ratio, axis=1)  # the first of the largest
     picked = np.arange(len(rows))
-    worst_base, worst_other = base[picked, at], other[picked, at]
+    worst_base, worst_other = base.take((picked, at)), other.take((picked, at))
     found.has[rows] = True
-    found.base[rows], found.other[rows] = worst_base, worst_other
-    found.diff[rows] = difference(worst_base, worst_other)
+    found.base[rows], found.other[rows] = _floats(worst_base), _floats(worst_other)
+    found.diff[rows] = difference(worst_base, worst_other, pairs.equal)
     # The tolerance is per value: that of the worst sample alone is the same number.
-    found.tolerance[rows] = tolerance(config, worst_base, None if level is None else level[:, 0], None,
-                                      _rule_rows(rule, rows, False)) if plain else tol[picked, at]
+    found.tolerance[rows] = _tolerance(config, worst_base.floats, None if level is None else level[:, 0],
+                                      numbers(worst_base), _rule_rows(rule, rows, False)) if plain else tol[picked, at]
     if found.largest is not None:
-        found.largest[rows] = diff.max(axis=1) if plain else _column_max(diff, valid).astype(np.float64)
+        found.largest[rows] = _column_max(diff, valid)
     if not summaries:
         return
-    found.index[rows] = block.indices[picked, at]
+    found.index[rows] = block.positions[picked, at]
     found.compared[rows] = valid.sum(axis=1)
-    found.max_abs[rows] = _column_max(diff, valid)
+    largest = _column_max(diff, valid)
+    exact = _exact_largest(base, other, diff, usable, largest)
+    for row, line in enumerate(rows.tolist()):
+        found.shown[line] = (worst_base.value(row, pairs.objects), worst_other.value(row, pairs.objects),
+                             exact.get(row, float(largest[row])))
     # Sums in position order, as one loop over the samples adds them.
-    dot, base_norm, other_norm = (np.full(len(rows), 0.0, dtype=base.dtype) for _ in range(3))
+    dot, base_norm, other_norm = (np.zeros(len(rows)) for _ in range(3))
+    products = _products(base, other), _products(base, base), _products(other, other)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for j in range(base.shape[1]):
+        for j in range(raw.shape[1]):
             take = usable[:, j]
-            b, o = base[take, j], other[take, j]
-            dot[take] += b * o
-            base_norm[take] += b * b
-            other_norm[take] += o * o
-        dot, base_norm, other_norm = (values.astype(np.float64) for values in (dot, base_norm, other_norm))
+            for total, product in zip((dot, base_norm, other_norm), products):
+                total[take] += product[take, j]
         cosine = dot / np.sqrt(base_norm * other_norm)
     found.cosine[rows] = np.where((base_norm == 0) & (other_norm == 0), 1.0,
                                   np.where((base_norm == 0) | (other_norm == 0), 0.0, cosine))
+
+
+def _both_ints(base: Values, other: Values) -> np.ndarray:
+    return np.broadcast_to(both_ints(base, other), base.floats.shape)
+
+
+def _products(first: Values, second: Values) -> np.ndarray:
+    """Python's products of two samples as float64: integers' exact product rounded once (a float64 product of
+    integers up to 2**53 is that product; larger ones are multiplied as Python ints)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        found = first.floats * second.floats
+    wide = _both_ints(first, second) & ((np.abs(first.floats) > 2.0 ** 53) | (np.abs(second.floats) > 2.0 ** 53))
+    for at in zip(*np.nonzero(wide)):
+        found[at] = float(int(first.ints[at]) * int(second.ints[at]))
+    return found
+
+
+def _exact_largest(base: Values, other: Values, diff: np.ndarray, usable: np.ndarray, largest: np.ndarray
+                   ) -> dict[int, int]:
+    """Per row whose largest |diff| is a difference of two integers, that difference exactly (a Python int,
+    as Python's max over the samples' differences keeps it)."""
+    found = {}
+    ints = _both_ints(base, other) & usable & (diff == largest[:, None]) & (largest[:, None] > 0)
+    for row in np.flatnonzero(ints.any(axis=1)).tolist():
+        at = np.flatnonzero(ints[row])
+        found[row] = max(int(value) for value in exact_distance(base.ints[row, at], other.ints[row, at]))
+    return found
 
 
 def noise_level(pairs: Pairs) -> np.ndarray:
@@ -247,18 +306,18 @@ def noise_level(pairs: Pairs) -> np.ndarray:
     count = pairs.count
     changes = {}
     for name in MOMENTS:
-        (values_b, null_b), (values_n, null_n) = pairs.base[name], pairs.other[name]
-        numbers = finite(values_b) & finite(values_n) & ~null_b & ~null_n
-        changes[name] = np.where(numbers, _difference(pairs, name), 0.0)
+        base, run = pairs.base[name], pairs.other[name]
+        changes[name] = np.where(numbers(base) & numbers(run), difference(base, run, pairs.equal), 0.0)
     root = np.sqrt(_finite_count(pairs))
     per_value = np.where(root > 0, 1.0 / np.where(root > 0, root, 1.0), 0.0)
     values = np.maximum.reduce([changes["min"], changes["max"], changes["mean"], changes["norm"] * per_value])  # V
     floor = np.zeros(count)  # F
     for block in pairs.samples:
-        numbers = finite(block.base) & finite(block.other) & block.valid
-        diffs = np.where(numbers, difference(block.base, block.other), 0.0)
+        base, run = block.sides()
+        both = numbers(base) & numbers(run) & block.valid
+        diffs = np.where(both, difference(base, run, pairs.equal), 0.0)
         values[block.rows] = np.maximum(values[block.rows], diffs.max(axis=1, initial=0.0))
-        floor[block.rows] = np.where(root[block.rows] > 0, _rms(diffs, numbers) * per_value[block.rows], 0.0)
+        floor[block.rows] = np.where(root[block.rows] > 0, _rms(diffs, both) * per_value[block.rows], 0.0)
     levels = np.empty((count, len(NOISED)))
     with np.errstate(over="ignore"):
         for column, name in enumerate(NOISED):
@@ -288,9 +347,8 @@ def _finite_count(pairs: Pairs) -> np.ndarray:
     """Per pair the base record's finite values: numel - nan - inf (0 where numel is no number)."""
     total = np.zeros(pairs.count)
     for name, sign in (("numel", 1.0), ("nan", -1.0), ("inf", -1.0)):
-        values, null = pairs.base[name]
-        numbers = finite(values) & ~null
-        total += sign * np.where(numbers, as_floats(values, numbers), 0.0)
+        values = pairs.base[name]
+        total += sign * np.where(numbers(values), values.floats, 0.0)
     return np.maximum(total, 0.0)
 
 
@@ -316,26 +374,12 @@ class Measured:
     # identical to the base: every level 0)
     noise_ratio: np.ndarray | None = None
 
-    _PER_PAIR = ("ratio", "diverged", "rel_error", "worst", "worst_base", "worst_other", "worst_null", "noise_ratio")
-
     def reordered(self, order: np.ndarray) -> "Measured":
         """The same, pairs reordered."""
-        return Measured(*(getattr(self, name)[order] for name in self._PER_PAIR[:-1]),
+        return Measured(self.ratio[order], self.diverged[order], self.rel_error[order], self.worst[order],
+                        self.worst_base[order], self.worst_other[order], self.worst_null[order],
                         {key: values[order] for key, values in self.moments.items()},
                         None if self.noise_ratio is None else self.noise_ratio[order])
-
-    def put(self, rows: np.ndarray, part: "Measured") -> None:
-        """Sets the pairs ``rows`` to those of ``part``."""
-        for name in self._PER_PAIR:
-            if getattr(self, name) is not None:
-                getattr(self, name)[rows] = getattr(part, name)
-        for key, values in part.moments.items():
-            self.moments[key][rows] = values
-
-
-def _floats(values: np.ndarray, null: np.ndarray) -> np.ndarray:
-    """A value column as float64, nan where None (object values: nan for anything but a finite number)."""
-    return np.where(null, np.nan, values) if values.dtype.kind == "f" else as_floats(values, finite(values))
 
 
 def verdicts(evaluated: Evaluation, config_factor: float = 0.0) -> Measured:
@@ -350,7 +394,7 @@ def verdicts(evaluated: Evaluation, config_factor: float = 0.0) -> Measured:
 
     def broke(metric: str, diff: np.ndarray, tolerance: np.ndarray, where: np.ndarray, values_b: np.ndarray,
               values_o: np.ndarray, nulls: np.ndarray) -> None:
-        new = ratio(diff, tolerance)
+        new = _ratio(diff, tolerance)
         # RecordDiff.worst: the first metric, replaced by a later one of a larger ratio (never by a nan ratio)
         larger = where & ((found.worst == 0) | (new > found.ratio))
         found.worst[larger] = WORST.index(metric)
@@ -362,26 +406,23 @@ def verdicts(evaluated: Evaluation, config_factor: float = 0.0) -> Measured:
     scale = np.zeros(count)  # RecordDiff.rel_error: relative to the record's magnitude
     for name in ("min", "max"):
         moment = evaluated.moments[name]
-        values, null = pairs.base[name]
         usable = moment.compared & moment.numbers
-        scale = np.where(usable, np.maximum(scale, np.abs(np.where(usable, as_floats(values, moment.numbers), 0.0))),
-                         scale)
+        scale = np.where(usable, np.maximum(scale, np.abs(np.where(usable, pairs.base[name].floats, 0.0))), scale)
     for name, moment in evaluated.moments.items():
-        (values_b, null_b), (values_o, null_o) = pairs.base[name], pairs.other[name]
-        floats_b, floats_o = _floats(values_b, null_b), _floats(values_o, null_o)
+        base, other = pairs.base[name], pairs.other[name]
+        floats_b, floats_o = _floats(base), _floats(other)
         found.moments[("base", name)], found.moments[("other", name)] = floats_b, floats_o
         broke(name, moment.diff, moment.tolerance, moment.compared & ~unequal, floats_b, floats_o,
-              np.stack([null_b, null_o], axis=1))
-        magnitude = np.maximum(np.abs(np.where(moment.numbers, as_floats(values_b, moment.numbers), 0.0)), scale)
+              np.stack([base.null, other.null], axis=1))
+        magnitude = np.maximum(np.abs(np.where(moment.numbers, base.floats, 0.0)), scale)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             error = np.where(magnitude > 0, moment.diff / np.where(magnitude > 0, magnitude, 1.0), np.inf)
         found.rel_error = np.where(moment.compared & (moment.diff != 0), np.maximum(found.rel_error, error),
                                    found.rel_error)
     samples = evaluated.samples
     if samples.has.any():
-        no_nulls = np.zeros(count, dtype=bool)
-        broke("samples", samples.diff, samples.tolerance, samples.has & ~unequal,
-              _floats(samples.base, no_nulls), _floats(samples.other, no_nulls), np.zeros((count, 2), dtype=bool))
+        broke("samples", samples.diff, samples.tolerance, samples.has & ~unequal, samples.base, samples.other,
+              np.zeros((count, 2), dtype=bool))
     if samples.noise is not None:
         found.noise_ratio = _noise_ratio(evaluated, config_factor)
     return found
@@ -399,7 +440,7 @@ def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
     for diff, level, where in metrics:
         usable = where & ~np.isnan(level)
         with np.errstate(over="ignore"):
-            new = ratio(np.where(usable, diff, 0.0), factor * np.where(usable, level, 0.0))
+            new = _ratio(np.where(usable, diff, 0.0), factor * np.where(usable, level, 0.0))
         found = np.where(usable, np.maximum(found, new), found)
     return np.where(has_level & evaluated.unequal, np.inf, found)
 
@@ -407,101 +448,79 @@ def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
 def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray], config: CompareConfig,
             noise: np.ndarray | None = None) -> Measured:
     """The verdicts of every pair ``rows``; ``noise``: each pair's noise level (nan: none)."""
-    pairs, by_records = from_columns(base, other, rows)
+    pairs, shown = from_columns(base, other, rows)
     found = verdicts(evaluate(pairs, config, noise, summaries=False), config.noise_factor)
-    _shown_by_records(found, np.flatnonzero(pairs.integer))
-    odd = np.flatnonzero(by_records)
-    if len(odd):
-        part = verdicts(evaluate(from_records(base.records_at(rows[0][odd]), other.records_at(rows[1][odd]),
-                                              context_of(base, rows[0][odd])), config,
-                                 None if noise is None else noise[odd], summaries=False), config.noise_factor)
-        part.worst[:] = WORST.index("structure")  # plots build these records to show them
-        found.put(odd, part)
-    if config.exact:
-        _hash_verdicts(found, base, other, rows)
-    return found
-
-
-def _shown_by_records(found: Measured, rows: np.ndarray) -> None:
-    """The pairs ``rows``, whose exact values only their RecordDiff shows (integers), marked as such (code 1:
-    the plots build it), their values as a record's (``_floats``: nan for anything but a finite number)."""
-    found.worst[rows] = WORST.index("structure")
+    # The pairs whose exact values (integers, values from ``extra``) or samples paired by index only their
+    # RecordDiff shows: marked as such (code 1: the plots build it), their values nan but finite numbers.
+    marked = np.flatnonzero(pairs.integer | shown)
+    found.worst[marked] = WORST.index("structure")
     for values in (found.worst_base, found.worst_other, *found.moments.values()):
-        part = values[rows]
-        values[rows] = np.where(np.isfinite(part), part, np.nan)
-
-
-def _hash_verdicts(found: Measured, base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> None:
-    """Exact mode: a pair diverges when its hashes differ (both missing: the same), whatever the tolerances;
-    the moments and rel_error stay for the plots."""
-    hashes = []
-    for loaded, at in ((base, rows[0]), (other, rows[1])):
-        column = loaded.table.column("hash").take(pa.array(at, pa.int64()))
-        hashes.append((column.is_null().to_numpy(zero_copy_only=False),
-                       column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)))
-    (null_b, hash_b), (null_o, hash_o) = hashes
-    differs = (null_b != null_o) | (~null_b & (hash_b != hash_o))
-    found.diverged = differs
-    found.ratio = np.where(differs, np.inf, 0.0)
-    found.worst = np.where(differs, WORST.index("structure"), 0).astype(np.int8)  # the hash: a RecordDiff shows it
-    found.worst_base = np.full(len(differs), np.nan)
-    found.worst_other = np.full(len(differs), np.nan)
-    found.worst_null = np.zeros((len(differs), 2), dtype=bool)
-    found.noise_ratio = None
+        part = values[marked]
+        values[marked] = np.where(np.isfinite(part), part, np.nan)
+    if config.exact:  # a pair diverges when its hashes differ (both missing: the same), whatever the tolerances
+        changed = differs(*(loaded.table.column("hash").take(pa.array(at, pa.int64()))
+                            for loaded, at in ((base, rows[0]), (other, rows[1]))))
+        found.diverged, found.ratio = changed, np.where(changed, np.inf, 0.0)
+        found.worst = np.where(changed, WORST.index("structure"), 0).astype(np.int8)  # a RecordDiff shows the hash
+        found.worst_base, found.worst_other = np.full(len(changed), np.nan), np.full(len(changed), np.nan)
+        found.worst_null = np.zeros((len(changed), 2), dtype=bool)
+        found.noise_ratio = None  # the moments and rel_error stay for the plots
+    return found
 
 
 def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """Per pair of the base run and a calibration run (``rows``) and per statistic (``NOISED``, a
     column each): the noise level, nan where there is none."""
-    pairs, by_records = from_columns(base, noise, rows)
-    levels = noise_level(pairs)
-    odd = np.flatnonzero(by_records)
-    if len(odd):
-        levels[odd] = noise_level(from_records(base.records_at(rows[0][odd]), noise.records_at(rows[1][odd])))
-    return levels
+    return noise_level(from_columns(base, noise, rows)[0])
 
 
 def record_diffs(base_dump: LoadedDump, other_dump: LoadedDump, rows: tuple[np.ndarray, np.ndarray],
                  config: CompareConfig, noise: np.ndarray | None = None) -> list[RecordDiff]:
-    """One RecordDiff per pair ``rows`` (base rows, other rows: the same rank, step, phase and name); ``noise``:
-    per pair and statistic (``NOISED``, a column each) the noise level, nan where there is none (None: no
-    calibration run). With ``config.exact`` the one metric is the hash."""
-    base, other = base_dump.records_at(rows[0]), other_dump.records_at(rows[1])
-    levels = None if noise is None else np.asarray(noise, np.float64).reshape(len(base), len(NOISED))
+    """One RecordDiff per pair ``rows`` (base rows, other rows: the same rank, step, phase and name), read from
+    the evaluation of the pairs; ``noise``: per pair and statistic (``NOISED``, a column each) the noise level,
+    nan where there is none (None: no calibration run). With ``config.exact`` the one metric is the hash."""
+    count = len(rows[0])
+    keys = _keys(base_dump, rows[0])
+    levels = None if noise is None else np.asarray(noise, np.float64).reshape(count, len(NOISED))
+    shown_levels = [None if levels is None else _levels(levels[row]) for row in range(count)]
     if config.exact:
-        return [_hash_diff(b, o, None if levels is None else _levels(levels[row]))
-                for row, (b, o) in enumerate(zip(base, other))]
-    pairs = from_records(base, other, context_of(base_dump, rows[0]))
+        hashes = zip(*(_record_values(loaded, at, HASH, None) for loaded, at in ((base_dump, rows[0]),
+                                                                                 (other_dump, rows[1]))))
+        return [_hash_diff(key, pair, level) for key, pair, level in zip(keys, hashes, shown_levels)]
+    pairs = from_columns(base_dump, other_dump, rows)[0]
     evaluated = evaluate(pairs, config, levels)
+    sizes = {key: np.where(numbers(pairs.base[key]) & numbers(pairs.other[key]),
+                           difference(pairs.base[key], pairs.other[key], pairs.equal), np.inf) for key in COUNTS}
+    relative = {name: _relative(moment.diff, pairs.base[name].floats, moment.numbers)
+                for name, moment in evaluated.moments.items()}
+    samples = evaluated.samples
+    relative["samples"] = _relative(samples.diff, samples.base, np.isfinite(samples.base))
     found = []
-    for row, (b, o) in enumerate(zip(base, other)):
+    for row, key in enumerate(keys):
         metrics = []
-        for key in (*STRUCTURE, *COUNTS):
-            if pairs.unequal[key][row]:
-                values = np.empty(2, dtype=object)
-                values[:] = [b.get(key), o.get(key)]
-                size = difference(values[:1], values[1:])[0] if key in COUNTS and finite(values).all() else math.inf
-                metrics.append(MetricDiff(key, b.get(key), o.get(key), float(size), math.inf, 0.0))
-        for name in MOMENTS:
-            moment = evaluated.moments[name]
+        for name in (*STRUCTURE, *COUNTS):
+            if pairs.unequal[name][row]:
+                if name in pairs.base:
+                    shown = [side[name].value(row, pairs.objects) for side in (pairs.base, pairs.other)]
+                else:
+                    shown = [side.python(name, row) for side in pairs.sides]
+                metrics.append(MetricDiff(name, *shown, float(sizes[name][row]) if name in COUNTS else math.inf,
+                                          math.inf, 0.0))
+        for name, moment in evaluated.moments.items():
             if moment.compared[row]:
-                values_b = pairs.base[name][0][row:row + 1]
-                rel = relative(moment.diff[row:row + 1], values_b, moment.numbers[row:row + 1])[0]
-                metrics.append(MetricDiff(name, b.get(name), o.get(name), float(moment.diff[row]), float(rel),
-                                          float(moment.tolerance[row]),
+                metrics.append(MetricDiff(name, pairs.base[name].value(row, pairs.objects),
+                                          pairs.other[name].value(row, pairs.objects), float(moment.diff[row]),
+                                          float(relative[name][row]), float(moment.tolerance[row]),
                                           floor=_floor(config, moment.noise, row)))
-        level = None if levels is None else _levels(levels[row])
-        record = RecordDiff(b["rank"], b["step"], b["phase"], b["name"], b.get("seq", 0), metrics, noise=level)
-        samples = evaluated.samples
+        record = RecordDiff(*key, metrics, noise=shown_levels[row])
         if samples.has[row]:
-            values_b = samples.base[row:row + 1]
-            numbers = finite(values_b)
-            rel = relative(samples.diff[row:row + 1], values_b, numbers)[0]
-            metrics.append(MetricDiff("samples", samples.base[row], samples.other[row], float(samples.diff[row]),
-                                      float(rel), float(samples.tolerance[row]), samples.index[row],
+            value_b, value_o, largest = samples.shown[row]
+            metrics.append(MetricDiff("samples", value_b, value_o, float(samples.diff[row]),
+                                      float(relative["samples"][row]), float(samples.tolerance[row]),
+                                      pairs.sides[0].python("sample_indices", row)[samples.index[row]],
                                       floor=_floor(config, samples.noise, row)))
             record.samples_compared = int(samples.compared[row])
-            record.samples_max_abs = samples.max_abs[row]
+            record.samples_max_abs = largest
             record.samples_cosine = float(samples.cosine[row])
         if pairs.shifted[row]:
             record.notes.append(f"sample_indices differ: compared the {int(samples.compared[row])} common positions")
@@ -509,6 +528,21 @@ def record_diffs(base_dump: LoadedDump, other_dump: LoadedDump, rows: tuple[np.n
     return found
 
 
+def _record_values(loaded: LoadedDump, rows: np.ndarray, name: str, absent: Any) -> list[Any]:
+    """A key's value in the records of ``rows`` as the records hold it (``absent``: where a record has none)."""
+    part = loaded.table.select([name, "nulls", "extra"]).take(pa.array(rows, pa.int64()))
+    found = []
+    for value, nulls, extra in zip(*(part.column(column).to_pylist() for column in (name, "nulls", "extra"))):
+        if value is None and extra is not None:
+            value = json.loads(extra).get(name, value)
+        found.append(value if value is not None or (nulls and name in nulls) else absent)
+    return found
+
+
+def _keys(loaded: LoadedDump, rows: np.ndarray) -> list[tuple[int, int, str, str, Any]]:
+    """(rank, step, phase, name, seq) of the records of ``rows``."""
+    return list(zip(loaded.rank[rows].tolist(), loaded.step[rows].tolist(), loaded.column("phase", rows),
+                    loaded.column("name", rows), _record_values(loaded, rows, "seq", 0)))
 
 
 def _levels(row: np.ndarray) -> dict[str, float] | None:
@@ -524,13 +558,11 @@ def _floor(config: CompareConfig, levels: np.ndarray | None, row: int) -> float 
     return config.noise_factor * float(levels[row])  # Python floats: an overflow is inf, no warning
 
 
-def _hash_diff(base: Mapping[str, Any], other: Mapping[str, Any], noise: dict[str, float] | None) -> RecordDiff:
+def _hash_diff(key: tuple, hashes: tuple[Any, Any], noise: dict[str, float] | None) -> RecordDiff:
     """The exact comparison of one pair: its hashes (hex), equal or not; no tolerance."""
-    hashes = [record.get(HASH) for record in (base, other)]
-    same = hashes[0] == hashes[1]
-    size = 0.0 if same else math.inf
+    same_hash = hashes[0] == hashes[1]
+    size = 0.0 if same_hash else math.inf
     shown = [None if value is None else hex_hash(value) for value in hashes]
-    record = RecordDiff(base["rank"], base["step"], base["phase"], base["name"], base.get("seq", 0),
-                        [MetricDiff(HASH, shown[0], shown[1], size, size, 0.0)], noise=noise)
-    record.notes.append(BIT_IDENTICAL if same else BYTES_DIFFER)
+    record = RecordDiff(*key, [MetricDiff(HASH, shown[0], shown[1], size, size, 0.0)], noise=noise)
+    record.notes.append(BIT_IDENTICAL if same_hash else BYTES_DIFFER)
     return record

@@ -28,11 +28,11 @@ from ..dump.reader import StepFile
 from ..dump.record import RecordKey
 from ..dump.columns import records_to_table, table_to_records
 from ..utils.phases import PARAMETER_PHASES, phase_rank
-from .options import COUNTS, MOMENTS, CompareConfig, NameMap, NameMapError
+from .options import (COUNTS, EXACT, MOMENTS, PRECISIONS, CompareConfig, NameMap, NameMapError, coarseness,
+                      precision_of)
 from .results import Damaged
-from .rules import precisions, rms, scale_floors
 
-__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "rank_steps", "read_dump"]
+__all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "rank_steps", "read_dump", "rms"]
 
 
 class MissingHashes(ValueError):
@@ -301,11 +301,14 @@ def drop_steps(loaded: LoadedDump, steps: set[tuple[int | None, int]]) -> None:
 
 
 def _add_context(loaded: LoadedDump) -> None:
-    """What a record's default tolerance depends on beyond the record (docs/compare.md, Tolerance), from every
-    record of its step before any filter, so that selecting records does not change it: ``precision``
-    (``rules.precisions``) and ``scale_floor`` (``rules.scale_floors``, for grad, param and optim records)."""
+    """What the default tolerance of each record depends on beyond the record itself (docs/compare.md, Tolerance),
+    from every record of its step before any filter, so that selecting records does not change it: ``precision``
+    (``_precisions``: the least precise floating-point dtype of its rank and step) and ``scale_floor``
+    (``_scale_floors``: for a parameter's grad, param or optim record, the largest root mean square of the
+    same records of its module: a bias gradient that is zero in exact arithmetic is rounding noise of the size
+    of its module's weight gradient). The dump's statistics columns are read as float64."""
     codes, dtypes = loaded.codes("dtype")
-    names, index = precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
+    names, index = _precisions(dtypes.to_pylist(), codes, _groups([loaded.rank, loaded.step]))
     table = loaded.table
     floats = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in ("numel", "mean", "std")]
     phase_codes, phases = loaded.codes("phase")
@@ -325,10 +328,40 @@ def _add_context(loaded: LoadedDump) -> None:
         state = np.where(phase_codes[rows] == optim, state + 1, 0)
         parameter_groups[rows] = _groups([loaded.rank[rows], loaded.step[rows], phase_codes[rows],
                                           modules.indices.fill_null(-1).to_numpy(zero_copy_only=False) + 1, state])
-    floors = scale_floors(rms(*floats), parameter_groups)
+    floors = _scale_floors(rms(*floats), parameter_groups)
     column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
     loaded.table = table.append_column("precision", column).append_column(
         "scale_floor", pa.array(np.where(of_parameters, floors, 0.0), pa.float64()))
+
+
+def _precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(precision names, per row the index of its precision): a floating-point record is compared at the least
+    precise of its own dtype and every floating-point dtype of its group (its rank and step: a float32 tensor
+    computed from bfloat16 ones carries their rounding); an integer or bool one exactly.
+
+    ``dtypes``: the distinct dtype names; ``codes``: per row the index of its dtype in them; ``groups``: per
+    row its group, 0 to n - 1."""
+    names = [EXACT.name, *sorted(PRECISIONS, key=lambda name: coarseness(PRECISIONS[name]))]
+    level = np.array([names.index(precision_of(dtype).name) for dtype in dtypes] or [0], np.int64)[codes]
+    coarsest = np.zeros(int(groups.max(initial=-1)) + 1, np.int64)
+    np.maximum.at(coarsest, groups, level)
+    return names, np.where(level == 0, 0, np.maximum(level, coarsest[groups]))
+
+
+def rms(numel: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """A tensor's root mean square from its statistics (float64 arrays): sqrt(mean^2 + std^2 (numel - 1) / numel),
+    without overflow; a mean or std that is no finite number counts as 0, a numel that is none as 1."""
+    count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
+    mean, std = (np.where(np.isfinite(values), values, 0.0) for values in (mean, std))
+    return np.hypot(mean, std * np.sqrt((count - 1) / count))
+
+
+def _scale_floors(scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Per row the largest of ``scales`` in its group (``groups``: 0 to n - 1; -1: a group of its own)."""
+    grouped = groups >= 0
+    largest = np.zeros(int(groups.max(initial=-1)) + 1)
+    np.maximum.at(largest, groups[grouped], scales[grouped])
+    return np.where(grouped, largest[np.maximum(groups, 0)] if len(largest) else 0.0, scales)
 
 
 def _groups(columns: list[np.ndarray]) -> np.ndarray:

@@ -5,9 +5,8 @@
     for offset, chunk in records.chunks(): ...           # the arrays a part at a time (what reports read)
     spill(records, "3.arrow")                            # a window's arrays as one Arrow IPC file
 
-A comparison read in windows keeps its arrays on disk, one Arrow IPC file per window (SpilledRecordDiffs,
-memory-mapped): the report's tables and plots read them a window at a time (``chunks``), so memory does not
-grow with the dumps.
+A comparison read in windows keeps its arrays on disk (SpilledRecordDiffs, memory-mapped): the report reads
+them a window at a time (``chunks``), so memory does not grow with the dumps.
 """
 
 from __future__ import annotations
@@ -69,9 +68,9 @@ def _summarised(records: "RecordDiffs") -> tuple[Summary, np.ndarray]:
     phases, names = records.labels
     rows = [(int(records.rank[index]), phases[records.phase[index]], names[records.name[index]])
             for index in first.tolist()]
-    row_first = np.stack([step[first], np.asarray(records.seq)[first]], axis=1) if len(first) else np.zeros((0, 2), np.int64)
+    row_first = np.stack([step[first], np.asarray(records.seq)[first]], axis=1).astype(np.int64)
     return Summary(steps, counts, bad, worst, ratio[worst], top, ratio[top], np.flatnonzero(diverged), rows,
-                   row_first.astype(np.int64), row_max), row_of.astype(np.int32)
+                   row_first, row_max), row_of.astype(np.int32)
 
 
 def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
@@ -111,11 +110,7 @@ class WorstMetric(NamedTuple):
 
 class RecordDiffs(Sequence[RecordDiff]):
     """The matched records of a comparison, in execution order: the verdict of each as arrays, each
-    RecordDiff built only when asked for (a comparison of a million records builds the few a report shows).
-
-        records.diverged.sum(); records.ratio.max()          # numpy arrays, one entry per matched record
-        records[0]; records.at([3, 7]); list(records)       # RecordDiff objects
-    """
+    RecordDiff built only when asked for (a comparison of a million records builds the few a report shows)."""
 
     def __init__(self, *, rank: np.ndarray, step: np.ndarray, seq: np.ndarray, phase: np.ndarray, name: np.ndarray,
                  labels: tuple[Sequence[str], Sequence[str]], ratio: np.ndarray, diverged: np.ndarray,
@@ -183,9 +178,6 @@ class RecordDiffs(Sequence[RecordDiff]):
         if len(missing):
             self._built.update(zip(missing.tolist(), self._build(missing)))
         return [self._built[row] for row in rows]
-
-    def select(self, mask: np.ndarray) -> list[RecordDiff]:
-        return self.at(np.flatnonzero(mask))
 
     def views(self, rows: Sequence[int] | np.ndarray) -> list[CellView]:
         """What plots show of ``rows``, from the arrays where they say it (records are built for the rest)."""
