@@ -7,9 +7,10 @@
     STRUCTURE, COUNTS, MOMENTS                                        # compared equal, equal, within the tolerance
     load_name_map("names.yaml").apply("blocks.1.ffn.0.output.0")     # OTHER's name as BASE writes it (--map)
 
-The rules themselves are ``evaluation``'s (the tolerance) and ``pairs``' (difference, equality); docs/compare.md (Tolerance) gives the default rule, its constants and the
-measurements behind them. Each field of ``CompareConfig`` is an option (``probes.utils.flags``): ``compare_dumps``'
-keyword, ``probes compare``'s flag, their help and their check (the options of the run: ``engine.CompareOptions``).
+The rules themselves are ``evaluation``'s (the tolerance) and ``pairs``' (difference, equality); docs/compare.md
+(Tolerance) gives the default rule, its constants and the measurements behind them. Each field of ``CompareConfig``
+is an option (``probes.utils.flags``): ``compare_dumps``' keyword, ``probes compare``'s flag, their help and their
+check (the options of the run: ``engine.CompareOptions``).
 """
 
 from __future__ import annotations
