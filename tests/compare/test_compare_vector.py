@@ -1,4 +1,5 @@
-"""The comparison rules (probes.compare.pairs and evaluation, on whole columns) against an independent statement of them.
+"""The comparison rules (probes.compare.pairs and evaluation, on whole columns) against an independent statement
+of them.
 
 Random adversarial pairs (nan, inf, None, integers, overflow, signed zeros, shape/dtype/count changes,
 samples at other positions or of other lengths, a zero tolerance, a noise run) go through compare_dumps;
