@@ -79,6 +79,7 @@ def kind_line(report: Report) -> str | None:
 
 
 GRAD_NORM_HEADER = ["grad norm base", "grad norm other"]
+_OTHER_RUN = {"base": "other", "other": "base"}
 _RENAMED_BY = {"map": "the name map", "fuzzy": "fuzzy alignment", "op": "operation alignment"}  # Rename.how
 
 
@@ -291,7 +292,7 @@ def _first_operation(report: Report) -> list[str]:
     """The first diverging operation and what each record it is computed from says."""
     operations, first = report.operations, report.first_divergence
     said = None if operations is None or first is None else operations.first_line(first.name)
-    if operations is None or first is None or said is None:
+    if said is None:
         return []
     found = operations.first
     if found is None:
@@ -309,15 +310,18 @@ def _operation_lines(report: Report, limit: int = 10) -> list[str]:
     lines = ["", f"Diverged operations, by module call ({operations.diverged} of {operations.matched} matched op "
                  "records diverged; execution order):"]
     for group in operations.modules[:limit]:
-        lines.append(f"  rank {group.rank} step {group.step} {group.phase}  {format_value(group.label)}  ({group.own()})")
+        lines.append(f"  rank {group.rank} step {group.step} {group.phase}  {format_value(group.label)}  "
+                     f"({group.own()})")
         rows = [[_name(relative_name(found.name, group.module)), found.metric, f"ratio {found.ratio:.3g}",
                  found.explained()] for found in group.ops[:limit]]
         lines += text_table(["operation", "worst", "", "cause"], rows, indent="    ")[1:]
-        if len(group.ops) > limit:
-            lines.append(f"    ... {len(group.ops) - limit} more (see --json)")
-    if len(operations.modules) > limit:
-        lines.append(f"  ... {len(operations.modules) - limit} more module calls (see --json)")
-    return lines
+        lines += _more(len(group.ops), limit, "    ")
+    return lines + _more(len(operations.modules), limit, "  ", " module calls")
+
+
+def _more(count: int, limit: int, indent: str = "  ", what: str = "") -> list[str]:
+    """The line saying how many of ``count`` items a list cut at ``limit`` leaves to the JSON report."""
+    return [f"{indent}... {count - limit} more{what} (see --json)"] if count > limit else []
 
 
 def _per_step(report: Report) -> list[str]:
@@ -343,14 +347,6 @@ def _key_text(key: RecordKey, with_rank: bool, width: int) -> str:
     return f"{'r%d ' % key[0] if with_rank else ''}s{key[1]} {key[2]} {_name(key[3], width)}"
 
 
-def _zero_grad_lines(zero_grads: Sequence[tuple[RecordKey, str]], with_rank: bool, limit: int = 10) -> list[str]:
-    lines = [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {'other' if side == 'base' else 'base'}"
-             for key, side in zero_grads[:limit]]
-    if len(zero_grads) > limit:
-        lines.append(f"  ... {len(zero_grads) - limit} more (see --json)")
-    return lines
-
-
 def format_report(report: Report, top: int = 10) -> str:
     """The terminal summary: runs, tolerance, first divergence, records around it, worst records, steps."""
     with_rank = len(set(report.base_steps) | set(report.other_steps)) > 1
@@ -367,7 +363,8 @@ def format_report(report: Report, top: int = 10) -> str:
             lines += ["", f"{len(keys)} records {label}: {shown}{' ...' if len(keys) > 5 else ''}"]
     if report.zero_grads:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
-        lines += _zero_grad_lines(report.zero_grads, with_rank)
+        lines += [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {_OTHER_RUN[side]}"
+                  for key, side in report.zero_grads[:10]] + _more(len(report.zero_grads), 10)
     lines += _operation_lines(report)
     lines += renamed_lines(report)
     lines += _per_step(report)
@@ -399,7 +396,5 @@ def renamed_lines(report: Report, limit: int = 20) -> list[str]:
     """Which names of OTHER were compared as which names of BASE, and how sure the pairing is."""
     if not report.renamed:
         return []
-    lines = ["", "Renamed (other -> base):"] + [f"  {rename}" for rename in report.renamed[:limit]]
-    if len(report.renamed) > limit:
-        lines.append(f"  ... {len(report.renamed) - limit} more (see --json)")
-    return lines
+    return (["", "Renamed (other -> base):"] + [f"  {rename}" for rename in report.renamed[:limit]]
+            + _more(len(report.renamed), limit))
