@@ -69,6 +69,11 @@ class Grid:
     ratios: dict[Row, float]  # the largest |diff| / tolerance of each row over the steps
     records: RecordDiffs
     missing: dict[tuple[Row, int], str]  # "only in base" / "only in other" cells
+    first: Row | None  # the row of the first divergence
+
+    @functools.cached_property
+    def multi_rank(self) -> bool:
+        return len({row[0] for row in self.rows}) > 1
 
     @classmethod
     def build(cls, report: Report) -> "Grid":
@@ -97,7 +102,9 @@ class Grid:
         # Ties (two rows of one seq) by name, then phase: the same order however the records were read.
         rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3], row[2], row[1]))
         steps.update(step for _, step in missing)
-        return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing)
+        first = report.first_divergence
+        return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing,
+                   None if first is None else (first.rank, first.phase, first.name))
 
     @staticmethod
     def _positions(chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
@@ -225,19 +232,17 @@ def _cell_title(row: Row, step: str, cell: CellView | str | None) -> str:
 def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     rows = [row for row in grid.rows if row[1] == phase]
     first = report.first_divergence
-    first_row = (first.rank, first.phase, first.name) if first else None
     omitted = 0
     if len(rows) > config.max_rows:
-        ranked = sorted(rows, key=lambda row: (row != first_row, -grid.ratios[row]))  # stable sort
+        ranked = sorted(rows, key=lambda row: (row != grid.first, -grid.ratios[row]))  # stable sort
         keep = set(ranked[:config.max_rows])
         omitted = len(rows) - len(keep)
         rows = [row for row in rows if row in keep]
     max_columns = min(config.max_columns, max(20, config.max_cells // max(1, len(rows))))
     bin_size = max(1, math.ceil(len(grid.steps) / max_columns))
     columns = [grid.steps[i:i + bin_size] for i in range(0, len(grid.steps), bin_size)]
-    multi_rank = len({row[0] for row in grid.rows}) > 1
     cells = grid.bin_cells(rows, columns)
-    label_width = 8 + 6.2 * min(48, max((len(_row_label(r, multi_rank)) for r in rows), default=10))
+    label_width = 8 + 6.2 * min(48, max((len(_row_label(r, grid.multi_rank)) for r in rows), default=10))
     cell_w = min(36.0, max(8.0, 860.0 / max(1, len(columns))))
     cell_h = 14.0
     top = 34.0
@@ -256,7 +261,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     for r, row in enumerate(rows):
         y = top + r * cell_h
         parts.append(f'<text x="{label_width - 6:.1f}" y="{y + cell_h - 3.5:.1f}" class="label" text-anchor="end">'
-                     f'{escape(clip(_row_label(row, multi_rank), 48, ELLIPSIS))}</text>')
+                     f'{escape(clip(_row_label(row, grid.multi_rank), 48, ELLIPSIS))}</text>')
         for c, column in enumerate(columns):
             x = label_width + c * cell_w
             cell = cells.get((r, c))
@@ -270,7 +275,7 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
             parts.append(f'<rect class="cell" x="{x:.1f}" y="{y:.1f}" width="{cell_w - 1:.1f}" '
                          f'height="{cell_h - 1:.1f}" fill="{fill}"{stroke}>'
                          f'<title>{escape(_cell_title(row, labels[c], cell))}</title></rect>')
-            if first is not None and row == first_row and first.step in column:
+            if first is not None and row == grid.first and first.step in column:
                 marked = (x, y)
     if marked is not None:
         x, y = marked
@@ -383,35 +388,23 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     return "".join(parts)
 
 
-def _trajectory_rows(grid: Grid, report: Report, count: int) -> list[Row]:
-    first = report.first_divergence
-    chosen: list[Row] = []
-    if first is not None and (first.rank, first.phase, first.name) in grid.rows:
-        chosen.append((first.rank, first.phase, first.name))
-    ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
-    for row in ranked:
-        if len(chosen) >= count:
-            break
-        if row not in chosen:
-            chosen.append(row)
-    return chosen
-
-
 def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
+    """The first divergence's row, then those of the largest ratio: each statistic of both runs over the steps."""
     first = report.first_divergence
-    multi_rank = len({row[0] for row in grid.rows}) > 1
     blocks = []
-    chosen = _trajectory_rows(grid, report, config.trajectories)
+    ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
+    first_rows = [grid.first] if grid.first in grid.rows else []
+    chosen = list(dict.fromkeys([*first_rows, *ranked]))[:max(config.trajectories, len(first_rows))]
     found = grid.series(chosen, MOMENTS)
     for row in chosen:
         steps, diverged, values = found[row]
-        mark = first.step if first is not None and (first.rank, first.phase, first.name) == row else None
+        mark = first.step if first is not None and grid.first == row else None
         charts = []
         for stat in MOMENTS:
             series = [("base", BASE_COLOR, values[("base", stat)], ""),
                       ("other", OTHER_COLOR, values[("other", stat)], "5,3")]
             charts.append(_line_chart(stat, steps, series, mark, diverged, config.max_points))
-        heading = f"{row[1]} {_row_label(row, multi_rank)}"
+        heading = f"{row[1]} {_row_label(row, grid.multi_rank)}"
         flag = ' <span class="bad">first divergence</span>' if mark is not None else ""
         blocks.append(f'<div class="traj"><h4>{escape(heading)}{flag}</h4>{"".join(charts)}</div>')
     legend = (f'<p class="legend"><svg width="260" height="14" xmlns="http://www.w3.org/2000/svg">'
