@@ -528,15 +528,11 @@ def _shown_steps(summaries: list[StepSummary], report: Report, limit: int) -> li
     if len(summaries) <= limit:
         return summaries
     first = report.first_divergence
-    flagged = [i for i, s in enumerate(summaries) if s.diverged or s.only_in_base or s.only_in_other]
-    rest = sorted((i for i, s in enumerate(summaries) if not (s.diverged or s.only_in_base or s.only_in_other)),
+    firsts = [i for i, s in enumerate(summaries) if first is not None and s.step == first.step]
+    flagged = [i for i, s in enumerate(summaries) if s.differs]
+    rest = sorted((i for i, s in enumerate(summaries) if not s.differs),
                   key=lambda i: -(summaries[i].worst.ratio if summaries[i].worst else 0.0))  # stable: earliest first
-    chosen = [i for i, s in enumerate(summaries) if first is not None and s.step == first.step]
-    for i in flagged + rest:
-        if len(chosen) >= limit:
-            break
-        if i not in chosen:
-            chosen.append(i)
+    chosen = list(dict.fromkeys([*firsts, *flagged, *rest]))[:max(limit, len(firsts))]
     return [summaries[i] for i in sorted(chosen)]
 
 

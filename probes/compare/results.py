@@ -299,6 +299,11 @@ class StepSummary:
     worst: RecordDiff | None  # the matched record with the largest ratio in this step
     grad_norm: GradNorm | None = None  # None: neither run has grad records in this step
 
+    @property
+    def differs(self) -> bool:
+        """Whether a record of the step diverged or is in one run only."""
+        return bool(self.diverged or self.only_in_base or self.only_in_other)
+
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
         return {

@@ -326,7 +326,7 @@ def _more(count: int, limit: int, indent: str = "  ", what: str = "") -> list[st
 
 def _per_step(report: Report) -> list[str]:
     summaries = report.per_step()
-    shown = [s for s in summaries if s.diverged or s.only_in_base or s.only_in_other][:20] \
+    shown = [s for s in summaries if s.differs][:20] \
         if len(summaries) > 20 else summaries
     if not shown:
         return []
