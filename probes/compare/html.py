@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import html
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
@@ -287,12 +288,9 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
         parts.append(f'<text x="{label_x:.1f}" y="{y + cell_h - 3:.1f}" class="mark">first divergence</text>')
     parts.append(_heat_legend(8, top + cell_h * len(rows) + 16))
     parts.append("</svg>")
-    notes = []
-    if omitted:
-        notes.append(f"{omitted} rows with the smallest errors are not shown (limit {config.max_rows}).")
-    if bin_size > 1:
-        notes.append(f"Each column covers {bin_size} steps and shows the worst record of its steps.")
-    note_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes)
+    notes = [f"{omitted} rows with the smallest errors are not shown (limit {config.max_rows})." if omitted else "",
+             f"Each column covers {bin_size} steps and shows the worst record of its steps." if bin_size > 1 else ""]
+    note_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes if note)
     return f'<h3>{escape(phase)}</h3>{note_html}<div class="scroll">{"".join(parts)}</div>'
 
 
@@ -542,7 +540,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     cfg = report.config
     first = report.first_divergence
     verdict_class = "agree" if report.agrees else "diverged"
-    hows = ["map", "fuzzy", *(["op"] if any(r.how == "op" for r in report.renamed) else [])]
+    by_how = Counter(r.how for r in report.renamed)
+    hows = ["map", "fuzzy", *(["op"] if by_how["op"] else [])]
     floor = noise_floor_line(report)
     summary = _table(None, [
         ("base", report.base), ("other", report.other), ("noise (calibration run)", report.noise or "-"),
@@ -553,9 +552,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
         ("materialised zero gradients (notes)", len(report.zero_grads)),
-        *(((f"names of other renamed ({' / '.join(hows)})", " / ".join(str(sum(r.how == how for r in report.renamed))
-                                                                       for how in hows)),)
-          if report.renamed else ()),
+        *([(f"names of other renamed ({' / '.join(hows)})", " / ".join(str(by_how[how]) for how in hows))]
+          if report.renamed else []),
         *((f"first non-finite value, {side}", str(anomaly) if anomaly else "none")
           for side, anomaly in report.first_nonfinite.items() if any(report.first_nonfinite.values())),
         *(("note", line) for line in damaged_lines(report)),

@@ -474,10 +474,9 @@ class Check(JsonFields):
         name = relative_name(self.name, module)
         if own and module_record(self.name) is not None and self.name.startswith(module):
             name = self.name[len(module):].lstrip(".")
-        detail = ", ".join(part for part in (self.metric if self.status == DIFFERS else None,
-                                             f"ratio {self.ratio:.3g}" if self.status == DIFFERS
-                                             and self.ratio is not None and math.isfinite(self.ratio) else None,
-                                             self.note or None) if part)
+        finite = self.ratio is not None and math.isfinite(self.ratio)
+        broke = [self.metric, f"ratio {self.ratio:.3g}" if finite else None] if self.status == DIFFERS else []
+        detail = ", ".join(part for part in (*broke, self.note) if part)
         return f"{name} {self.status}" + (f" ({detail})" if detail else "")
 
 
@@ -818,9 +817,8 @@ class Report:
             if first.step not in chunk.summary().steps:
                 continue
             at_step = np.asarray(chunk.step) == first.step
-            if at_step.any():
-                recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}
-                differing |= {phases[code] for code in np.unique(chunk.phase[at_step & chunk.diverged]).tolist()}
+            recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}
+            differing |= {phases[code] for code in np.unique(chunk.phase[at_step & chunk.diverged]).tolist()}
         base_steps, other_steps = self.base_steps, self.other_steps
         for rank, step, phase, _ in (*self.only_in_base, *self.only_in_other):
             if step == first.step:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump.record import RecordKey
@@ -243,9 +244,9 @@ def _header(report: Report) -> list[str]:
         lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
                      f"only in other {ranges(report.steps_only_in_other)}")
     if report.renamed:
-        by_how = {how: sum(r.how == how for r in report.renamed) for how in _RENAMED_BY}
-        lines.append("  names: " + ", ".join(f"{count} {plural(count, 'name')} of other renamed by {_RENAMED_BY[how]}"
-                                             for how, count in by_how.items() if count) + " (listed below)")
+        by_how = Counter(r.how for r in report.renamed)
+        lines.append("  names: " + ", ".join(f"{by_how[how]} {plural(by_how[how], 'name')} of other renamed by {label}"
+                                             for how, label in _RENAMED_BY.items() if by_how[how]) + " (listed below)")
     if report.zero_grads:
         lines.append(f"  note: {len(report.zero_grads)} {plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
                      "(not counted as divergences; --strict-zero-grads counts them)")
