@@ -24,7 +24,7 @@ import numpy as np
 from ..utils.phases import phase_rank
 from .options import MOMENTS
 from .recorddiffs import RecordDiffs, Row
-from .results import ZERO_GRAD_NOTE, CellView, Report, StepSummary, format_value, relative_name
+from .results import ZERO_GRAD_NOTE, CellView, Divergence, Report, StepSummary, format_value, relative_name
 from .terminal import (GRAD_NORM_HEADER, clip, damaged_lines, grad_norm_cells, kind_line, noise_floor_line,
                        precision_table, rule_line, verdict)
 
@@ -256,7 +256,8 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     for c, label in enumerate(labels):
         if c % label_every == 0:
             x = label_width + cell_w * (c + 0.5)
-            parts.append(f'<text x="{x:.1f}" y="{top - 8:.1f}" class="axis" text-anchor="middle">{escape(label)}</text>')
+            parts.append(f'<text x="{x:.1f}" y="{top - 8:.1f}" class="axis" text-anchor="middle">'
+                         f'{escape(label)}</text>')
     parts.append(f'<text x="{label_width:.1f}" y="12" class="axis">step \u2192</text>')
     marked = None
     for r, row in enumerate(rows):
@@ -363,8 +364,8 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
         parts.append(f'<text x="{sx(s1):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s1}</text>')
     if mark_step is not None and s0 <= mark_step <= s1:
         x = sx(mark_step)
-        parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" y2="{height - bottom:.0f}" '
-                     f'stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
+        parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" '
+                     f'y2="{height - bottom:.0f}" stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
     for (label, color, _, dash), shown in zip(series, finite):
         points = [(sx(step), sy(v)) for step, v in shown]
         reduced = len(steps) > max_points
@@ -565,48 +566,42 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         "<h1>probes compare</h1>",
         f'<p class="verdict {verdict_class}">{escape(verdict(report))}</p>',
         summary,
-        f'<p class="note">Tolerance per statistic: {escape(rule_line(report))}. Structure (shape, dtype, numel) and nan/inf counts '
-        "must be equal. See docs/compare.md.</p>" if not cfg.exact else
+        f'<p class="note">Tolerance per statistic: {escape(rule_line(report))}. Structure (shape, dtype, numel) and '
+        "nan/inf counts must be equal. See docs/compare.md.</p>" if not cfg.exact else
         '<p class="note">Exact: a record agrees when it is bit-identical (its hash); one that differs in its '
         "bytes diverges, whatever the tolerances. See docs/compare.md.</p>",
     ]
     if cfg.ranks:
-        parts.append("<h2>Per rank (against rank 0)</h2>")
-        parts.append(_table(["rank", "verdict"], [
+        parts += ["<h2>Per rank (against rank 0)</h2>", _table(["rank", "verdict"], [
             (rank, ("bit-identical" if cfg.exact else "agrees") if found is None else f"first divergence at {found}")
-            for rank, found in report.per_rank().items()], {0}))
+            for rank, found in report.per_rank().items()], {0})]
     if first is not None:
-        parts.append("<h2>First divergence</h2>")
-        parts.append(_table(["rank", "step", "phase", "name", "seq", "metric", "base", "other", "|diff|", "rel",
-                             "tolerance"],
-                            [(first.rank, first.step, first.phase, first.name, first.seq, first.metric, first.base,
-                              first.other, first.abs_diff, first.rel_diff, first.tolerance)], {0, 1, 4, 6, 7, 8, 9, 10}))
+        fields = Divergence.json_fields[:-1]  # all but noise_floor, said below
+        parts += ["<h2>First divergence</h2>",
+                  _table(["rank", "step", "phase", "name", "seq", "metric", "base", "other", "|diff|", "rel",
+                          "tolerance"], [[getattr(first, name) for name in fields]], {0, 1, 4, 6, 7, 8, 9, 10})]
         if first.noise_floor is not None:
             parts.append(f'<p class="kind">Against the calibration run: {escape(first.noise_floor)} the noise '
                          "floor.</p>")
-        parts.append(f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>')
-        parts.append(_first_operation_section(report))
-    parts.append(_operations_section(report, config.max_rows))
-    parts.append("<h2>Relative error, step &times; layer</h2>")
+        parts += [f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>',
+                  _first_operation_section(report)]
+    parts += [_operations_section(report, config.max_rows), "<h2>Relative error, step &times; layer</h2>"]
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')
-    for phase in sorted({row[1] for row in grid.rows}, key=lambda p: phase_rank(p)):
-        parts.append(heatmap(grid, phase, report, config))
+    parts += [heatmap(grid, phase, report, config) for phase in sorted({row[1] for row in grid.rows}, key=phase_rank)]
     if grid.rows:
-        parts.append("<h2>Statistic trajectories</h2>")
-        parts.append('<p class="note">The layer of the first divergence, then the layers with the largest '
-                     "|diff| / tolerance.</p>")
-        parts.append(trajectories(grid, report, config))
-    parts.append("<h2>Per step</h2>")
+        parts += ["<h2>Statistic trajectories</h2>",
+                  '<p class="note">The layer of the first divergence, then the layers with the largest '
+                  "|diff| / tolerance.</p>", trajectories(grid, report, config)]
     every = report.per_step()
     summaries = _shown_steps(every, report, config.max_steps)
     norms = grad_norm_cells(summaries)
-    parts.append(_table(["step", "matched", "diverged", "only in base", "only in other", "worst ratio",
-                         *(GRAD_NORM_HEADER if norms else []), "worst record"],
-                        [(s.step, s.matched, s.diverged, s.only_in_base, s.only_in_other,
-                          s.worst.ratio if s.worst else None, *(norms[i] if norms else []),
-                          f"{s.worst.phase} {s.worst.name}" if s.worst and s.worst.ratio > 0 else "-")
-                         for i, s in enumerate(summaries)], set(range(8 if norms else 6))))
+    header = ["step", "matched", "diverged", "only in base", "only in other", "worst ratio",
+              *(GRAD_NORM_HEADER if norms else []), "worst record"]
+    rows = [(s.step, s.matched, s.diverged, s.only_in_base, s.only_in_other, s.worst.ratio if s.worst else None,
+             *(norms[i] if norms else []), f"{s.worst.phase} {s.worst.name}" if s.worst and s.worst.ratio > 0 else "-")
+            for i, s in enumerate(summaries)]
+    parts += ["<h2>Per step</h2>", _table(header, rows, set(range(len(header) - 1)))]
     if len(every) > len(summaries):
         parts.append(f'<p class="note">{len(every) - len(summaries)} more steps, all within tolerance and with every '
                      f"record in both runs, are not shown (limit {config.max_steps}); the JSON report lists every "
@@ -615,10 +610,10 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         if keys:
             parts += [f"<h2>{label} ({len(keys)})</h2>", *_first_rows(["rank", "step", "phase", "name"], keys, {0, 1})]
     if report.renamed:
-        parts.append(f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>')
-        parts.append(_table(["phase", "other", "base", "how", "confidence", "why"],
-                            [(r.phase or "all", r.other, r.base, r.how, r.confidence, r.reason)
-                             for r in report.renamed[:500]], {4}))
+        parts += [f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>',
+                  _table(["phase", "other", "base", "how", "confidence", "why"],
+                         [(r.phase or "all", r.other, r.base, r.how, r.confidence, r.reason)
+                          for r in report.renamed[:500]], {4})]
     if report.zero_grads:
         parts.append(_zero_grad_section(report))
     parts.append("</body></html>")
