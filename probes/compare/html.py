@@ -58,11 +58,14 @@ class HtmlConfig:
 # --------------------------------------------------------------------------------------------- data
 
 
+Series = tuple[list[int], set[int], dict[tuple[str, str], list[Any]]]  # Grid.series of a row
+
+
 @dataclass
 class Grid:
     """Records by row and step; rows in execution order (phase, rank, the base's seq).
 
-    Built from the report's arrays; a plot reads the cells it shows (``bin_cells``, ``row_indices``).
+    Built from the report's arrays; a plot reads the cells it shows (``bin_cells``) or the values of its rows (``series``).
     """
 
     rows: list[Row]
@@ -146,11 +149,10 @@ class Grid:
                         cells[(position, c)] = label
         return cells
 
-    def series(self, rows: Sequence[Row], stats: Sequence[str]) -> dict[Row, tuple[list[int], set[int],
-                                                                                   dict[tuple[str, str], list[Any]]]]:
+    def series(self, rows: Sequence[Row], stats: Sequence[str]) -> dict[Row, Series]:
         """Per row: its steps (in order), the steps it diverged at, and per (run, statistic) its values there."""
         place = {row: position for position, row in enumerate(rows)}
-        found: dict[Row, tuple[list[int], set[int], dict[tuple[str, str], list[Any]]]] = {
+        found: dict[Row, Series] = {
             row: ([], set(), {(run, stat): [] for stat in stats for run in ("base", "other")}) for row in rows}
         for _, chunk in self.records.chunks():
             which = self._positions(chunk, place)
