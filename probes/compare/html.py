@@ -63,10 +63,8 @@ Series = tuple[list[int], set[int], dict[tuple[str, str], list[Any]]]  # Grid.se
 
 @dataclass
 class Grid:
-    """Records by row and step; rows in execution order (phase, rank, the base's seq).
-
-    Built from the report's arrays; a plot reads the cells it shows (``bin_cells``) or the values of its rows (``series``).
-    """
+    """Records by row and step; rows in execution order (phase, rank, the base's seq). Built from the report's
+    arrays; a plot reads the cells it shows (``bin_cells``) or the values of its rows (``series``)."""
 
     rows: list[Row]
     steps: list[int]
