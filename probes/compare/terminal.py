@@ -200,8 +200,10 @@ def _record_rows(records: Sequence[RecordDiff], mark: RecordKey | None, with_ran
     return rows
 
 
-def _record_table(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool,
-                  nest: bool = False) -> list[str]:
+def _record_table(records: Sequence[RecordDiff], report: Report, with_rank: bool, nest: bool = False) -> list[str]:
+    """The records as a table, the first divergence marked ">>"."""
+    first = report.first_divergence
+    mark = None if first is None else (first.rank, first.step, first.phase, first.name)
     header = ["", *(["rank"] if with_rank else []), "step", "phase", "seq", "name", "worst", "base", "other",
               "|diff|", "rel", "ratio", "cos"]
     offset = 1 if with_rank else 0
@@ -284,8 +286,7 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
         lines += ["", f"Around the first divergence (rank {first.rank}, step {first.step}, {first.phase}, "
                       "in execution order; x = diverged" + ("; operations under their module" if
                                                            report.operations is not None else "") + "):"]
-        lines += _record_table(window, (first.rank, first.step, first.phase, first.name), with_rank,
-                               nest=report.operations is not None)
+        lines += _record_table(window, report, with_rank, nest=report.operations is not None)
     return lines
 
 
@@ -351,13 +352,10 @@ def _key_text(key: RecordKey, with_rank: bool, width: int) -> str:
 def format_report(report: Report, top: int = 10) -> str:
     """The terminal summary: runs, tolerance, first divergence, records around it, worst records, steps."""
     with_rank = len(set(report.base_steps) | set(report.other_steps)) > 1
-    first = report.first_divergence
     lines = _header(report) + _first_divergence(report, with_rank)
     worst = report.records.worst(top)
     if worst:
-        lines += ["", "Worst records (ratio = |diff| / tolerance):"]
-        lines += _record_table(worst, (first.rank, first.step, first.phase, first.name) if first else None,
-                               with_rank)
+        lines += ["", "Worst records (ratio = |diff| / tolerance):", *_record_table(worst, report, with_rank)]
     for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
         if keys:
             shown = ", ".join(_key_text(key, with_rank, 40) for key in keys[:5])
@@ -366,12 +364,8 @@ def format_report(report: Report, top: int = 10) -> str:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
         lines += [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {_OTHER_RUN[side]}"
                   for key, side in report.zero_grads[:10]] + _more(len(report.zero_grads), 10)
-    lines += _operation_lines(report)
-    lines += renamed_lines(report)
-    lines += _per_step(report)
-    lines += rank_lines(report)
-    lines += nonfinite_lines(report)
-    lines += ["", f"verdict: {verdict(report)}"]
+    lines += [*_operation_lines(report), *renamed_lines(report), *_per_step(report), *rank_lines(report),
+              *nonfinite_lines(report), "", f"verdict: {verdict(report)}"]
     return "\n".join(lines)
 
 
