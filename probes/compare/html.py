@@ -357,18 +357,18 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     def sy(value: float) -> float:
         return top + 4 + (height - top - bottom - 8) * (1 - (value - lo) / (hi - lo))
 
-    parts.append(f'<text x="{left - 4:.0f}" y="{top + 8:.0f}" class="axis" text-anchor="end">{hi:.4g}</text>')
-    parts.append(f'<text x="{left - 4:.0f}" y="{height - bottom:.0f}" class="axis" text-anchor="end">{lo:.4g}</text>')
-    parts.append(f'<text x="{sx(s0):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s0}</text>')
+    parts += [f'<text x="{left - 4:.0f}" y="{top + 8:.0f}" class="axis" text-anchor="end">{hi:.4g}</text>',
+              f'<text x="{left - 4:.0f}" y="{height - bottom:.0f}" class="axis" text-anchor="end">{lo:.4g}</text>',
+              f'<text x="{sx(s0):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s0}</text>']
     if s1 != s0:
         parts.append(f'<text x="{sx(s1):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s1}</text>')
     if mark_step is not None and s0 <= mark_step <= s1:
         x = sx(mark_step)
         parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" '
                      f'y2="{height - bottom:.0f}" stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
+    reduced = len(steps) > max_points
     for (label, color, _, dash), shown in zip(series, finite):
         points = [(sx(step), sy(v)) for step, v in shown]
-        reduced = len(steps) > max_points
         if reduced:
             points = _thinned(points)
         if len(points) > 1:

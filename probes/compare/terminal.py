@@ -332,15 +332,13 @@ def _per_step(report: Report) -> list[str]:
         if len(summaries) > 20 else summaries
     if not shown:
         return []
-    rows = [[str(s.step), str(s.matched), str(s.diverged), str(s.only_in_base), str(s.only_in_other),
-             _short(s.worst.ratio) if s.worst else "-",
-             f"{s.worst.phase} {_name(s.worst.name, 40)}" if s.worst and s.worst.ratio > 0 else "-"]
-            for s in shown]
-    header = ["step", "matched", "diverged", "only base", "only other", "worst ratio", "worst record"]
     norms = grad_norm_cells(shown)
-    if norms is not None:
-        header[6:6] = GRAD_NORM_HEADER
-        rows = [row[:6] + cells + row[6:] for row, cells in zip(rows, norms)]
+    header = ["step", "matched", "diverged", "only base", "only other", "worst ratio",
+              *(GRAD_NORM_HEADER if norms else []), "worst record"]
+    rows = [[str(s.step), str(s.matched), str(s.diverged), str(s.only_in_base), str(s.only_in_other),
+             _short(s.worst.ratio) if s.worst else "-", *(norms[i] if norms else []),
+             f"{s.worst.phase} {_name(s.worst.name, 40)}" if s.worst and s.worst.ratio > 0 else "-"]
+            for i, s in enumerate(shown)]
     return ["", "Per step" + (" (steps with differences only)" if len(shown) < len(summaries) else "") + ":",
             *text_table(header, rows, right=set(range(len(header) - 1)), indent="  ")]
 
