@@ -281,14 +281,13 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
                 marked = (x, y)
     if marked is not None:
         x, y = marked
-        parts.append(f'<rect class="first-divergence" x="{x - 2:.1f}" y="{y - 2:.1f}" width="{cell_w + 3:.1f}" '
-                     f'height="{cell_h + 3:.1f}" fill="none" stroke="{MARK_COLOR}" stroke-width="3"/>')
         label_x = label_width + cell_w * len(columns) + 8
-        parts.append(f'<line x1="{x + cell_w + 1:.1f}" y1="{y + cell_h / 2:.1f}" x2="{label_x - 2:.1f}" '
-                     f'y2="{y + cell_h / 2:.1f}" stroke="{MARK_COLOR}" stroke-width="1.5"/>')
-        parts.append(f'<text x="{label_x:.1f}" y="{y + cell_h - 3:.1f}" class="mark">first divergence</text>')
-    parts.append(_heat_legend(8, top + cell_h * len(rows) + 16))
-    parts.append("</svg>")
+        parts += [f'<rect class="first-divergence" x="{x - 2:.1f}" y="{y - 2:.1f}" width="{cell_w + 3:.1f}" '
+                  f'height="{cell_h + 3:.1f}" fill="none" stroke="{MARK_COLOR}" stroke-width="3"/>',
+                  f'<line x1="{x + cell_w + 1:.1f}" y1="{y + cell_h / 2:.1f}" x2="{label_x - 2:.1f}" '
+                  f'y2="{y + cell_h / 2:.1f}" stroke="{MARK_COLOR}" stroke-width="1.5"/>',
+                  f'<text x="{label_x:.1f}" y="{y + cell_h - 3:.1f}" class="mark">first divergence</text>']
+    parts += [_heat_legend(8, top + cell_h * len(rows) + 16), "</svg>"]
     notes = [f"{omitted} rows with the smallest errors are not shown (limit {config.max_rows})." if omitted else "",
              f"Each column covers {bin_size} steps and shows the worst record of its steps." if bin_size > 1 else ""]
     note_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes if note)
