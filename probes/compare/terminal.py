@@ -147,15 +147,13 @@ def ranges(values: Iterable[int]) -> str:
     values = sorted(values)
     if not values:
         return "none"
-    spans, start, prev = [], values[0], values[0]
-    for value in [*values[1:], None]:
-        if value is not None and value == prev + 1:
-            prev = value
-            continue
-        spans.append(str(start) if start == prev else f"{start}-{prev}")
-        if value is not None:
-            start = prev = value
-    return f"{','.join(spans)} ({len(values)})"
+    spans: list[list[int]] = []  # [first, last] of each run of consecutive steps
+    for value in values:
+        if spans and value == spans[-1][1] + 1:
+            spans[-1][1] = value
+        else:
+            spans.append([value, value])
+    return f"{','.join(str(a) if a == b else f'{a}-{b}' for a, b in spans)} ({len(values)})"
 
 
 # --------------------------------------------------------------------------------------------- terminal
@@ -235,9 +233,8 @@ def _header(report: Report) -> list[str]:
     if config.steps is not None or config.names:
         lines.append(f"  filters  steps {ranges(config.steps) if config.steps is not None else 'all'}; "
                      f"names {' '.join(config.names) or '*'}")
-    for side, ranks in report.unfinished.items():
-        for rank, steps in ranks.items():
-            lines.append(f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)")
+    lines += [f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)"
+              for side, ranks in report.unfinished.items() for rank, steps in ranks.items()]
     lines.append(f"  {counts_line(report)}")
     floor = noise_floor_line(report)
     if floor is not None:
