@@ -392,7 +392,7 @@ def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
     blocks = []
     ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
     first_rows = [grid.first] if grid.first in grid.rows else []
-    chosen = list(dict.fromkeys([*first_rows, *ranked]))[:max(config.trajectories, len(first_rows))]
+    chosen = list(dict.fromkeys([*first_rows, *ranked]))[:max(config.trajectories, len(first_rows))]  # first: always
     found = grid.series(chosen, MOMENTS)
     for row in chosen:
         steps, diverged, values = found[row]
@@ -530,7 +530,7 @@ def _shown_steps(summaries: list[StepSummary], report: Report, limit: int) -> li
     flagged = [i for i, s in enumerate(summaries) if s.differs]
     rest = sorted((i for i, s in enumerate(summaries) if not s.differs),
                   key=lambda i: -(summaries[i].worst.ratio if summaries[i].worst else 0.0))  # stable: earliest first
-    chosen = list(dict.fromkeys([*firsts, *flagged, *rest]))[:max(limit, len(firsts))]
+    chosen = list(dict.fromkeys([*firsts, *flagged, *rest]))[:max(limit, len(firsts))]  # the first divergence's: always
     return [summaries[i] for i in sorted(chosen)]
 
 
