@@ -749,8 +749,6 @@ class Report:
         found: dict[int, Divergence | None] = {rank: None for rank in sorted({*self.base_steps, *self.other_steps})}
         for offset, chunk in self.records.chunks():
             diverged = chunk.summary().diverged_rows
-            if not len(diverged):
-                continue
             ranks = np.asarray(chunk.rank[diverged])
             for rank in found:
                 rows = diverged[ranks == rank]
