@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import html
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
@@ -23,7 +24,7 @@ import numpy as np
 from ..utils.phases import phase_rank
 from .options import MOMENTS
 from .recorddiffs import RecordDiffs, Row
-from .results import ZERO_GRAD_NOTE, CellView, Report, StepSummary, format_value, relative_name
+from .results import ZERO_GRAD_NOTE, CellView, Divergence, Report, StepSummary, format_value, relative_name
 from .terminal import (GRAD_NORM_HEADER, clip, damaged_lines, grad_norm_cells, kind_line, noise_floor_line,
                        precision_table, rule_line, verdict)
 
@@ -57,18 +58,24 @@ class HtmlConfig:
 # --------------------------------------------------------------------------------------------- data
 
 
+Series = tuple[list[int], set[int], dict[tuple[str, str], list[Any]]]  # Grid.series of a row
+
+
 @dataclass
 class Grid:
-    """Records by row and step; rows in execution order (phase, rank, the base's seq).
-
-    Built from the report's arrays; a plot reads the cells it shows (``bin_cells``, ``row_indices``).
-    """
+    """Records by row and step; rows in execution order (phase, rank, the base's seq). Built from the report's
+    arrays; a plot reads the cells it shows (``bin_cells``) or the values of its rows (``series``)."""
 
     rows: list[Row]
     steps: list[int]
     ratios: dict[Row, float]  # the largest |diff| / tolerance of each row over the steps
     records: RecordDiffs
     missing: dict[tuple[Row, int], str]  # "only in base" / "only in other" cells
+    first: Row | None  # the row of the first divergence
+
+    @functools.cached_property
+    def multi_rank(self) -> bool:
+        return len({row[0] for row in self.rows}) > 1
 
     @classmethod
     def build(cls, report: Report) -> "Grid":
@@ -97,7 +104,9 @@ class Grid:
         # Ties (two rows of one seq) by name, then phase: the same order however the records were read.
         rows = sorted(order, key=lambda row: (order[row][0], order[row][1], order[row][3], row[2], row[1]))
         steps.update(step for _, step in missing)
-        return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing)
+        first = report.first_divergence
+        return cls(rows, sorted(steps), {row: worst.get(row, 0.0) for row in rows}, records, missing,
+                   None if first is None else (first.rank, first.phase, first.name))
 
     @staticmethod
     def _positions(chunk: RecordDiffs, place: dict[Row, int]) -> np.ndarray:
@@ -138,11 +147,10 @@ class Grid:
                         cells[(position, c)] = label
         return cells
 
-    def series(self, rows: Sequence[Row], stats: Sequence[str]) -> dict[Row, tuple[list[int], set[int],
-                                                                                   dict[tuple[str, str], list[Any]]]]:
+    def series(self, rows: Sequence[Row], stats: Sequence[str]) -> dict[Row, Series]:
         """Per row: its steps (in order), the steps it diverged at, and per (run, statistic) its values there."""
         place = {row: position for position, row in enumerate(rows)}
-        found: dict[Row, tuple[list[int], set[int], dict[tuple[str, str], list[Any]]]] = {
+        found: dict[Row, Series] = {
             row: ([], set(), {(run, stat): [] for stat in stats for run in ("base", "other")}) for row in rows}
         for _, chunk in self.records.chunks():
             which = self._positions(chunk, place)
@@ -225,19 +233,17 @@ def _cell_title(row: Row, step: str, cell: CellView | str | None) -> str:
 def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     rows = [row for row in grid.rows if row[1] == phase]
     first = report.first_divergence
-    first_row = (first.rank, first.phase, first.name) if first else None
     omitted = 0
     if len(rows) > config.max_rows:
-        ranked = sorted(rows, key=lambda row: (row != first_row, -grid.ratios[row]))  # stable sort
+        ranked = sorted(rows, key=lambda row: (row != grid.first, -grid.ratios[row]))  # stable sort
         keep = set(ranked[:config.max_rows])
         omitted = len(rows) - len(keep)
         rows = [row for row in rows if row in keep]
     max_columns = min(config.max_columns, max(20, config.max_cells // max(1, len(rows))))
     bin_size = max(1, math.ceil(len(grid.steps) / max_columns))
     columns = [grid.steps[i:i + bin_size] for i in range(0, len(grid.steps), bin_size)]
-    multi_rank = len({row[0] for row in grid.rows}) > 1
     cells = grid.bin_cells(rows, columns)
-    label_width = 8 + 6.2 * min(48, max((len(_row_label(r, multi_rank)) for r in rows), default=10))
+    label_width = 8 + 6.2 * min(48, max((len(_row_label(r, grid.multi_rank)) for r in rows), default=10))
     cell_w = min(36.0, max(8.0, 860.0 / max(1, len(columns))))
     cell_h = 14.0
     top = 34.0
@@ -250,13 +256,14 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
     for c, label in enumerate(labels):
         if c % label_every == 0:
             x = label_width + cell_w * (c + 0.5)
-            parts.append(f'<text x="{x:.1f}" y="{top - 8:.1f}" class="axis" text-anchor="middle">{escape(label)}</text>')
+            parts.append(f'<text x="{x:.1f}" y="{top - 8:.1f}" class="axis" text-anchor="middle">'
+                         f'{escape(label)}</text>')
     parts.append(f'<text x="{label_width:.1f}" y="12" class="axis">step \u2192</text>')
     marked = None
     for r, row in enumerate(rows):
         y = top + r * cell_h
         parts.append(f'<text x="{label_width - 6:.1f}" y="{y + cell_h - 3.5:.1f}" class="label" text-anchor="end">'
-                     f'{escape(clip(_row_label(row, multi_rank), 48, ELLIPSIS))}</text>')
+                     f'{escape(clip(_row_label(row, grid.multi_rank), 48, ELLIPSIS))}</text>')
         for c, column in enumerate(columns):
             x = label_width + c * cell_w
             cell = cells.get((r, c))
@@ -270,24 +277,20 @@ def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
             parts.append(f'<rect class="cell" x="{x:.1f}" y="{y:.1f}" width="{cell_w - 1:.1f}" '
                          f'height="{cell_h - 1:.1f}" fill="{fill}"{stroke}>'
                          f'<title>{escape(_cell_title(row, labels[c], cell))}</title></rect>')
-            if first is not None and row == first_row and first.step in column:
+            if first is not None and row == grid.first and first.step in column:
                 marked = (x, y)
     if marked is not None:
         x, y = marked
-        parts.append(f'<rect class="first-divergence" x="{x - 2:.1f}" y="{y - 2:.1f}" width="{cell_w + 3:.1f}" '
-                     f'height="{cell_h + 3:.1f}" fill="none" stroke="{MARK_COLOR}" stroke-width="3"/>')
         label_x = label_width + cell_w * len(columns) + 8
-        parts.append(f'<line x1="{x + cell_w + 1:.1f}" y1="{y + cell_h / 2:.1f}" x2="{label_x - 2:.1f}" '
-                     f'y2="{y + cell_h / 2:.1f}" stroke="{MARK_COLOR}" stroke-width="1.5"/>')
-        parts.append(f'<text x="{label_x:.1f}" y="{y + cell_h - 3:.1f}" class="mark">first divergence</text>')
-    parts.append(_heat_legend(8, top + cell_h * len(rows) + 16))
-    parts.append("</svg>")
-    notes = []
-    if omitted:
-        notes.append(f"{omitted} rows with the smallest errors are not shown (limit {config.max_rows}).")
-    if bin_size > 1:
-        notes.append(f"Each column covers {bin_size} steps and shows the worst record of its steps.")
-    note_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes)
+        parts += [f'<rect class="first-divergence" x="{x - 2:.1f}" y="{y - 2:.1f}" width="{cell_w + 3:.1f}" '
+                  f'height="{cell_h + 3:.1f}" fill="none" stroke="{MARK_COLOR}" stroke-width="3"/>',
+                  f'<line x1="{x + cell_w + 1:.1f}" y1="{y + cell_h / 2:.1f}" x2="{label_x - 2:.1f}" '
+                  f'y2="{y + cell_h / 2:.1f}" stroke="{MARK_COLOR}" stroke-width="1.5"/>',
+                  f'<text x="{label_x:.1f}" y="{y + cell_h - 3:.1f}" class="mark">first divergence</text>']
+    parts += [_heat_legend(8, top + cell_h * len(rows) + 16), "</svg>"]
+    notes = [f"{omitted} rows with the smallest errors are not shown (limit {config.max_rows})." if omitted else "",
+             f"Each column covers {bin_size} steps and shows the worst record of its steps." if bin_size > 1 else ""]
+    note_html = "".join(f'<p class="note">{escape(note)}</p>' for note in notes if note)
     return f'<h3>{escape(phase)}</h3>{note_html}<div class="scroll">{"".join(parts)}</div>'
 
 
@@ -353,18 +356,18 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     def sy(value: float) -> float:
         return top + 4 + (height - top - bottom - 8) * (1 - (value - lo) / (hi - lo))
 
-    parts.append(f'<text x="{left - 4:.0f}" y="{top + 8:.0f}" class="axis" text-anchor="end">{hi:.4g}</text>')
-    parts.append(f'<text x="{left - 4:.0f}" y="{height - bottom:.0f}" class="axis" text-anchor="end">{lo:.4g}</text>')
-    parts.append(f'<text x="{sx(s0):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s0}</text>')
+    parts += [f'<text x="{left - 4:.0f}" y="{top + 8:.0f}" class="axis" text-anchor="end">{hi:.4g}</text>',
+              f'<text x="{left - 4:.0f}" y="{height - bottom:.0f}" class="axis" text-anchor="end">{lo:.4g}</text>',
+              f'<text x="{sx(s0):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s0}</text>']
     if s1 != s0:
         parts.append(f'<text x="{sx(s1):.1f}" y="{height - 6:.0f}" class="axis" text-anchor="middle">{s1}</text>')
     if mark_step is not None and s0 <= mark_step <= s1:
         x = sx(mark_step)
-        parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" y2="{height - bottom:.0f}" '
-                     f'stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
+        parts.append(f'<line class="divergence-step" x1="{x:.1f}" y1="{top:.0f}" x2="{x:.1f}" '
+                     f'y2="{height - bottom:.0f}" stroke="{MARK_COLOR}" stroke-width="1.5" stroke-dasharray="4,3"/>')
+    reduced = len(steps) > max_points
     for (label, color, _, dash), shown in zip(series, finite):
         points = [(sx(step), sy(v)) for step, v in shown]
-        reduced = len(steps) > max_points
         if reduced:
             points = _thinned(points)
         if len(points) > 1:
@@ -383,35 +386,23 @@ def _line_chart(title: str, steps: Sequence[int], series: Sequence[tuple[str, st
     return "".join(parts)
 
 
-def _trajectory_rows(grid: Grid, report: Report, count: int) -> list[Row]:
-    first = report.first_divergence
-    chosen: list[Row] = []
-    if first is not None and (first.rank, first.phase, first.name) in grid.rows:
-        chosen.append((first.rank, first.phase, first.name))
-    ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
-    for row in ranked:
-        if len(chosen) >= count:
-            break
-        if row not in chosen:
-            chosen.append(row)
-    return chosen
-
-
 def trajectories(grid: Grid, report: Report, config: HtmlConfig) -> str:
+    """The first divergence's row, then those of the largest ratio: each statistic of both runs over the steps."""
     first = report.first_divergence
-    multi_rank = len({row[0] for row in grid.rows}) > 1
     blocks = []
-    chosen = _trajectory_rows(grid, report, config.trajectories)
+    ranked = sorted(grid.rows, key=grid.ratios.__getitem__, reverse=True)  # stable: ties keep execution order
+    first_rows = [grid.first] if grid.first in grid.rows else []
+    chosen = list(dict.fromkeys([*first_rows, *ranked]))[:max(config.trajectories, len(first_rows))]  # first: always
     found = grid.series(chosen, MOMENTS)
     for row in chosen:
         steps, diverged, values = found[row]
-        mark = first.step if first is not None and (first.rank, first.phase, first.name) == row else None
+        mark = first.step if first is not None and grid.first == row else None
         charts = []
         for stat in MOMENTS:
             series = [("base", BASE_COLOR, values[("base", stat)], ""),
                       ("other", OTHER_COLOR, values[("other", stat)], "5,3")]
             charts.append(_line_chart(stat, steps, series, mark, diverged, config.max_points))
-        heading = f"{row[1]} {_row_label(row, multi_rank)}"
+        heading = f"{row[1]} {_row_label(row, grid.multi_rank)}"
         flag = ' <span class="bad">first divergence</span>' if mark is not None else ""
         blocks.append(f'<div class="traj"><h4>{escape(heading)}{flag}</h4>{"".join(charts)}</div>')
     legend = (f'<p class="legend"><svg width="260" height="14" xmlns="http://www.w3.org/2000/svg">'
@@ -535,15 +526,11 @@ def _shown_steps(summaries: list[StepSummary], report: Report, limit: int) -> li
     if len(summaries) <= limit:
         return summaries
     first = report.first_divergence
-    flagged = [i for i, s in enumerate(summaries) if s.diverged or s.only_in_base or s.only_in_other]
-    rest = sorted((i for i, s in enumerate(summaries) if not (s.diverged or s.only_in_base or s.only_in_other)),
+    firsts = [i for i, s in enumerate(summaries) if first is not None and s.step == first.step]
+    flagged = [i for i, s in enumerate(summaries) if s.differs]
+    rest = sorted((i for i, s in enumerate(summaries) if not s.differs),
                   key=lambda i: -(summaries[i].worst.ratio if summaries[i].worst else 0.0))  # stable: earliest first
-    chosen = [i for i, s in enumerate(summaries) if first is not None and s.step == first.step]
-    for i in flagged + rest:
-        if len(chosen) >= limit:
-            break
-        if i not in chosen:
-            chosen.append(i)
+    chosen = list(dict.fromkeys([*firsts, *flagged, *rest]))[:max(limit, len(firsts))]  # the first divergence's: always
     return [summaries[i] for i in sorted(chosen)]
 
 
@@ -553,7 +540,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
     cfg = report.config
     first = report.first_divergence
     verdict_class = "agree" if report.agrees else "diverged"
-    hows = ["map", "fuzzy", *(["op"] if any(r.how == "op" for r in report.renamed) else [])]
+    by_how = Counter(r.how for r in report.renamed)
+    hows = ["map", "fuzzy", *(["op"] if by_how["op"] else [])]
     floor = noise_floor_line(report)
     summary = _table(None, [
         ("base", report.base), ("other", report.other), ("noise (calibration run)", report.noise or "-"),
@@ -564,9 +552,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
         ("materialised zero gradients (notes)", len(report.zero_grads)),
-        *(((f"names of other renamed ({' / '.join(hows)})", " / ".join(str(sum(r.how == how for r in report.renamed))
-                                                                       for how in hows)),)
-          if report.renamed else ()),
+        *([(f"names of other renamed ({' / '.join(hows)})", " / ".join(str(by_how[how]) for how in hows))]
+          if report.renamed else []),
         *((f"first non-finite value, {side}", str(anomaly) if anomaly else "none")
           for side, anomaly in report.first_nonfinite.items() if any(report.first_nonfinite.values())),
         *(("note", line) for line in damaged_lines(report)),
@@ -578,48 +565,42 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         "<h1>probes compare</h1>",
         f'<p class="verdict {verdict_class}">{escape(verdict(report))}</p>',
         summary,
-        f'<p class="note">Tolerance per statistic: {escape(rule_line(report))}. Structure (shape, dtype, numel) and nan/inf counts '
-        "must be equal. See docs/compare.md.</p>" if not cfg.exact else
+        f'<p class="note">Tolerance per statistic: {escape(rule_line(report))}. Structure (shape, dtype, numel) and '
+        "nan/inf counts must be equal. See docs/compare.md.</p>" if not cfg.exact else
         '<p class="note">Exact: a record agrees when it is bit-identical (its hash); one that differs in its '
         "bytes diverges, whatever the tolerances. See docs/compare.md.</p>",
     ]
     if cfg.ranks:
-        parts.append("<h2>Per rank (against rank 0)</h2>")
-        parts.append(_table(["rank", "verdict"], [
+        parts += ["<h2>Per rank (against rank 0)</h2>", _table(["rank", "verdict"], [
             (rank, ("bit-identical" if cfg.exact else "agrees") if found is None else f"first divergence at {found}")
-            for rank, found in report.per_rank().items()], {0}))
+            for rank, found in report.per_rank().items()], {0})]
     if first is not None:
-        parts.append("<h2>First divergence</h2>")
-        parts.append(_table(["rank", "step", "phase", "name", "seq", "metric", "base", "other", "|diff|", "rel",
-                             "tolerance"],
-                            [(first.rank, first.step, first.phase, first.name, first.seq, first.metric, first.base,
-                              first.other, first.abs_diff, first.rel_diff, first.tolerance)], {0, 1, 4, 6, 7, 8, 9, 10}))
+        fields = Divergence.json_fields[:-1]  # all but noise_floor, said below
+        parts += ["<h2>First divergence</h2>",
+                  _table(["rank", "step", "phase", "name", "seq", "metric", "base", "other", "|diff|", "rel",
+                          "tolerance"], [[getattr(first, name) for name in fields]], {0, 1, 4, 6, 7, 8, 9, 10})]
         if first.noise_floor is not None:
             parts.append(f'<p class="kind">Against the calibration run: {escape(first.noise_floor)} the noise '
                          "floor.</p>")
-        parts.append(f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>')
-        parts.append(_first_operation_section(report))
-    parts.append(_operations_section(report, config.max_rows))
-    parts.append("<h2>Relative error, step &times; layer</h2>")
+        parts += [f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>',
+                  _first_operation_section(report)]
+    parts += [_operations_section(report, config.max_rows), "<h2>Relative error, step &times; layer</h2>"]
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')
-    for phase in sorted({row[1] for row in grid.rows}, key=lambda p: phase_rank(p)):
-        parts.append(heatmap(grid, phase, report, config))
+    parts += [heatmap(grid, phase, report, config) for phase in sorted({row[1] for row in grid.rows}, key=phase_rank)]
     if grid.rows:
-        parts.append("<h2>Statistic trajectories</h2>")
-        parts.append('<p class="note">The layer of the first divergence, then the layers with the largest '
-                     "|diff| / tolerance.</p>")
-        parts.append(trajectories(grid, report, config))
-    parts.append("<h2>Per step</h2>")
+        parts += ["<h2>Statistic trajectories</h2>",
+                  '<p class="note">The layer of the first divergence, then the layers with the largest '
+                  "|diff| / tolerance.</p>", trajectories(grid, report, config)]
     every = report.per_step()
     summaries = _shown_steps(every, report, config.max_steps)
     norms = grad_norm_cells(summaries)
-    parts.append(_table(["step", "matched", "diverged", "only in base", "only in other", "worst ratio",
-                         *(GRAD_NORM_HEADER if norms else []), "worst record"],
-                        [(s.step, s.matched, s.diverged, s.only_in_base, s.only_in_other,
-                          s.worst.ratio if s.worst else None, *(norms[i] if norms else []),
-                          f"{s.worst.phase} {s.worst.name}" if s.worst and s.worst.ratio > 0 else "-")
-                         for i, s in enumerate(summaries)], set(range(8 if norms else 6))))
+    header = ["step", "matched", "diverged", "only in base", "only in other", "worst ratio",
+              *(GRAD_NORM_HEADER if norms else []), "worst record"]
+    rows = [(s.step, s.matched, s.diverged, s.only_in_base, s.only_in_other, s.worst.ratio if s.worst else None,
+             *(norms[i] if norms else []), f"{s.worst.phase} {s.worst.name}" if s.worst and s.worst.ratio > 0 else "-")
+            for i, s in enumerate(summaries)]
+    parts += ["<h2>Per step</h2>", _table(header, rows, set(range(len(header) - 1)))]
     if len(every) > len(summaries):
         parts.append(f'<p class="note">{len(every) - len(summaries)} more steps, all within tolerance and with every '
                      f"record in both runs, are not shown (limit {config.max_steps}); the JSON report lists every "
@@ -628,10 +609,10 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         if keys:
             parts += [f"<h2>{label} ({len(keys)})</h2>", *_first_rows(["rank", "step", "phase", "name"], keys, {0, 1})]
     if report.renamed:
-        parts.append(f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>')
-        parts.append(_table(["phase", "other", "base", "how", "confidence", "why"],
-                            [(r.phase or "all", r.other, r.base, r.how, r.confidence, r.reason)
-                             for r in report.renamed[:500]], {4}))
+        parts += [f'<h2 id="renamed">Renamed: names of other compared as names of base ({len(report.renamed)})</h2>',
+                  _table(["phase", "other", "base", "how", "confidence", "why"],
+                         [(r.phase or "all", r.other, r.base, r.how, r.confidence, r.reason)
+                          for r in report.renamed[:500]], {4})]
     if report.zero_grads:
         parts.append(_zero_grad_section(report))
     parts.append("</body></html>")

@@ -299,6 +299,11 @@ class StepSummary:
     worst: RecordDiff | None  # the matched record with the largest ratio in this step
     grad_norm: GradNorm | None = None  # None: neither run has grad records in this step
 
+    @property
+    def differs(self) -> bool:
+        """Whether a record of the step diverged or is in one run only."""
+        return bool(self.diverged or self.only_in_base or self.only_in_other)
+
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
         return {
@@ -386,6 +391,14 @@ class NoiseFloor:
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
+_EXPLAINED = {  # OpFinding.explained of a cause other than propagated, by (cause, backward)
+    (LOCAL, False): "local: the operation itself (every recorded input agrees{without})",
+    (LOCAL, True): "local: the backward of the operations that used it (the gradients it is computed from and the "
+                   "forward values agree{without})",
+    (UNKNOWN, False): "unknown: no input of it has a record to tell a local error from a propagated one",
+    (UNKNOWN, True): "unknown: no gradient it is computed from has a record (no recorded operation or module output "
+                     "took this output on) to tell a local error from a propagated one"}
+
 # An op record of OTHER whose name a paired record took (op alignment, ``operations``) is listed with this suffix.
 UNPAIRED = " (unpaired)"
 _OP = re.compile(r"^(?P<module>.+)/(?P<op>[^/:#.]+):(?P<index>\d+)(?:#(?P<call>\d+))?\.output\.(?P<output>\d+)"
@@ -461,10 +474,9 @@ class Check(JsonFields):
         name = relative_name(self.name, module)
         if own and module_record(self.name) is not None and self.name.startswith(module):
             name = self.name[len(module):].lstrip(".")
-        detail = ", ".join(part for part in (self.metric if self.status == DIFFERS else None,
-                                             f"ratio {self.ratio:.3g}" if self.status == DIFFERS
-                                             and self.ratio is not None and math.isfinite(self.ratio) else None,
-                                             self.note or None) if part)
+        finite = self.ratio is not None and math.isfinite(self.ratio)
+        broke = [self.metric, f"ratio {self.ratio:.3g}" if finite else None] if self.status == DIFFERS else []
+        detail = ", ".join(part for part in (*broke, self.note) if part)
         return f"{name} {self.status}" + (f" ({detail})" if detail else "")
 
 
@@ -518,31 +530,21 @@ class OpFinding:
 
     def explained(self) -> str:
         """The cause in words, e.g. ``"propagated: an input already differs: linear:0.output.0"``."""
-        module = self.parsed.module
+        backward = self.phase in GRADIENT_PHASES
         cause = self.cause
         if cause == PROPAGATED:
             said = []
-            for checks, one, several in ((self.inputs, "an input", "inputs"),
-                                         (self.gradients, "a gradient it is computed from",
-                                          "gradients it is computed from")):
-                names = [relative_name(check.name, module) for check in checks if check.status == DIFFERS]
+            for checks, what in ((self.inputs, ("an input's forward value", "inputs' forward values") if backward
+                                  else ("an input", "inputs")),
+                                 (self.gradients, ("a gradient it is computed from", "gradients it is computed from"))):
+                names = [relative_name(check.name, self.parsed.module) for check in checks if check.status == DIFFERS]
                 if names:
-                    what = one if len(names) == 1 else several
-                    if checks is self.inputs and self.phase in GRADIENT_PHASES:
-                        what += "'s forward value" if len(names) == 1 else "' forward values"
-                    said.append(f"{what} already {'differs' if len(names) == 1 else 'differ'}: {', '.join(names)}")
+                    one = len(names) == 1
+                    said.append(f"{what[not one]} already {'differs' if one else 'differ'}: {', '.join(names)}")
             return "propagated: " + "; ".join(said)
         unrecorded = sum(check.status == NO_RECORD for check in self.inputs)
         without = f"; {unrecorded} {'input has' if unrecorded == 1 else 'inputs have'} no record" if unrecorded else ""
-        if cause == LOCAL:
-            if self.phase not in GRADIENT_PHASES:
-                return f"local: the operation itself (every recorded input agrees{without})"
-            return ("local: the backward of the operations that used it (the gradients it is computed from and the "
-                    f"forward values agree{without})")
-        if self.phase not in GRADIENT_PHASES:
-            return "unknown: no input of it has a record to tell a local error from a propagated one"
-        return ("unknown: no gradient it is computed from has a record (no recorded operation or module output took "
-                "this output on) to tell a local error from a propagated one")
+        return _EXPLAINED[cause, backward].format(without=without)
 
     def to_json(self) -> dict[str, Any]:
         parsed = self.parsed
@@ -747,8 +749,6 @@ class Report:
         found: dict[int, Divergence | None] = {rank: None for rank in sorted({*self.base_steps, *self.other_steps})}
         for offset, chunk in self.records.chunks():
             diverged = chunk.summary().diverged_rows
-            if not len(diverged):
-                continue
             ranks = np.asarray(chunk.rank[diverged])
             for rank in found:
                 rows = diverged[ranks == rank]
@@ -815,9 +815,8 @@ class Report:
             if first.step not in chunk.summary().steps:
                 continue
             at_step = np.asarray(chunk.step) == first.step
-            if at_step.any():
-                recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}
-                differing |= {phases[code] for code in np.unique(chunk.phase[at_step & chunk.diverged]).tolist()}
+            recorded |= {phases[code] for code in np.unique(chunk.phase[at_step]).tolist()}
+            differing |= {phases[code] for code in np.unique(chunk.phase[at_step & chunk.diverged]).tolist()}
         base_steps, other_steps = self.base_steps, self.other_steps
         for rank, step, phase, _ in (*self.only_in_base, *self.only_in_other):
             if step == first.step:

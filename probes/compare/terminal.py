@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..dump.record import RecordKey
@@ -79,6 +80,7 @@ def kind_line(report: Report) -> str | None:
 
 
 GRAD_NORM_HEADER = ["grad norm base", "grad norm other"]
+_OTHER_RUN = {"base": "other", "other": "base"}
 _RENAMED_BY = {"map": "the name map", "fuzzy": "fuzzy alignment", "op": "operation alignment"}  # Rename.how
 
 
@@ -145,15 +147,13 @@ def ranges(values: Iterable[int]) -> str:
     values = sorted(values)
     if not values:
         return "none"
-    spans, start, prev = [], values[0], values[0]
-    for value in [*values[1:], None]:
-        if value is not None and value == prev + 1:
-            prev = value
-            continue
-        spans.append(str(start) if start == prev else f"{start}-{prev}")
-        if value is not None:
-            start = prev = value
-    return f"{','.join(spans)} ({len(values)})"
+    spans: list[list[int]] = []  # [first, last] of each run of consecutive steps
+    for value in values:
+        if spans and value == spans[-1][1] + 1:
+            spans[-1][1] = value
+        else:
+            spans.append([value, value])
+    return f"{','.join(str(a) if a == b else f'{a}-{b}' for a, b in spans)} ({len(values)})"
 
 
 # --------------------------------------------------------------------------------------------- terminal
@@ -198,8 +198,10 @@ def _record_rows(records: Sequence[RecordDiff], mark: RecordKey | None, with_ran
     return rows
 
 
-def _record_table(records: Sequence[RecordDiff], mark: RecordKey | None, with_rank: bool,
-                  nest: bool = False) -> list[str]:
+def _record_table(records: Sequence[RecordDiff], report: Report, with_rank: bool, nest: bool = False) -> list[str]:
+    """The records as a table, the first divergence marked ">>"."""
+    first = report.first_divergence
+    mark = None if first is None else (first.rank, first.step, first.phase, first.name)
     header = ["", *(["rank"] if with_rank else []), "step", "phase", "seq", "name", "worst", "base", "other",
               "|diff|", "rel", "ratio", "cos"]
     offset = 1 if with_rank else 0
@@ -231,9 +233,8 @@ def _header(report: Report) -> list[str]:
     if config.steps is not None or config.names:
         lines.append(f"  filters  steps {ranges(config.steps) if config.steps is not None else 'all'}; "
                      f"names {' '.join(config.names) or '*'}")
-    for side, ranks in report.unfinished.items():
-        for rank, steps in ranks.items():
-            lines.append(f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)")
+    lines += [f"  note: {side} rank {rank} has unfinished steps {ranges(steps)} (not compared)"
+              for side, ranks in report.unfinished.items() for rank, steps in ranks.items()]
     lines.append(f"  {counts_line(report)}")
     floor = noise_floor_line(report)
     if floor is not None:
@@ -242,9 +243,9 @@ def _header(report: Report) -> list[str]:
         lines.append(f"  different step counts: steps only in base {ranges(report.steps_only_in_base)}, "
                      f"only in other {ranges(report.steps_only_in_other)}")
     if report.renamed:
-        by_how = {how: sum(r.how == how for r in report.renamed) for how in _RENAMED_BY}
-        lines.append("  names: " + ", ".join(f"{count} {plural(count, 'name')} of other renamed by {_RENAMED_BY[how]}"
-                                             for how, count in by_how.items() if count) + " (listed below)")
+        by_how = Counter(r.how for r in report.renamed)
+        lines.append("  names: " + ", ".join(f"{by_how[how]} {plural(by_how[how], 'name')} of other renamed by {label}"
+                                             for how, label in _RENAMED_BY.items() if by_how[how]) + " (listed below)")
     if report.zero_grads:
         lines.append(f"  note: {len(report.zero_grads)} {plural(len(report.zero_grads), ZERO_GRAD_NOTE)} "
                      "(not counted as divergences; --strict-zero-grads counts them)")
@@ -282,8 +283,7 @@ def _first_divergence(report: Report, with_rank: bool) -> list[str]:
         lines += ["", f"Around the first divergence (rank {first.rank}, step {first.step}, {first.phase}, "
                       "in execution order; x = diverged" + ("; operations under their module" if
                                                            report.operations is not None else "") + "):"]
-        lines += _record_table(window, (first.rank, first.step, first.phase, first.name), with_rank,
-                               nest=report.operations is not None)
+        lines += _record_table(window, report, with_rank, nest=report.operations is not None)
     return lines
 
 
@@ -291,7 +291,7 @@ def _first_operation(report: Report) -> list[str]:
     """The first diverging operation and what each record it is computed from says."""
     operations, first = report.operations, report.first_divergence
     said = None if operations is None or first is None else operations.first_line(first.name)
-    if operations is None or first is None or said is None:
+    if said is None:
         return []
     found = operations.first
     if found is None:
@@ -309,32 +309,33 @@ def _operation_lines(report: Report, limit: int = 10) -> list[str]:
     lines = ["", f"Diverged operations, by module call ({operations.diverged} of {operations.matched} matched op "
                  "records diverged; execution order):"]
     for group in operations.modules[:limit]:
-        lines.append(f"  rank {group.rank} step {group.step} {group.phase}  {format_value(group.label)}  ({group.own()})")
+        lines.append(f"  rank {group.rank} step {group.step} {group.phase}  {format_value(group.label)}  "
+                     f"({group.own()})")
         rows = [[_name(relative_name(found.name, group.module)), found.metric, f"ratio {found.ratio:.3g}",
                  found.explained()] for found in group.ops[:limit]]
         lines += text_table(["operation", "worst", "", "cause"], rows, indent="    ")[1:]
-        if len(group.ops) > limit:
-            lines.append(f"    ... {len(group.ops) - limit} more (see --json)")
-    if len(operations.modules) > limit:
-        lines.append(f"  ... {len(operations.modules) - limit} more module calls (see --json)")
-    return lines
+        lines += _more(len(group.ops), limit, "    ")
+    return lines + _more(len(operations.modules), limit, "  ", " module calls")
+
+
+def _more(count: int, limit: int, indent: str = "  ", what: str = "") -> list[str]:
+    """The line saying how many of ``count`` items a list cut at ``limit`` leaves to the JSON report."""
+    return [f"{indent}... {count - limit} more{what} (see --json)"] if count > limit else []
 
 
 def _per_step(report: Report) -> list[str]:
     summaries = report.per_step()
-    shown = [s for s in summaries if s.diverged or s.only_in_base or s.only_in_other][:20] \
+    shown = [s for s in summaries if s.differs][:20] \
         if len(summaries) > 20 else summaries
     if not shown:
         return []
-    rows = [[str(s.step), str(s.matched), str(s.diverged), str(s.only_in_base), str(s.only_in_other),
-             _short(s.worst.ratio) if s.worst else "-",
-             f"{s.worst.phase} {_name(s.worst.name, 40)}" if s.worst and s.worst.ratio > 0 else "-"]
-            for s in shown]
-    header = ["step", "matched", "diverged", "only base", "only other", "worst ratio", "worst record"]
     norms = grad_norm_cells(shown)
-    if norms is not None:
-        header[6:6] = GRAD_NORM_HEADER
-        rows = [row[:6] + cells + row[6:] for row, cells in zip(rows, norms)]
+    header = ["step", "matched", "diverged", "only base", "only other", "worst ratio",
+              *(GRAD_NORM_HEADER if norms else []), "worst record"]
+    rows = [[str(s.step), str(s.matched), str(s.diverged), str(s.only_in_base), str(s.only_in_other),
+             _short(s.worst.ratio) if s.worst else "-", *(norms[i] if norms else []),
+             f"{s.worst.phase} {_name(s.worst.name, 40)}" if s.worst and s.worst.ratio > 0 else "-"]
+            for i, s in enumerate(shown)]
     return ["", "Per step" + (" (steps with differences only)" if len(shown) < len(summaries) else "") + ":",
             *text_table(header, rows, right=set(range(len(header) - 1)), indent="  ")]
 
@@ -343,37 +344,23 @@ def _key_text(key: RecordKey, with_rank: bool, width: int) -> str:
     return f"{'r%d ' % key[0] if with_rank else ''}s{key[1]} {key[2]} {_name(key[3], width)}"
 
 
-def _zero_grad_lines(zero_grads: Sequence[tuple[RecordKey, str]], with_rank: bool, limit: int = 10) -> list[str]:
-    lines = [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {'other' if side == 'base' else 'base'}"
-             for key, side in zero_grads[:limit]]
-    if len(zero_grads) > limit:
-        lines.append(f"  ... {len(zero_grads) - limit} more (see --json)")
-    return lines
-
-
 def format_report(report: Report, top: int = 10) -> str:
     """The terminal summary: runs, tolerance, first divergence, records around it, worst records, steps."""
     with_rank = len(set(report.base_steps) | set(report.other_steps)) > 1
-    first = report.first_divergence
     lines = _header(report) + _first_divergence(report, with_rank)
     worst = report.records.worst(top)
     if worst:
-        lines += ["", "Worst records (ratio = |diff| / tolerance):"]
-        lines += _record_table(worst, (first.rank, first.step, first.phase, first.name) if first else None,
-                               with_rank)
+        lines += ["", "Worst records (ratio = |diff| / tolerance):", *_record_table(worst, report, with_rank)]
     for label, keys in (("only in base", report.only_in_base), ("only in other", report.only_in_other)):
         if keys:
             shown = ", ".join(_key_text(key, with_rank, 40) for key in keys[:5])
             lines += ["", f"{len(keys)} records {label}: {shown}{' ...' if len(keys) > 5 else ''}"]
     if report.zero_grads:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
-        lines += _zero_grad_lines(report.zero_grads, with_rank)
-    lines += _operation_lines(report)
-    lines += renamed_lines(report)
-    lines += _per_step(report)
-    lines += rank_lines(report)
-    lines += nonfinite_lines(report)
-    lines += ["", f"verdict: {verdict(report)}"]
+        lines += [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {_OTHER_RUN[side]}"
+                  for key, side in report.zero_grads[:10]] + _more(len(report.zero_grads), 10)
+    lines += [*_operation_lines(report), *renamed_lines(report), *_per_step(report), *rank_lines(report),
+              *nonfinite_lines(report), "", f"verdict: {verdict(report)}"]
     return "\n".join(lines)
 
 
@@ -399,7 +386,5 @@ def renamed_lines(report: Report, limit: int = 20) -> list[str]:
     """Which names of OTHER were compared as which names of BASE, and how sure the pairing is."""
     if not report.renamed:
         return []
-    lines = ["", "Renamed (other -> base):"] + [f"  {rename}" for rename in report.renamed[:limit]]
-    if len(report.renamed) > limit:
-        lines.append(f"  ... {len(report.renamed) - limit} more (see --json)")
-    return lines
+    return (["", "Renamed (other -> base):"] + [f"  {rename}" for rename in report.renamed[:limit]]
+            + _more(len(report.renamed), limit))
