@@ -500,14 +500,15 @@ def _operations_section(report: Report, limit: int) -> str:
         rows.append(f'<tr class="module"><td class=num>{group.rank}</td><td class=num>{group.step}</td>'
                     f'<td>{escape(group.phase)}</td><td><b>{escape(group.label)}</b></td>'
                     f'<td colspan="4">{escape(group.own())}</td></tr>')
-        for found in group.ops[:max(1, limit - shown)]:
+        listed = group.ops[:max(1, limit - shown)]
+        for found in listed:
             inputs = "; ".join([*(check.describe(group.module) for check in found.inputs),
                                 *(f"gradient from {check.describe(group.module)}" for check in found.gradients)])
             rows.append(f'<tr class="op"><td></td><td></td><td></td>'
                         f'<td style="padding-left: 2em">{escape(relative_name(found.name, group.module))}</td>'
                         f"<td>{escape(found.metric)}</td><td class=num>{escape(format_value(found.ratio))}</td>"
                         f"<td>{escape(found.explained())}</td><td>{escape(inputs)}</td></tr>")
-        shown += 1 + len(group.ops)
+        shown += 1 + len(listed)
     hidden = sum(1 + len(group.ops) for group in operations.modules) - shown
     head = "".join(f"<th>{escape(h)}</th>" for h in ("rank", "step", "phase", "module call / operation", "metric",
                                                      "ratio", "cause", "inputs"))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 
 from probes.cli import main
 from probes.compare import compare_dumps, format_report
-from probes.compare.html import render_html
+from probes.compare.html import HtmlConfig, render_html
 from probes.compare.results import AGREES, DIFFERS, NO_RECORD, UNPAIRED, module_record, op_name, relative_name
 from probes.compare.terminal import verdict
 from probes.dump.writer import DumpWriter
@@ -340,3 +341,16 @@ def test_windows_report_ops_exactly_as_one_read(tmp_path):
         assert windowed.to_json() == whole.to_json()
         assert format_report(windowed) == format_report(whole)
         assert render_html(windowed) == render_html(whole)
+
+
+def test_the_page_counts_the_operation_rows_it_leaves_out(tmp_path):
+    base, other = runs(tmp_path, bug={f"{M}.input.0": 1.01})
+    report = compare_dumps(base, other)
+    total = sum(1 + len(group.ops) for group in report.operations.modules)
+    for limit in (2, 5, total - 1, total, total + 5):
+        page = render_html(report, HtmlConfig(max_rows=limit))
+        section = page[page.index('id="operations"'):]
+        section = section[:section.index("</table>") + 200]
+        rows = section.count('<tr class="module">') + section.count('<tr class="op">')
+        more = re.search(r"(\d+) more rows in the JSON report \(operations\)", section)
+        assert rows + (int(more.group(1)) if more else 0) == total, limit
