@@ -246,17 +246,21 @@ def _scan_rows(block: SampleBlock, base: Values, other: Values, raw: np.ndarray,
     for row, line in enumerate(rows.tolist()):
         found.shown[line] = (worst_base.value(row, pairs.objects), worst_other.value(row, pairs.objects),
                              exact.get(row, float(largest[row])))
-    # Sums in position order, as one loop over the samples adds them.
-    dot, base_norm, other_norm = (np.zeros(len(rows)) for _ in range(3))
-    products = _products(base, other), _products(base, base), _products(other, other)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for j in range(raw.shape[1]):
-            take = usable[:, j]
-            for total, product in zip((dot, base_norm, other_norm), products):
-                total[take] += product[take, j]
+        dot, base_norm, other_norm = (_row_sums(_products(first, second), usable)
+                                      for first, second in ((base, other), (base, base), (other, other)))
         cosine = dot / np.sqrt(base_norm * other_norm)
     found.cosine[rows] = np.where((base_norm == 0) & (other_norm == 0), 1.0,
                                   np.where((base_norm == 0) | (other_norm == 0), 0.0, cosine))
+
+
+def _row_sums(values: np.ndarray, take: np.ndarray) -> np.ndarray:
+    """Per row the sum of the ``take`` entries of ``values``, in position order (as one loop over them adds)."""
+    total = np.zeros(len(values))
+    for j in range(values.shape[1]):
+        column = take[:, j]
+        total[column] += values[column, j]
+    return total
 
 
 def _both_ints(base: Values, other: Values) -> np.ndarray:
@@ -335,10 +339,7 @@ def _rms(diffs: np.ndarray, numbers: np.ndarray) -> np.ndarray:
     ``diffs / largest`` (no overflow) summed in position order, as one loop over the samples adds them."""
     largest = diffs.max(axis=1, initial=0.0)
     scale = np.where((largest > 0) & np.isfinite(largest), largest, 1.0)
-    total = np.zeros(len(diffs))
-    for j in range(diffs.shape[1]):
-        take = numbers[:, j]
-        total[take] += np.square(diffs[take, j] / scale[take])
+    total = _row_sums(np.square(diffs / scale[:, None]), numbers)
     found = scale * np.sqrt(total / np.maximum(numbers.sum(axis=1), 1))
     return np.where(np.isfinite(largest), found, np.inf)
 
@@ -374,6 +375,15 @@ class Measured:
     # identical to the base: every level 0)
     noise_ratio: np.ndarray | None = None
 
+    @classmethod
+    def broken(cls, where: np.ndarray) -> "Measured":
+        """Pairs that diverge where ``where`` says, by what only their RecordDiff shows (a structure field, a
+        count, the hash): ratio inf, worst code 1; no relative error, no moments yet."""
+        count = len(where)
+        return cls(np.where(where, np.inf, 0.0), where.copy(), np.zeros(count),
+                   np.where(where, WORST.index("structure"), 0).astype(np.int8), np.full(count, np.nan),
+                   np.full(count, np.nan), np.zeros((count, 2), dtype=bool), {})
+
     def reordered(self, order: np.ndarray) -> "Measured":
         """The same, pairs reordered."""
         return Measured(self.ratio[order], self.diverged[order], self.rel_error[order], self.worst[order],
@@ -388,9 +398,7 @@ def verdicts(evaluated: Evaluation, config_factor: float = 0.0) -> Measured:
     pairs = evaluated.pairs
     count = pairs.count
     unequal = evaluated.unequal
-    found = Measured(np.where(unequal, np.inf, 0.0), unequal.copy(), np.zeros(count),
-                     np.where(unequal, WORST.index("structure"), 0).astype(np.int8), np.full(count, np.nan),
-                     np.full(count, np.nan), np.zeros((count, 2), dtype=bool), {})
+    found = Measured.broken(unequal)
 
     def broke(metric: str, diff: np.ndarray, tolerance: np.ndarray, where: np.ndarray, values_b: np.ndarray,
               values_o: np.ndarray, nulls: np.ndarray) -> None:
@@ -460,11 +468,9 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     if config.exact:  # a pair diverges when its hashes differ (both missing: the same), whatever the tolerances
         changed = differs(*(loaded.table.column("hash").take(pa.array(at, pa.int64()))
                             for loaded, at in ((base, rows[0]), (other, rows[1]))))
-        found.diverged, found.ratio = changed, np.where(changed, np.inf, 0.0)
-        found.worst = np.where(changed, WORST.index("structure"), 0).astype(np.int8)  # a RecordDiff shows the hash
-        found.worst_base, found.worst_other = np.full(len(changed), np.nan), np.full(len(changed), np.nan)
-        found.worst_null = np.zeros((len(changed), 2), dtype=bool)
-        found.noise_ratio = None  # the moments and rel_error stay for the plots
+        exact = Measured.broken(changed)  # a RecordDiff shows the hash
+        exact.rel_error, exact.moments = found.rel_error, found.moments  # they stay for the plots
+        return exact
     return found
 
 
