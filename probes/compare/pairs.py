@@ -239,22 +239,14 @@ class _Columns:
         return Values(*fields)
 
     def lists(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(flat values, start offset per row, length per row; -1 for a null list), over every chunk."""
-        values, starts, lengths = [], [], []
-        base = 0
-        for chunk in self.table.column(name).chunks:
-            offsets = chunk.offsets.to_numpy()  # they index the chunk's whole child array
-            child = chunk.values.to_numpy(zero_copy_only=False)
-            values.append(child)
-            starts.append(offsets[:-1] + base)
-            lengths.append(np.where(chunk.is_null().to_numpy(zero_copy_only=False), -1, np.diff(offsets)))
-            base += len(child)
-        if not values:
-            return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
-        if len(values) == 1:  # read_dump's one chunk: its values as they are (samples are tens of MB)
-            return values[0], starts[0].astype(np.int64, copy=False), lengths[0].astype(np.int64, copy=False)
-        return (np.concatenate(values), np.concatenate(starts).astype(np.int64, copy=False),
-                np.concatenate(lengths).astype(np.int64, copy=False))
+        """(flat values, start offset per row, length per row; -1 for a null list)."""
+        column = self.table.column(name)
+        # read_dump's one chunk as it is (samples are tens of MB); several are joined
+        lists = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+        offsets = lists.offsets.to_numpy()  # they index the whole child array
+        lengths = np.where(lists.is_null().to_numpy(zero_copy_only=False), -1, np.diff(offsets))
+        return (lists.values.to_numpy(zero_copy_only=False), offsets[:-1].astype(np.int64, copy=False),
+                lengths.astype(np.int64, copy=False))
 
 
 def _decoded(items: list[Any], objects: list[Any]) -> Values:
