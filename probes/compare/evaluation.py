@@ -146,9 +146,7 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     ``summaries=False``: the samples' worst index, count, largest |diff| and cosine, which only a RecordDiff
     shows, are left at their defaults (None, 0, 0, 1); the verdicts (``verdicts``) do not read them.
     """
-    unequal = np.zeros(pairs.count, dtype=bool)
-    for found in pairs.unequal.values():
-        unequal |= found
+    unequal = np.logical_or.reduce(list(pairs.unequal.values()))
     statistics = (np.where(numbers(pairs.base[name]), pairs.base[name].floats, np.nan)
                   for name in ("numel", "mean", "std"))
     single, aggregate = _bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
@@ -327,10 +325,7 @@ def noise_level(pairs: Pairs) -> np.ndarray:
         for column, name in enumerate(NOISED):
             levels[:, column] = (values if name in ("min", "max", "samples") else
                                  np.maximum(changes[name], floor * root if name == "norm" else floor))
-    structure = np.zeros(count, dtype=bool)
-    for name in STRUCTURE:
-        structure |= pairs.unequal[name]
-    levels[structure] = np.nan
+    levels[np.logical_or.reduce([pairs.unequal[name] for name in STRUCTURE])] = np.nan
     return levels
 
 
