@@ -115,7 +115,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, r
         only_in_other, zero_other = _split_zero_grads(only_in_other, other, base)
         zero_grads = _in_order(zero_base, zero_other, base, other)
     tick(3)
-    report = Report(str(base.path), str(other.path), _noise_label([str(run.path) for run in runs]), config, records,
+    noise = ", ".join(str(run.path) for run in runs) or None  # the calibration runs a report names
+    report = Report(str(base.path), str(other.path), noise, config, records,
                     base.keys(only_in_base), other.keys(only_in_other), base.steps_by_rank, other.steps_by_rank,
                     {"base": base.unfinished, "other": other.unfinished}, noise_unmatched=noise_unmatched,
                     zero_grads=zero_grads, renamed=renamed,
@@ -125,15 +126,10 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, r
     report.first_divergence = _first_divergence(report, base, other, common)
     report.operations = find_operations(base, other, pairs, records, common, report.first_divergence)
     report.first_nonfinite = {"base": _first_nonfinite(base), "other": _first_nonfinite(other)}
+    tick(4)
     if meter:
-        meter.update(4)
         meter.close()
     return report
-
-
-def _noise_label(paths: Sequence[str]) -> str | None:
-    """What a report names as its noise: the calibration run, several joined by ", ", or None."""
-    return ", ".join(paths) if paths else None
 
 
 def _noise(base: LoadedDump, runs: Sequence[LoadedDump], rows: np.ndarray) -> tuple[np.ndarray, int]:
@@ -417,7 +413,7 @@ def _joined(windows: Sequence[_Window], parts: Sequence[tuple[Report, _Spilled]]
         for side, items in window.damaged.items():
             damaged.setdefault(side, []).extend(items)
     base, other, *noise = windows[0].paths
-    report = Report(base, other, _noise_label(noise), CompareConfig(**windows[0].config),  # type: ignore[arg-type]
+    report = Report(base, other, ", ".join(noise) or None, CompareConfig(**windows[0].config),  # type: ignore[arg-type]
                     records, [key for window in reports for key in window.only_in_base],
                     [key for window in reports for key in window.only_in_other],
                     _union(window.base_steps for window in reports), _union(window.other_steps for window in reports),

@@ -29,8 +29,8 @@ from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, 
 from .reading import LoadedDump, rms
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
-__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_level",
-           "noise_levels", "record_diffs"]
+__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_levels",
+           "record_diffs"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
 NOISED = (*MOMENTS, "samples")
@@ -141,7 +141,7 @@ def _floats(values: Values) -> np.ndarray:
 def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = None, *,
              summaries: bool = True) -> Evaluation:
     """Every metric of ``pairs`` under ``config`` (see docs/compare.md); ``noise``: per pair and statistic
-    (``NOISED``, a column each) the noise level, nan where there is none (``noise_level``).
+    (``NOISED``, a column each) the noise level, nan where there is none (``noise_levels``).
 
     ``summaries=False``: the samples' worst index, count, largest |diff| and cosine, which only a RecordDiff
     shows, are left at their defaults (None, 0, 0, 1); the verdicts (``verdicts``) do not read them.
@@ -288,9 +288,10 @@ def _exact_largest(base: Values, other: Values, diff: np.ndarray, usable: np.nda
     return found
 
 
-def noise_level(pairs: Pairs) -> np.ndarray:
-    """Per pair of the base run and a calibration run (``perturbed_rounding``) and per statistic of ``NOISED``
-    (a column each): the noise level, how much calibration says the statistic moves (docs/compare.md, Noise floor).
+def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Per pair ``rows`` of the base run and a calibration run (``perturbed_rounding``) and per statistic of
+    ``NOISED`` (a column each): the noise level, how much calibration says the statistic moves (docs/compare.md,
+    Noise floor).
 
     With ``d`` the change of a statistic from the base record to its calibration counterpart and ``n`` the base
     record's finite values:
@@ -305,6 +306,7 @@ def noise_level(pairs: Pairs) -> np.ndarray:
     Only values both records hold as finite numbers count. nan in the whole row where shape, dtype or numel
     differ (nothing to calibrate from).
     """
+    pairs = from_columns(base, noise, rows)[0]
     count = pairs.count
     changes = {}
     for name in MOMENTS:
@@ -469,12 +471,6 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     return found
 
 
-def noise_levels(base: LoadedDump, noise: LoadedDump, rows: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Per pair of the base run and a calibration run (``rows``) and per statistic (``NOISED``, a
-    column each): the noise level, nan where there is none."""
-    return noise_level(from_columns(base, noise, rows)[0])
-
-
 def record_diffs(base_dump: LoadedDump, other_dump: LoadedDump, rows: tuple[np.ndarray, np.ndarray],
                  config: CompareConfig, noise: np.ndarray | None = None) -> list[RecordDiff]:
     """One RecordDiff per pair ``rows`` (base rows, other rows: the same rank, step, phase and name), read from
@@ -548,8 +544,7 @@ def _keys(loaded: LoadedDump, rows: np.ndarray) -> list[tuple[int, int, str, str
 
 def _levels(row: np.ndarray) -> dict[str, float] | None:
     """A record's noise levels by statistic (those it has), None when it has none."""
-    found = {name: float(level) for name, level in zip(NOISED, row.tolist()) if not math.isnan(level)}
-    return found or None
+    return {name: float(level) for name, level in zip(NOISED, row.tolist()) if not math.isnan(level)} or None
 
 
 def _floor(config: CompareConfig, levels: np.ndarray | None, row: int) -> float | None:
