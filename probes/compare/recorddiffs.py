@@ -34,10 +34,9 @@ Row = tuple[int, str, str]  # rank, phase, name: a row of the heatmap, a line of
 @dataclass
 class Summary:
     """What the report's tables and plots read of every record of a part of them (a window), computed once where
-    the part's arrays are in memory (``RecordDiffs.summary``) and merged part by part, in execution order:
-    per step its records, diverged records and worst record; the part's records of the largest ratio; its
-    diverged records; per row (rank, phase, name) its first record's step and seq and its largest ratio.
-    Rows (of the part) are numbered in the order of ``rows``; ``RecordDiffs.row_of`` gives each record's."""
+    the part's arrays are in memory (``RecordDiffs.summary``) and merged part by part, in execution order. Rows
+    (rank, phase, name) of the part are numbered in the order of ``rows``; ``RecordDiffs.row_of`` gives each
+    record's."""
 
     steps: np.ndarray  # distinct steps, sorted
     matched: np.ndarray  # per step: records
