@@ -438,9 +438,7 @@ def _noise_ratio(evaluated: Evaluation, factor: float) -> np.ndarray:
     samples = evaluated.samples
     metrics = [(moment.diff, moment.noise, moment.compared) for moment in evaluated.moments.values()]
     metrics.append((samples.largest, samples.noise, samples.has))
-    has_level = np.zeros(evaluated.pairs.count, dtype=bool)  # a level above 0: calibration measured something
-    for _, level, _ in metrics:
-        has_level |= level > 0
+    has_level = np.logical_or.reduce([level > 0 for _, level, _ in metrics])  # calibration measured something
     found = np.where(has_level, 0.0, np.nan)
     for diff, level, where in metrics:
         usable = where & ~np.isnan(level)
@@ -474,8 +472,8 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
 def record_diffs(base_dump: LoadedDump, other_dump: LoadedDump, rows: tuple[np.ndarray, np.ndarray],
                  config: CompareConfig, noise: np.ndarray | None = None) -> list[RecordDiff]:
     """One RecordDiff per pair ``rows`` (base rows, other rows: the same rank, step, phase and name), read from
-    the evaluation of the pairs; ``noise``: per pair and statistic (``NOISED``, a column each) the noise level,
-    nan where there is none (None: no calibration run). With ``config.exact`` the one metric is the hash."""
+    the evaluation of the pairs; ``noise``: as ``evaluate``'s (None: no calibration run). With ``config.exact``
+    the one metric is the hash."""
     count = len(rows[0])
     keys = _keys(base_dump, rows[0])
     levels = None if noise is None else np.asarray(noise, np.float64).reshape(count, len(NOISED))
