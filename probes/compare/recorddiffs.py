@@ -127,22 +127,6 @@ class RecordDiffs(Sequence[RecordDiff]):
         self._built: dict[int, RecordDiff] = {}
         self._summary = summary  # (the Summary, per record its row), computed when first asked for
 
-    @classmethod
-    def of(cls, records: Sequence[RecordDiff]) -> "RecordDiffs":
-        """Arrays for RecordDiff objects already built (a report made by hand)."""
-        phases = sorted({r.phase for r in records})
-        names = sorted({r.name for r in records})
-        phase_code, name_code = {p: i for i, p in enumerate(phases)}, {n: i for i, n in enumerate(names)}
-        kept = list(records)
-        return cls(rank=np.array([r.rank for r in kept], np.int64), step=np.array([r.step for r in kept], np.int64),
-                   seq=np.array([r.seq for r in kept], np.int64),
-                   phase=np.array([phase_code[r.phase] for r in kept], np.int64),
-                   name=np.array([name_code[r.name] for r in kept], np.int64), labels=(phases, names),
-                   ratio=np.array([r.ratio for r in kept], np.float64),
-                   diverged=np.array([r.diverged for r in kept], bool),
-                   rel_error=np.array([r.rel_error for r in kept], np.float64),
-                   build=lambda rows: [kept[row] for row in rows.tolist()])
-
     def built(self, rows: np.ndarray) -> dict[int, RecordDiff]:
         """The RecordDiff objects of ``rows`` by row (built now where they were not): what a window hands on."""
         rows = np.unique(np.asarray(rows, np.int64))
