@@ -1,6 +1,6 @@
 """A dump in the original onnxruntime hooks' own layout, for scripts and tests written against it.
 
-    export_ort_layout("pt_out", Path("pt_ort"))       # pt_ort/step_<i>/order.txt and one file per record
+    write_ort_layout(ExportOptions(dump="pt_out", output="pt_ort", format="ort"))   # pt_ort/step_<i>/order.txt, ...
 
 The original ``StatisticsSubscriber`` wrote, per step, a directory ``step_<i>`` holding one text file
 per tensor and phase, named ``<Class>_<module index>_<i>th_output_forward`` (``..._backward``), and an
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from ..dump.layout import safe_component
 from ..dump.legacy import legacy_block, legacy_file_name
@@ -26,17 +25,12 @@ from ..dump.record import Record, execution_order
 from ..utils.phases import OBSERVED
 from .output import ExportOptions, ExportSummary, atomic_output, check_output, ranks_of, select_files
 
-__all__ = ["export_ort_layout", "write_ort_layout"]
-
-
-def export_ort_layout(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
-    """Writes ``output/step_<i>/`` directories in the original onnxruntime hooks' layout (see the module;
-    ``options``: ``ExportOptions``' keywords, but ``format``)."""
-    return write_ort_layout(ExportOptions(dump=dump, output=output, format="ort", **options))
+__all__ = ["write_ort_layout"]
 
 
 def write_ort_layout(options: ExportOptions) -> ExportSummary:
-    """``export_ort_layout`` of ``options`` (what ``export_dump`` calls)."""
+    """Writes ``options.output/step_<i>/`` directories in the original onnxruntime hooks' layout (see the
+    module); what ``export_dump`` calls."""
     dump, output, rank = options.dump, options.output, options.rank
     check_output(output, dump, overwrite=options.overwrite)
     reader, files = select_files(dump, rank=rank)

@@ -1,8 +1,7 @@
 """A dump as one text file: JSON Lines (one strict JSON object per record) or CSV (one row per record).
 
-    export_jsonl("pt_out", Path("pt.jsonl"))
-    export_csv("pt_out", Path("pt.csv"), rank=0)       # pandas.read_csv("pt.csv") reads it as it is
     write_text(ExportOptions(dump="pt_out", output="pt.csv", format="csv"))    # what export_dump calls
+    # pandas.read_csv("pt.csv") reads it as it is
 
 Records come in the dump's order: rank, step, then the order the step file holds. JSON Lines keeps
 every key of a record; a NaN or infinite number, which strict JSON cannot hold, is written as the
@@ -17,14 +16,13 @@ import csv
 import json
 import math
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, TextIO
 
 from ..dump import Record
 from ..dump.record import REQUIRED_FIELDS
 from .output import ExportOptions, ExportSummary, atomic_output, check_output, select_files
 
-__all__ = ["CSV_COLUMNS", "export_csv", "export_jsonl", "write_text"]
+__all__ = ["CSV_COLUMNS", "write_text"]
 
 # Where and when first, then every other field a record can have, in the record type's own order.
 CSV_COLUMNS: tuple[str, ...] = (*REQUIRED_FIELDS,
@@ -85,14 +83,3 @@ def write_text(options: ExportOptions) -> ExportSummary:
         write(records(), out)
     return ExportSummary.of(options.format, options.output, count, files)
 
-
-def export_jsonl(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
-    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as JSON Lines (``options``:
-    ``ExportOptions``' keywords, but ``format``)."""
-    return write_text(ExportOptions(dump=dump, output=output, format="jsonl", **options))
-
-
-def export_csv(dump: str | Path, output: str | Path, **options: Any) -> ExportSummary:
-    """Writes every record of ``dump`` (of ``rank`` only, if given) to ``output`` as CSV with ``CSV_COLUMNS``
-    (``options``: ``ExportOptions``' keywords, but ``format``)."""
-    return write_text(ExportOptions(dump=dump, output=output, format="csv", **options))

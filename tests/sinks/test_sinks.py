@@ -21,8 +21,7 @@ from probes.dump import load_dump
 from probes.dump.writer import DumpWriter
 from dump_records import write_record
 from probes.sinks import LiveTensorBoard, export_dump, write_tensorboard
-from probes.sinks.ort_layout import export_ort_layout
-from probes.sinks.tabular import CSV_COLUMNS, export_csv, export_jsonl
+from probes.sinks.tabular import CSV_COLUMNS
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -159,7 +158,7 @@ def strict_loads(line):
 
 
 def test_jsonl_is_strict_json_with_every_key_of_every_record(dump, tmp_path):
-    summary = export_jsonl(dump, tmp_path / "run.jsonl")
+    summary = export_dump(dump, tmp_path / "run.jsonl", format="jsonl")
     lines = (tmp_path / "run.jsonl").read_text().splitlines()
     assert [strict_loads(line) for line in lines] == load_dump(dump)
     assert summary.records == len(lines) and str(summary).startswith(f"{len(lines)} records of {STEPS} steps")
@@ -177,10 +176,10 @@ def synthetic_dump(path, samples=(1.5, math.nan, math.inf, -math.inf)):
 
 def test_non_finite_numbers_in_jsonl_and_csv(tmp_path):
     run = synthetic_dump(tmp_path / "run")
-    export_jsonl(run, tmp_path / "run.jsonl")
+    export_dump(run, tmp_path / "run.jsonl", format="jsonl")
     (row,) = [strict_loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
     assert row["samples"] == [1.5, "NaN", "Infinity", "-Infinity"] and row["custom_key"] == {"k": 1}
-    export_csv(run, tmp_path / "run.csv")
+    export_dump(run, tmp_path / "run.csv", format="csv")
     with open(tmp_path / "run.csv", newline="") as file:
         (line,) = list(csv.DictReader(file))
     assert float(line["min"]) == -1e-30 and float(line["max"]) == 0.1 + 0.2 and line["mean"] == ""
@@ -212,7 +211,7 @@ ORIGINAL_HEADER = re.compile(r"^(>*)(\w+_\d+_\d+th_output) (forward|backward) ru
 
 
 def test_ort_layout_has_the_originals_files_order_and_header(dump, tmp_path):
-    summary = export_ort_layout(dump, tmp_path / "ort")
+    summary = export_dump(dump, tmp_path / "ort", format="ort")
     records = load_dump(dump)
     assert sorted(p.name for p in (tmp_path / "ort").iterdir()) == [f"step_{s}" for s in range(STEPS)]
     for step in range(STEPS):
@@ -238,7 +237,7 @@ def test_ort_layout_names_match_the_original_onnxruntime_subscribers(dump, tmp_p
         from onnxruntime.training.utils.hooks._subscriber_manager import SubscriberManager as OriginalManager
         train(model(), hooks.StatisticsSubscriber(str(tmp_path / "original"), override_output_dir=True),
               manager_type=OriginalManager)
-    export_ort_layout(dump, tmp_path / "ours")
+    export_dump(dump, tmp_path / "ours", format="ort")
     original_steps = sorted(p.name for p in (tmp_path / "original").iterdir())
     assert original_steps == sorted(p.name for p in (tmp_path / "ours").iterdir())
     for step_dir in original_steps:
@@ -258,7 +257,7 @@ def test_ort_layout_keeps_names_from_the_model_inside_the_step_directory(tmp_pat
     write_record(writer, 0, {"name": "m.output.0", "phase": "recompute", "seq": 9, "legacy_name": "Linear_2_0th_output"})
     writer.finish_step(0)
     writer.close()
-    summary = export_ort_layout(tmp_path / "run", tmp_path / "ort")
+    summary = export_dump(tmp_path / "run", tmp_path / "ort", format="ort")
     files = sorted(p.name for p in (tmp_path / "ort" / "step_0").iterdir())
     assert files == sorted(["%2E.%2F..%2Fescaped_forward", "%2Fabs%2Fpath_forward", "Linear_1_0th_output_forward",
                             "Linear_1_0th_output_forward_call1", "order.txt"])
@@ -270,14 +269,14 @@ def test_an_existing_output_is_kept_unless_overwrite(dump, tmp_path):
     target = tmp_path / "run.csv"
     target.write_text("precious\n")
     with pytest.raises(FileExistsError, match="--overwrite"):
-        export_csv(dump, target)
+        export_dump(dump, target, format="csv")
     assert target.read_text() == "precious\n"
     (tmp_path / "ort").mkdir()
     (tmp_path / "ort" / "mine.txt").write_text("mine")
     with pytest.raises(FileExistsError):
-        export_ort_layout(dump, tmp_path / "ort")
+        export_dump(dump, tmp_path / "ort", format="ort")
     assert (tmp_path / "ort" / "mine.txt").read_text() == "mine"
-    export_ort_layout(dump, tmp_path / "ort", overwrite=True)
+    export_dump(dump, tmp_path / "ort", format="ort", overwrite=True)
     assert not (tmp_path / "ort" / "mine.txt").exists() and (tmp_path / "ort" / "step_0" / "order.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ort", "run.csv"]  # no temporary left
 
@@ -288,21 +287,21 @@ def test_a_damaged_dump_leaves_the_previous_output_whole(tmp_path):
         write_record(writer, step, {"name": "fc.output.0", "phase": "forward", "seq": 0})
         writer.finish_step(step)
     writer.close()
-    export_jsonl(tmp_path / "run", tmp_path / "out.jsonl")
+    export_dump(tmp_path / "run", tmp_path / "out.jsonl", format="jsonl")
     before = (tmp_path / "out.jsonl").read_bytes()
     step_file = tmp_path / "run" / "rank_0" / "step_000001.parquet"
     step_file.write_bytes(step_file.read_bytes()[:-3])  # cut the file short
     with pytest.raises(ValueError, match="truncated"):
-        export_jsonl(tmp_path / "run", tmp_path / "out.jsonl", overwrite=True)
+        export_dump(tmp_path / "run", tmp_path / "out.jsonl", format="jsonl", overwrite=True)
     assert (tmp_path / "out.jsonl").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "run"]
 
 
 def test_bad_requests_are_clear_errors(dump, tmp_path):
     with pytest.raises(ValueError, match="inside the dump"):
-        export_csv(dump, dump / "x.csv")
+        export_dump(dump, dump / "x.csv", format="csv")
     with pytest.raises(ValueError, match="no finished step of rank 3 .*its ranks: 0"):
-        export_csv(dump, tmp_path / "x.csv", rank=3)
+        export_dump(dump, tmp_path / "x.csv", format="csv", rank=3)
     with pytest.raises(ValueError, match="unknown export format 'parquet'; choose from jsonl, csv, ort"):
         export_dump(dump, tmp_path / "x", format="parquet")
 
