@@ -10,6 +10,8 @@ already been imported by the user's program, so importing probes never imports O
     inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
     _ort_compat.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
     with _ort_compat.ortmodule_threads(1): ...   # ORTModule sessions built inside: 1 intra-op thread, no spinning
+    _ort_compat.route_left_out_steps(model, LeftOutRoute(left_out=..., finish=...))  # unprobed graph for them
+    if _ort_compat.exporting_unprobed(): ...     # ORTModule exports that graph: hooks insert nothing
 
 One version check (``SUPPORTED_ORT``) runs before ORT's internals are used or when they are not as expected.
 """
@@ -319,6 +321,63 @@ def reexport_when_requires_grad_changes(exported_probes: Callable[[], int]) -> N
 
 
 _GEM_MODULE = "onnxruntime.training.ortmodule._graph_execution_manager"
+_INFERENCE_MANAGER_MODULE = "onnxruntime.training.ortmodule._inference_manager"
+
+
+# Steps no subscriber records: run on a second graph, exported without probes -------------------------
+
+@dataclass(frozen=True)
+class LeftOutRoute:
+    """How ORTModule runs the forwards of one model whose step no subscriber records.
+
+    ``left_out()`` is asked at every ORTModule forward of the model; when True, the forward runs on a graph
+    of its own, exported once per mode (training, inference) while ``exporting_unprobed()`` is True (the
+    probes' hooks then insert nothing), and ``finish(outputs)`` turns that forward's outputs into what the
+    caller gets (the step's bookkeeping, done eagerly). When False, ORT's own managers run the probed graph.
+    """
+
+    left_out: Callable[[], bool]
+    finish: Callable[[Any], Any]
+
+
+def route_left_out_steps(model: torch.nn.Module, route: LeftOutRoute) -> Handle:
+    """Run ``model``'s left-out ORTModule forwards as ``route`` says, once ``switch_left_out_steps()`` is
+    installed (the model may be wrapped in ORTModule before or after); ``remove()`` ends it and drops the
+    unprobed graphs. Needs no onnxruntime: without it, nothing asks the route."""
+    _PATCHES.routes[model] = route
+    model_ref = weakref.ref(model)
+
+    def remove() -> None:
+        model = model_ref()
+        if model is not None and _PATCHES.routes.get(model) is route:
+            del _PATCHES.routes[model]
+            _PATCHES.drop_twins(model)
+
+    return Handle(remove)
+
+
+def switch_left_out_steps() -> None:
+    """Make ORTModule's training and inference managers ask the routes of ``route_left_out_steps``
+    (idempotent). ORT 1.19 has one execution manager per mode, each holding one exported graph; a left-out
+    forward goes to a second manager of the same class (its "twin", built on the first left-out forward
+    of that mode), which exports and runs the model as it is while ``exporting_unprobed()`` holds. The twin
+    takes the module's parameters as graph inputs, as the first does, so both train the same weights."""
+    _check_version()
+    classes = []
+    for module_name, name in ((_TRAINING_MANAGER_MODULE, "TrainingManager"), (_INFERENCE_MANAGER_MODULE, "InferenceManager")):
+        cls = getattr(importlib.import_module(module_name), name, None)
+        if cls is None or not callable(cls.__dict__.get("forward")):
+            raise OrtInternalsError(
+                f"{module_name}.{name}.forward is missing; probes cannot run left-out steps on an unprobed graph "
+                "(see exporters/_ort_compat.py)"
+            )
+        classes.append(cls)
+    _PATCHES.install_left_out_switch(classes)
+
+
+def exporting_unprobed() -> bool:
+    """True while ORTModule runs a forward of a left-out step (its first one exports the unprobed graph)."""
+    return _PATCHES.unprobed_runs > 0
 
 
 def ortmodule_threads(intra_op_threads: int, *, spinning: bool = False) -> Handle:
@@ -390,6 +449,63 @@ class _OrtPatches:
         # ORTModule's session options: (intra-op threads, spinning) for sessions built from now on, or None.
         self.threads: tuple[int, bool] | None = None
         self.original_session_config: Callable[..., Any] | None = None
+        # Left-out steps: each routed model's route, each ORT manager's unprobed twin, and the twins themselves.
+        self.routes: "weakref.WeakKeyDictionary[torch.nn.Module, LeftOutRoute]" = weakref.WeakKeyDictionary()
+        self.twin_of: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self.twins: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.left_out_switched = False
+        self.unprobed_runs = 0  # twins' forwards running now (more than one: a model nested in another)
+
+    def install_left_out_switch(self, classes: list[type]) -> None:
+        if self.left_out_switched:
+            return
+        for cls in classes:
+            cls.forward = self.switching(cls.forward)
+        self.left_out_switched = True
+
+    def switching(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(manager: Any, *inputs: Any, **kwargs: Any) -> Any:
+            route = self.route_of(manager) if self.routes else None
+            if route is None or not route.left_out():
+                return original(manager, *inputs, **kwargs)
+            twin = self.twin_of.get(manager)
+            if twin is None:
+                twin = self.twin_of[manager] = self.twin(manager)
+            self.unprobed_runs += 1
+            try:
+                outputs = twin.forward(*inputs, **kwargs)  # the twin is no routed manager: ORT's forward
+            finally:
+                self.unprobed_runs -= 1
+            return route.finish(outputs)
+
+        return forward
+
+    def route_of(self, manager: Any) -> LeftOutRoute | None:
+        if manager in self.twins:
+            return None
+        try:
+            model = manager._flattened_module._original_module
+        except AttributeError as error:
+            raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
+        return self.routes.get(model)
+
+    def twin(self, manager: Any) -> Any:
+        """A manager of ``manager``'s class on the same flattened module, options and fallback, with no graph yet."""
+        try:
+            twin = type(manager)(manager._flattened_module, manager._debug_options, manager._fallback_manager,
+                                 manager._logger)
+        except (AttributeError, TypeError) as error:
+            raise OrtInternalsError(
+                f"cannot build a second ORT {type(manager).__name__} for left-out steps ({error}); "
+                "see exporters/_ort_compat.py"
+            ) from error
+        self.twins.add(twin)
+        return twin
+
+    def drop_twins(self, model: torch.nn.Module) -> None:
+        for manager in [m for m in self.twin_of if m._flattened_module._original_module is model]:
+            del self.twin_of[manager]
 
     def install_threads(self, cls: type, threads: tuple[int, bool] | None) -> None:
         self.threads = threads

@@ -11,6 +11,8 @@ Without onnxruntime installed this does nothing and imports nothing. If ORT is i
   the node of exporters/pythonop.py (same attributes as ORT's default, plus the site name);
 - ORT's PythonOp kernels get each Function's class, ``infer_shape`` and ``alias_input``, so ORT keeps
   the shapes and returns the probes' outputs in their inputs' buffers instead of copying them;
+- the forwards of steps no subscriber records run on a second graph, exported once per mode without the
+  probes (``_ort_compat.route_left_out_steps``: the probes say which steps, and count them);
 - a training graph with probes is exported again when which parameters or inputs require grad changes
   (ORT would only rebuild its gradient graph): its probes learn at export which tensors eager
   differentiates (``probes.core.differentiable``).
@@ -85,6 +87,8 @@ class _OrtInstallation:
         if not self.installed:
             # The probes learn at each export what eager differentiates: a change of requires_grad re-exports.
             _ort_compat.reexport_when_requires_grad_changes(lambda: self.exported_probes)
+            # Steps no subscriber records run on a graph exported without probes (no PythonOp call).
+            _ort_compat.switch_left_out_steps()
             self.installed = True
             on_register(_install_spec)
 

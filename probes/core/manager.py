@@ -176,6 +176,9 @@ class SubscriberManager:
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
         self._register_hooks(root)
+        # Under ORTModule, a step no subscriber records runs on a graph exported without the probes.
+        self._handles.append(_ort_compat.route_left_out_steps(
+            root, _ort_compat.LeftOutRoute(left_out=self._left_out_now, finish=self._finish_left_out)))
         REGISTRY.holders[root] = self
         REGISTRY.live.add(self)
         self._wrapper_ref = weakref.ref(model) if model is not root else None
@@ -387,6 +390,9 @@ class SubscriberManager:
 
     def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                 args: tuple, kwargs: dict, ops: ProbeSite | None) -> tuple[tuple, dict]:
+        if is_root and _ort_compat.exporting_unprobed():  # ORT exports the graph of left-out steps: no probe
+            self._left_out_forward = True
+            return args, kwargs
         if is_root:  # the whole eager forward is left out when its step is: its modules' hooks return at once
             probes_now = self._probes_now()
             self._left_out_forward = not (self._builders or probes_now)
@@ -414,6 +420,8 @@ class SubscriberManager:
             recorder.leave(site.module_index)
         if is_root:
             self._left_out_forward = False
+            if _ort_compat.exporting_unprobed():
+                return outputs
         probe = probe and self._probes_now()
         if not (probe or is_root or self._builders):
             return outputs
@@ -455,6 +463,16 @@ class SubscriberManager:
         insert them: an exported graph (ORTModule's, a trace) serves every later step."""
         return self.tracker.observed_now() or _ort_compat.is_exporting()
 
+    def _left_out_now(self) -> bool:
+        """Whether an ORTModule forward beginning now runs the graph without probes: nothing would be recorded
+        (as for an eager root forward, ``_eager_pre_forward_hook``) and nothing builds the graph."""
+        return not (self._builders or self.tracker.observed_now())
+
+    def _finish_left_out(self, outputs: Any) -> Any:
+        """The outputs of an ORTModule forward run without probes, through the step boundary (applied eagerly,
+        as in an eager left-out step): the step is counted and closed as the probed graph's boundary would."""
+        return self._apply_to_tensors(self._module_sites[0][1], outputs, boundary=True)
+
     def _run_by_compiler(self, site: ProbeSite) -> bool:
         """Whether torch.compile, not the model, runs ``site``'s module now: the module is inside a call the
         compiler keeps whole as one graph node, and runs on its stand-in tensors while the compiler traces
@@ -474,7 +492,8 @@ class SubscriberManager:
     def _schema_run_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
         """ORTModule's eager run of the model before a training export runs with grad enabled, so the probes
         learn which of their tensors eager differentiates (``probes.core.differentiable``)."""
-        if torch.compiler.is_compiling() or not root.training or not _ort_compat.is_ort_schema_run():
+        if (torch.compiler.is_compiling() or not root.training or not _ort_compat.is_ort_schema_run()
+                or _ort_compat.exporting_unprobed()):
             return None
         return self.tracker.differentiable.learning()
 
