@@ -429,11 +429,12 @@ def _post_export_process(**kwargs: Any) -> Any:
 
 
 class _OrtPatches:
-    """What this adapter changed in the imported onnxruntime: its exit release, its export steps and the
-    training forward that exports a graph with probes again when requires_grad changes.
+    """What this adapter changed in the imported onnxruntime: its exit release, its export steps, the
+    training forward that exports a graph with probes again when requires_grad changes, and the training and
+    inference forwards that run left-out steps on an unprobed twin manager.
 
-    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps and the training
-    forward are methods of ORT's GraphTransitionManager and TrainingManager classes, shared by every
+    Process-wide: ORT's PythonOp function pool is a C++ static, and the export steps and the forwards are
+    methods of ORT's GraphTransitionManager, TrainingManager and InferenceManager classes, shared by every
     ORTModule of the process.
     """
 

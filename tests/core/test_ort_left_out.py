@@ -5,7 +5,7 @@ Training is the same with probes at any cadence as without them."""
 from __future__ import annotations
 
 import collections
-import copy
+import contextlib
 
 import pytest
 import torch
@@ -45,9 +45,9 @@ def ortmodule(model):
     return ORTModule(model)
 
 
-def train(model, inner, calls, eager_calls, steps=STEPS, around=None):
-    """SGD steps; per step its loss, and the eager forwards of ``inner``'s first block (exports only: ORT's
-    graph runs no Python module)."""
+def train(model, calls, eager_calls, steps=STEPS, around=None):
+    """SGD steps; per step its loss, and how many times its first block's Python forward ran (``eager_calls``
+    of ``counted_model``: in ORT's exports only, its graph runs no Python module)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, eager = [], []
     for step in range(steps):
@@ -55,7 +55,7 @@ def train(model, inner, calls, eager_calls, steps=STEPS, around=None):
         before = eager_calls[0]
         batch = make_batch(CONFIG, batch_size=4, seed=step)
         optimizer.zero_grad()
-        with around(step) if around is not None else _nothing():
+        with around(step) if around is not None else contextlib.nullcontext():
             loss = model(batch["tokens"], labels=batch["labels"])
             loss.backward()
         optimizer.step()
@@ -63,14 +63,6 @@ def train(model, inner, calls, eager_calls, steps=STEPS, around=None):
         eager.append(eager_calls[0] - before)
     calls.step = None
     return losses, eager
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def counted_model():
@@ -91,7 +83,7 @@ def test_left_out_steps_run_an_unprobed_ort_graph_and_train_as_without_probes(py
         if case == "probes":
             manager.subscribe(inner, [every, chosen])
         pythonop_calls.clear()
-        losses, eager = train(ortmodule(inner), inner, pythonop_calls, eager_calls)
+        losses, eager = train(ortmodule(inner), pythonop_calls, eager_calls)
         grads = {name: p.grad.clone() for name, p in inner.named_parameters()}
         weights = {name: p.detach().clone() for name, p in inner.named_parameters()}
         runs[case] = losses, grads, weights, dict(pythonop_calls), eager
@@ -131,8 +123,8 @@ def test_pause_resume_evaluation_and_unsubscribe_switch_between_the_ort_graphs(p
         return logits
 
     paused = {1, 2}
-    losses, _ = train(model, inner, pythonop_calls, eager_calls, steps=4,
-                      around=lambda step: manager.paused() if step in paused else _nothing())
+    losses, _ = train(model, pythonop_calls, eager_calls, steps=4,
+                      around=lambda step: manager.paused() if step in paused else contextlib.nullcontext())
     assert manager.step == 2 and recorder.step_ends == [0, 1]  # paused steps are no steps
     assert pythonop_calls[1] == pythonop_calls[2] == 0 and pythonop_calls[0] > 0 and pythonop_calls[3] > 0
     assert {c.step for c in recorder.calls} == {0, 1} and all(c.by_ort for c in recorder.calls)
@@ -154,10 +146,10 @@ def test_pause_resume_evaluation_and_unsubscribe_switch_between_the_ort_graphs(p
     # Unsubscribed: ORT runs the model's own graph again (exported anew), no probe, same training.
     manager.unsubscribe()
     pythonop_calls.clear()
-    train(model, inner, pythonop_calls, eager_calls, steps=2)
+    train(model, pythonop_calls, eager_calls, steps=2)
     assert not any(pythonop_calls.values()) and recorder.step_ends == [0, 1, 2]
     reference_inner, reference_calls = counted_model()
-    reference = train(ortmodule(reference_inner), reference_inner, collections.Counter(), reference_calls, steps=4)[0]
+    reference = train(ortmodule(reference_inner), collections.Counter(), reference_calls, steps=4)[0]
     assert losses == reference
 
 
@@ -171,6 +163,6 @@ def test_a_subscriber_that_builds_the_graph_keeps_every_ort_step_on_the_probed_g
     inner, eager_calls = counted_model()
     manager = SubscriberManager()
     manager.subscribe(inner, [Recorder(every_n_steps=2), Builder()])
-    train(ortmodule(inner), inner, pythonop_calls, eager_calls, steps=2)
+    train(ortmodule(inner), pythonop_calls, eager_calls, steps=2)
     manager.unsubscribe()
     assert pythonop_calls[0] > 0 and pythonop_calls[1] > 0  # the builder's graph runs every step
