@@ -364,7 +364,8 @@ def switch_left_out_steps() -> None:
     takes the module's parameters as graph inputs, as the first does, so both train the same weights."""
     _check_version()
     classes = []
-    for module_name, name in ((_TRAINING_MANAGER_MODULE, "TrainingManager"), (_INFERENCE_MANAGER_MODULE, "InferenceManager")):
+    managers = ((_TRAINING_MANAGER_MODULE, "TrainingManager"), (_INFERENCE_MANAGER_MODULE, "InferenceManager"))
+    for module_name, name in managers:
         cls = getattr(importlib.import_module(module_name), name, None)
         if cls is None or not callable(cls.__dict__.get("forward")):
             raise OrtInternalsError(

@@ -109,7 +109,7 @@ class TensorProbe(torch.autograd.Function):
         ctx.event = None
         if not _ort_compat.is_exporting():
             tracker = probe.tracker
-            if tracker.observed_now():  # a left-out step records nothing (ORT's graph runs every probe)
+            if tracker.observed_now():  # left-out steps record nothing (under ORT: a graph builder keeps this graph)
                 ctx.tracker = tracker
                 ctx.event = tracker.probe_forward(probe.site, tensors)
         elif isinstance(probe, SiteBinding):  # ORT's eager schema run: which tensors eager differentiates
