@@ -125,7 +125,8 @@ class SubscriberManager:
         self._wrapper_ref: weakref.ref | None = None
         self._builders: tuple[SubscriberBase, ...] = ()  # the subscribers overriding a graph-building call
         # True while an eager root forward runs whose step no observer records (and nothing builds the graph):
-        # the hooks of its modules have nothing to do. Never set while dynamo traces or a model is exported.
+        # the hooks of its modules have nothing to do. Never set while dynamo traces or a model is exported, but
+        # for ORTModule's export of the graph of left-out steps (``_ort_compat.exporting_unprobed``).
         self._left_out_forward = False
         self._ops = OpRecorder(self._probe_op)  # the operations inside modules selected by ``ops=`` (probes.core.ops)
         self._op_sites: dict[str, ProbeSite] = {}
