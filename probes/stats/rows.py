@@ -61,21 +61,26 @@ def _sample_list(numel: int, count: int) -> list[int]:
 class _Buffer:
     """The rows of one device: a float64 tensor that doubles when full (a copy on the device)."""
 
-    __slots__ = ("device", "rows", "used", "width")
+    __slots__ = ("capacity", "device", "rows", "used", "width")
 
     def __init__(self, device: torch.device, width: int, capacity: int) -> None:
         self.device = device
         self.width = width
         self.rows = torch.empty((capacity, width), dtype=torch.float64, device=device)
+        self.capacity = capacity
         self.used = 0
 
     def next_row(self) -> int:
-        if self.used == self.rows.shape[0]:
-            grown = torch.empty((2 * self.used, self.width), dtype=torch.float64, device=self.device)
-            grown[:self.used].copy_(self.rows)
-            self.rows = grown
+        if self.used == self.capacity:
+            self.grow()
         self.used += 1
         return self.used - 1
+
+    def grow(self) -> None:
+        grown = torch.empty((2 * self.capacity, self.width), dtype=torch.float64, device=self.device)
+        grown[:self.used].copy_(self.rows[:self.used])
+        self.rows = grown
+        self.capacity *= 2
 
 
 class StepRows:
@@ -186,10 +191,12 @@ class StepRows:
         written, for any other tensor. The caller has checked that ``tensor`` is a plain CPU tensor and that there
         is a kernel."""
         buffer, part = self._cpu or self._cpu_part()
-        row = buffer.next_row()
+        row = buffer.used  # (next_row, inlined: the row is taken only once it is written)
+        if row == buffer.capacity:
+            buffer.grow()
         if not self._kernel.fast_row(tensor, buffer.rows, row, self.sample_count, self.bucket_size):
-            buffer.used -= 1
             return None
+        buffer.used = row + 1
         if self.hash:
             self._kernel.hash_into(tensor, buffer.rows, row, self.width - 1)
         described = (self._described.get((tensor.shape, tensor.dtype))
@@ -332,7 +339,7 @@ class StepRows:
             if buffer.device.type == "cpu":
                 hosts.append(used)
                 # The block keeps this buffer: the next rows go to a new one of the same size.
-                self._buffers[buffer.device] = _Buffer(buffer.device, self.width, buffer.rows.shape[0])
+                self._buffers[buffer.device] = _Buffer(buffer.device, self.width, buffer.capacity)
             elif buffer.device.type == "cuda":
                 host = torch.empty(used.shape, dtype=torch.float64, pin_memory=True)
                 host.copy_(used, non_blocking=True)
