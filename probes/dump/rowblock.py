@@ -191,7 +191,8 @@ class RowBlock:
             columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | unhashed)
 
 
-_NAMES, _PHASE, _SEQ, _DESCRIBED, _PART, _ROW = map(itemgetter, range(6))
+_NAMES, _PHASE, _SEQ, _DESCRIBED, _PART, _ROW = map(itemgetter, range(6))  # an Entry's fields, read in C
+_INTEGER, _NUMEL, _HASHED = attrgetter("integer"), attrgetter("numel"), attrgetter("hashed")
 _TYPE = {schema_field.name: schema_field.type for schema_field in SCHEMA}
 
 
@@ -201,7 +202,6 @@ def _codes(objects: list[Any]) -> tuple[list[Any], pa.Array]:
     code_of = {id(value): code for code, value in enumerate(distinct)}
     return distinct, pa.array(np.fromiter(map(code_of.__getitem__, map(id, objects)), dtype=np.int64,
                                           count=len(objects)))
-_INTEGER, _NUMEL, _HASHED = attrgetter("integer"), attrgetter("numel"), attrgetter("hashed")
 
 
 def _gather_runs(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

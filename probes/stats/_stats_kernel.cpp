@@ -601,7 +601,7 @@ void hash_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, int64_t 
   const unsigned char* p = n ? static_cast<const unsigned char*>(x.data_ptr()) : nullptr;
   double* o = out.data_ptr<double>() + row * out.size(1) + col;
   std::optional<py::gil_scoped_release> no_gil;
-  if (n > 8 * kReleaseGilAbove) no_gil.emplace();
+  if (n > 8 * kReleaseGilAbove) no_gil.emplace();  // n counts bytes
   const uint64_t whole = n / 8;
   uint64_t s = 0;
   for (uint64_t i = 0; i < whole; ++i) {
