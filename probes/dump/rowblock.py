@@ -24,6 +24,7 @@ still be in flight (a CUDA event).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -80,32 +81,35 @@ class RowBlock:
     hashed: bool = False  # each row ends with the tensor's hash
 
     def to_table(self) -> pa.Table:
-        """The records as one table of ``SCHEMA``, built column by column from the rows."""
+        """The records as one table of ``SCHEMA``, built column by column from the rows.
+
+        It runs on the writer thread holding the GIL, which the training thread waits for: every pass over the
+        entries is a C-level ``map`` or a numpy call, none a Python loop per record.
+        """
         if self.ready is not None:
             self.ready()
         entries = self.entries
         count = len(entries)
         columns: dict[str, Any] = {}
-        names = list(zip(*(entry.names for entry in entries))) if entries else [()] * len(NAME_FIELDS)
+        # Names are shared by a site's records, descriptions by a kind of tensor's, phases by all: each distinct one
+        # is converted once, then taken by code.
+        sites, codes = _codes(list(map(_NAMES, entries)))
         for position, key in enumerate(NAME_FIELDS):
-            columns[key] = list(names[position])
-        columns["step"] = [self.step] * count
-        columns["rank"] = [self.rank] * count
-        columns["phase"] = [entry.phase for entry in entries]
-        columns["seq"] = [entry.seq for entry in entries]
-        described = [entry.described for entry in entries]
-        # Descriptions are shared by the records of a kind of tensor: each is spelled out once.
-        spelled: dict[int, tuple[tuple[Any, ...], list[str] | None]] = {}
-        for info in described:
-            if id(info) not in spelled:
-                absent = [key for key in _DESCRIBING if key in info.present and getattr(info, key) is None]
-                spelled[id(info)] = (tuple(getattr(info, key) if key in info.present else None for key in _DESCRIBING),
-                                     absent or None)
-        forms = [spelled[id(info)] for info in described]
-        for position, key in enumerate(_DESCRIBING):
-            columns[key] = [form[0][position] for form in forms]
-        nulls: list[list[str] | None] = [None if form[1] is None else list(form[1]) for form in forms]
-        self._statistics(columns, nulls)
+            columns[key] = pa.array([names[position] for names in sites], type=_TYPE[key]).take(codes)
+        columns["step"] = pa.array(np.full(count, self.step, dtype=np.int64))
+        columns["rank"] = pa.array(np.full(count, self.rank, dtype=np.int64))
+        phases, codes = _codes(list(map(_PHASE, entries)))
+        columns["phase"] = pa.array(phases, type=_TYPE["phase"]).take(codes)
+        columns["seq"] = list(map(_SEQ, entries))
+        described = list(map(_DESCRIBED, entries))
+        kinds, codes = _codes(described)
+        for key in _DESCRIBING:
+            values = [getattr(info, key) if key in info.present else None for info in kinds]
+            columns[key] = pa.array(values, type=_TYPE[key]).take(codes)
+        absent = [[key for key in _DESCRIBING if key in info.present and getattr(info, key) is None] or None
+                  for info in kinds]
+        nulls: list[list[str] | None] = list(map(absent.__getitem__, codes.to_numpy()))
+        self._statistics(columns, nulls, described)
         columns["nulls"] = nulls
         arrays = {}
         for schema_field in SCHEMA:
@@ -127,22 +131,24 @@ class RowBlock:
         pool = np.concatenate(runs) if runs else np.empty(0, np.int64)
         return _gather_runs(pool, starts[which], lengths[which])
 
-    def _statistics(self, columns: dict[str, Any], nulls: list[list[str] | None]) -> None:
+    def _statistics(self, columns: dict[str, Any], nulls: list[list[str] | None], described: list[Described]) -> None:
         """The statistics and samples columns of the records that have rows."""
         entries = self.entries
         count = len(entries)
-        with_rows = np.fromiter((entry.part is not None for entry in entries), dtype=bool, count=count)
+        # part and row of each record (-1: none), None read as nan by numpy
+        part = np.nan_to_num(np.array(list(map(_PART, entries)), dtype=np.float64), nan=-1).astype(np.int64)
+        with_rows = part >= 0
         if not with_rows.any():
             return
+        row_of = np.nan_to_num(np.array(list(map(_ROW, entries)), dtype=np.float64), nan=-1).astype(np.int64)
         width = ACCUMULATED_WIDTH + self.sample_count
         # Each record's row, gathered from the parts (the hash, when there is one, in the last column).
         rows = np.zeros((count, width + 1 if self.hashed else width))
-        for part_index, part in enumerate(self.parts):
-            picked = [(position, entry.row) for position, entry in enumerate(entries) if entry.part == part_index]
-            if picked:
-                at, row = zip(*picked)
-                rows[list(at)] = np.asarray(part, dtype=np.float64)[list(row), :rows.shape[1]]
-        integer = np.fromiter((entry.described.integer for entry in entries), dtype=bool, count=count) & with_rows
+        for part_index, host in enumerate(self.parts):
+            at = np.flatnonzero(part == part_index)
+            if len(at):
+                rows[at] = np.asarray(host, dtype=np.float64)[row_of[at], :rows.shape[1]]
+        integer = np.fromiter(map(_INTEGER, described), dtype=bool, count=count) & with_rows
         stats = rows[:, :ACCUMULATED_WIDTH]
         finite = stats[:, [stat.name for stat in ACCUMULATED].index("finite")]
         merged: dict[str, np.ndarray] = {}
@@ -169,7 +175,7 @@ class RowBlock:
             for row in np.flatnonzero(with_rows & ~valid):
                 _add_null(nulls, row, stat.name)
         # Samples as list columns built from one flat array each (no list per record).
-        numel = np.fromiter((entry.described.numel for entry in entries), dtype=np.int64, count=count)
+        numel = np.fromiter(map(_NUMEL, described), dtype=np.int64, count=count)
         taken = np.where(with_rows, np.minimum(numel, self.sample_count), 0)
         kept = np.arange(self.sample_count)[None, :] < taken[:, None]
         values = rows[:, ACCUMULATED_WIDTH:width]
@@ -181,8 +187,21 @@ class RowBlock:
         columns["sample_indices"] = _lists(taken, pa.array(self._sample_indices(numel[with_rows])), ~with_rows)
         if self.hashed:
             hashes = np.ascontiguousarray(rows[:, width])
-            unhashed = np.array([not entry.described.hashed for entry in entries], dtype=bool)
+            unhashed = ~np.fromiter(map(_HASHED, described), dtype=bool, count=count)
             columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | unhashed)
+
+
+_NAMES, _PHASE, _SEQ, _DESCRIBED, _PART, _ROW = map(itemgetter, range(6))  # an Entry's fields, read in C
+_INTEGER, _NUMEL, _HASHED = attrgetter("integer"), attrgetter("numel"), attrgetter("hashed")
+_TYPE = {schema_field.name: schema_field.type for schema_field in SCHEMA}
+
+
+def _codes(objects: list[Any]) -> tuple[list[Any], pa.Array]:
+    """The distinct objects of ``objects`` (by identity, in first-seen order) and each object's index among them."""
+    distinct = list(dict(zip(map(id, objects), objects)).values())
+    code_of = {id(value): code for code, value in enumerate(distinct)}
+    return distinct, pa.array(np.fromiter(map(code_of.__getitem__, map(id, objects)), dtype=np.int64,
+                                          count=len(objects)))
 
 
 def _gather_runs(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -206,7 +225,4 @@ def _lists(lengths: np.ndarray, values: pa.Array, null: np.ndarray) -> pa.ListAr
 def _add_null(nulls: list[list[str] | None], row: int, key: str) -> None:
     """Notes that the record at ``row`` has ``key`` with the value None."""
     listed = nulls[row]
-    if listed is None:
-        nulls[row] = [key]
-    else:
-        listed.append(key)
+    nulls[row] = [key] if listed is None else [*listed, key]  # a new list: rows of a kind share theirs

@@ -21,10 +21,12 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX__) || defined(__F16C__)
@@ -445,18 +447,15 @@ void put_samples(const T* p, const int64_t* at, int64_t k, double* out, bool is_
 // The device-row form of stats(): the first 11 fields of row_fields() (no shift, deviation) as float64
 // into out[row, 0:11], then x's values at the flat `indices` into out[row, 11:]. Integer min/max and
 // samples are int64 bit patterns; mean is nan, min +inf and max -inf when no element is finite.
-void row_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, const torch::Tensor& indices) {
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kDouble && out.dim() == 2 &&
-                  out.is_contiguous(), "probes stats kernel: out must be a contiguous 2-d float64 CPU tensor");
-  TORCH_CHECK(indices.device().is_cpu() && indices.scalar_type() == torch::kLong && indices.is_contiguous(),
-              "probes stats kernel: indices must be a contiguous int64 CPU tensor");
-  const int64_t k = indices.numel();
-  TORCH_CHECK(row >= 0 && row < out.size(0) && 11 + k <= out.size(1), "probes stats kernel: row out of range");
+// Below this many elements a row is written holding the GIL: releasing and taking it back costs more than
+// the pass, and a thread holding the GIL meanwhile (the dump writer) would make the training thread wait.
+constexpr int64_t kReleaseGilAbove = 1 << 15;
+
+// The row of x into o (the 11 accumulated fields, then x's values at the k flat indices `at`).
+void write_row(const torch::Tensor& x, double* o, const int64_t* at, int64_t k) {
   const int64_t n = x.numel();
-  const int64_t* at = indices.data_ptr<int64_t>();
-  for (int64_t i = 0; i < k; ++i) TORCH_CHECK(at[i] >= 0 && at[i] < n, "probes stats kernel: sample index out of range");
-  double* o = out.data_ptr<double>() + row * out.size(1);
-  py::gil_scoped_release no_gil;
+  std::optional<py::gil_scoped_release> no_gil;
+  if (n > kReleaseGilAbove) no_gil.emplace();
   const Pass pass = run_pass(x, nullptr);
   const Totals& t = pass.t;
   const int64_t finite = pass.moments.finite;
@@ -502,6 +501,83 @@ void row_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, const tor
   }
 }
 
+void check_out(const torch::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kDouble && out.dim() == 2 &&
+                  out.is_contiguous(), "probes stats kernel: out must be a contiguous 2-d float64 CPU tensor");
+}
+
+void row_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, const torch::Tensor& indices) {
+  check_out(out);
+  TORCH_CHECK(indices.device().is_cpu() && indices.scalar_type() == torch::kLong && indices.is_contiguous(),
+              "probes stats kernel: indices must be a contiguous int64 CPU tensor");
+  const int64_t k = indices.numel();
+  TORCH_CHECK(row >= 0 && row < out.size(0) && 11 + k <= out.size(1), "probes stats kernel: row out of range");
+  const int64_t n = x.numel();
+  const int64_t* at = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) TORCH_CHECK(at[i] >= 0 && at[i] < n, "probes stats kernel: sample index out of range");
+  write_row(x, out.data_ptr<double>() + row * out.size(1), at, k);
+}
+
+bool kernel_dtype(torch::ScalarType type) {
+  switch (type) {
+    case torch::kFloat: case torch::kDouble: case torch::kHalf: case torch::kBFloat16: case torch::kInt8:
+    case torch::kInt16: case torch::kInt32: case torch::kInt64: case torch::kUInt8: case torch::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// row_into for the common tensor, checks included, in one call: a plain (strided, not nested, not lazily
+// negated) contiguous CPU tensor of a kernel dtype with 0 < numel <= limit. The samples are taken at
+// probes.stats.numerics.sample_indices(numel, count), computed here by the same integer formula. False,
+// with nothing written, for any other tensor (the caller takes the general path).
+bool fast_row(const torch::Tensor& x, torch::Tensor& out, int64_t row, int64_t count, int64_t limit) {
+  if (!x.defined() || !x.device().is_cpu() || x.layout() != torch::kStrided || x.is_nested() ||
+      !kernel_dtype(x.scalar_type()) || !x.is_contiguous() || x.is_neg()) {
+    return false;
+  }
+  const int64_t n = x.numel();
+  if (n <= 0 || n > limit) return false;
+  check_out(out);
+  const int64_t k = count <= 0 ? 0 : std::min(count, n);
+  TORCH_CHECK(row >= 0 && row < out.size(0) && 11 + k <= out.size(1), "probes stats kernel: row out of range");
+  std::vector<int64_t> at(static_cast<size_t>(k));
+  for (int64_t i = 0; i < k; ++i) {
+    at[i] = count >= n ? i : (count == 1 ? 0 : i * (n - 1) / (count - 1));
+  }
+  write_row(x, out.data_ptr<double>() + row * out.size(1), at.data(), k);
+  return true;
+}
+
+// fast_row as a plain CPython function (METH_FASTCALL): pybind11's argument conversion costs about 1 us a call,
+// more than the row of a small tensor; this is called once per record.
+PyObject* fast_row_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5 || !THPVariable_Check(args[0]) || !THPVariable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "fast_row(x: Tensor, out: Tensor, row: int, count: int, limit: int)");
+    return nullptr;
+  }
+  const int64_t row = PyLong_AsLongLong(args[2]);
+  const int64_t count = PyLong_AsLongLong(args[3]);
+  const int64_t limit = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  try {
+    torch::Tensor out = THPVariable_Unpack(args[1]);
+    if (fast_row(THPVariable_Unpack(args[0]), out, row, count, limit)) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef fast_methods[] = {
+    {"fast_row", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fast_row_py)), METH_FASTCALL,
+     "fast_row(x, out, row, count, limit): row_into of a plain contiguous CPU tensor of a kernel dtype and "
+     "0 < numel <= limit, its samples at sample_indices(numel, count); False (nothing written) for any other "
+     "tensor"},
+    {nullptr, nullptr, 0, nullptr}};
+
 // probes/stats/hashing.py's hash of a contiguous CPU tensor's bytes (the definition and its reasons are
 // there): S = sum of mix(w_i + (i + 1) * G) over the 64-bit little-endian words, the last padded with
 // zero bytes; hash = mix(S + (n + 1) * G), n the byte count; all modulo 2^64. Written as int64 bits into
@@ -524,7 +600,8 @@ void hash_into(const torch::Tensor& x, torch::Tensor& out, int64_t row, int64_t 
   const uint64_t n = static_cast<uint64_t>(x.numel()) * x.element_size();
   const unsigned char* p = n ? static_cast<const unsigned char*>(x.data_ptr()) : nullptr;
   double* o = out.data_ptr<double>() + row * out.size(1) + col;
-  py::gil_scoped_release no_gil;
+  std::optional<py::gil_scoped_release> no_gil;
+  if (n > 8 * kReleaseGilAbove) no_gil.emplace();  // n counts bytes
   const uint64_t whole = n / 8;
   uint64_t s = 0;
   for (uint64_t i = 0; i < whole; ++i) {
@@ -556,6 +633,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_fields", &row_fields, "the names of stats()'s fields, in its order");
   m.def("row_into", &row_into, py::arg("x"), py::arg("out"), py::arg("row"), py::arg("indices"),
         "stats() of x without shift/deviation, then x's values at indices, into the float64 row out[row]");
+  if (PyModule_AddFunctions(m.ptr(), fast_methods) != 0) throw py::error_already_set();
   m.def("hash_into", &hash_into, py::arg("x"), py::arg("out"), py::arg("row"), py::arg("col"),
         "the 64-bit hash of x's bytes (probes/stats/hashing.py) as int64 bits into out[row, col]");
 }

@@ -38,7 +38,7 @@ __all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "defau
            "resolve_backend", "row_getter"]
 
 # Bump when the row changes: a build under the old name is then not reused from the shared cache.
-ROW_VERSION = 4
+ROW_VERSION = 5
 
 KERNEL_DTYPES = frozenset({
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -78,11 +78,15 @@ class Kernel:
     (checked on load), for a caller that reads it with ``row_getter`` and skips the NamedTuple.
     """
 
-    __slots__ = ("hash_into", "row_into", "stats_tuple")
+    __slots__ = ("fast_row", "hash_into", "row_into", "stats_tuple")
     stats_tuple: Callable[[torch.Tensor, float | None], tuple]
     # row_into(x, out, row, indices): the accumulated statistics, then the samples, into a float64 row
     # (probes.stats.rows); integer min/max and samples as int64 bit patterns.
     row_into: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
+    # fast_row(x, out, row, count, limit): row_into of a plain contiguous CPU tensor of a kernel dtype with
+    # 0 < numel <= limit, its samples at numerics.sample_indices(numel, count), all checks in the one call;
+    # False (nothing written) for any other tensor. The record path's common case (probes.stats.rows).
+    fast_row: Callable[[torch.Tensor, torch.Tensor, int, int, int], bool]
     # hash_into(x, out, row, col): probes.stats.hashing's hash of a contiguous CPU tensor's bytes, as int64
     # bits into out[row, col].
     hash_into: Callable[[torch.Tensor, torch.Tensor, int, int], None]
@@ -96,6 +100,7 @@ class Kernel:
             )
         self.stats_tuple = module.stats
         self.row_into = module.row_into
+        self.fast_row = module.fast_row
         self.hash_into = module.hash_into
 
     def stats(self, x: torch.Tensor, shift: float | None = None) -> KernelRow:

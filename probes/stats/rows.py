@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 from typing import Callable
 
@@ -30,7 +31,7 @@ from ..dump.rowblock import ACCUMULATED_WIDTH, Described, Entry, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .hashing import tensor_hash
-from .kernel import KERNEL_DTYPES, default_backend
+from .kernel import default_backend
 from .numerics import (_WIDENED, DEFAULT_BUCKET_SIZE, device_row, device_samples, kernel_reads_whole, sample_index_tensor, sample_indices,
                        summarize)
 from .views import check_readable, dtype_name, is_dense, layout_name, or_none, shape_of, statistics_view
@@ -40,6 +41,7 @@ __all__ = ["StepRows", "unsupported_description"]
 _FIRST_CAPACITY = 64
 _CPU = torch.device("cpu")
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STEP = operator.attrgetter("step")
 _SLOT = {stat.name: slot for slot, stat in enumerate(ACCUMULATED)}
 # An empty tensor's row: no element, none finite (mean nan, min +inf, max -inf: "none" on the host).
 _EMPTY_FILL = {"mean": math.nan, "min": math.inf, "max": -math.inf}
@@ -59,21 +61,26 @@ def _sample_list(numel: int, count: int) -> list[int]:
 class _Buffer:
     """The rows of one device: a float64 tensor that doubles when full (a copy on the device)."""
 
-    __slots__ = ("device", "rows", "used", "width")
+    __slots__ = ("capacity", "device", "rows", "used", "width")
 
     def __init__(self, device: torch.device, width: int, capacity: int) -> None:
         self.device = device
         self.width = width
         self.rows = torch.empty((capacity, width), dtype=torch.float64, device=device)
+        self.capacity = capacity
         self.used = 0
 
     def next_row(self) -> int:
-        if self.used == self.rows.shape[0]:
-            grown = torch.empty((2 * self.used, self.width), dtype=torch.float64, device=self.device)
-            grown[:self.used].copy_(self.rows)
-            self.rows = grown
+        if self.used == self.capacity:
+            self.grow()
         self.used += 1
         return self.used - 1
+
+    def grow(self) -> None:
+        grown = torch.empty((2 * self.capacity, self.width), dtype=torch.float64, device=self.device)
+        grown[:self.used].copy_(self.rows[:self.used])
+        self.rows = grown
+        self.capacity *= 2
 
 
 class StepRows:
@@ -104,6 +111,7 @@ class StepRows:
         choice = default_backend()
         self._kernel = kernel.load(required=choice == "cpp") if choice != "torch" else None
         self._lock = threading.Lock()
+        self._cpu: tuple[_Buffer, int] | None = None  # the CPU buffer and its part since the last take, once known
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -113,7 +121,8 @@ class StepRows:
     def add(self, event: ProbeEvent, index: int, tensor: torch.Tensor) -> BaseException | None:
         """Statistics of ``tensor`` (the ``index``-th of ``event``) into a row; on failure an entry without
         statistics, and the error returned."""
-        return self.add_named(self._names_of(event, index), event.step, event.phase, event.seq, tensor)
+        names = self._names.get((event.site, index, event.call)) or self._names_of(event, index)
+        return self.add_named(names, event.step, event.phase, event.seq, tensor)
 
     def add_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
         """``add`` for a record named by ``names`` (see ``probes.dump.rowblock``)."""
@@ -123,7 +132,8 @@ class StepRows:
             self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, self._describe_failure(error)), None, None,
                                   step))
             return error.with_traceback(None)  # its frames would keep the tensor alive
-        self._entries.append(Entry(names, phase, seq, described, part, row, step))
+        # Entry(...) less its Python __new__ (it only checks the count): this runs once per record.
+        self._entries.append(tuple.__new__(Entry, (names, phase, seq, described, part, row, step)))
         return None
 
     def add_unsupported(self, event: ProbeEvent, index: int, tensor: torch.Tensor | None, reason: str) -> None:
@@ -161,6 +171,10 @@ class StepRows:
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
         """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row)."""
+        if self._kernel is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
+            filled = self._fast_fill(tensor)
+            if filled is not None:
+                return filled
         described, part, row, values = self._fill_statistics(tensor)
         if self.hash:
             buffer = self._parts[part]
@@ -171,19 +185,32 @@ class StepRows:
                 buffer.rows[row, self.width - 1:].view(torch.int64).copy_(hashed)
         return described, part, row
 
+    def _fast_fill(self, tensor: torch.Tensor) -> tuple[Described, int, int] | None:
+        """The common case in one kernel call (``Kernel.fast_row``: a plain contiguous CPU tensor of a kernel dtype
+        within one bucket, every check made there) and its hash: (what it is, part, row); None, with nothing
+        written, for any other tensor. The caller has checked that ``tensor`` is a plain CPU tensor and that there
+        is a kernel."""
+        buffer, part = self._cpu or self._cpu_part()
+        row = buffer.used  # (next_row, inlined: the row is taken only once it is written)
+        if row == buffer.capacity:
+            buffer.grow()
+        if not self._kernel.fast_row(tensor, buffer.rows, row, self.sample_count, self.bucket_size):
+            return None
+        buffer.used = row + 1
+        if self.hash:
+            self._kernel.hash_into(tensor, buffer.rows, row, self.width - 1)
+        described = (self._described.get((tensor.shape, tensor.dtype))
+                     or self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point))
+        return described, part, row
+
+    def _cpu_part(self) -> tuple[_Buffer, int]:
+        """The CPU buffer and its part since the last take, kept for the next rows."""
+        self._cpu = self._buffer(_CPU)
+        return self._cpu
+
     def _fill_statistics(self, tensor: torch.Tensor) -> tuple[Described, int, int, torch.Tensor]:
         """Writes the statistics and samples of ``tensor`` into a row: (what it is, part, row, what was read)."""
         fused = self._kernel
-        # The common case first, in as few calls as it takes: a plain contiguous CPU tensor of a kernel dtype.
-        if (fused is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu and tensor.dtype in KERNEL_DTYPES
-                and tensor.layout is torch.strided and not tensor.is_nested and tensor.is_contiguous()
-                and not tensor.is_neg()):
-            numel = tensor.numel()
-            if 0 < numel <= self.bucket_size:
-                described = self._described.get((tensor.shape, tensor.dtype))
-                if described is None:
-                    described = self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point)
-                return described, *self._kernel_row(fused, tensor, numel), tensor
         if is_dense(tensor) and not tensor.is_complex():
             values, stats_of = tensor, None
         else:
@@ -299,6 +326,7 @@ class StepRows:
         self._checked = 0
         self._parts = []
         self._part_of = {}
+        self._cpu = None
 
     def take(self) -> list[RowBlock]:
         """The records since the last take, a RowBlock per step; their rows leave in one copy per device."""
@@ -311,7 +339,7 @@ class StepRows:
             if buffer.device.type == "cpu":
                 hosts.append(used)
                 # The block keeps this buffer: the next rows go to a new one of the same size.
-                self._buffers[buffer.device] = _Buffer(buffer.device, self.width, buffer.rows.shape[0])
+                self._buffers[buffer.device] = _Buffer(buffer.device, self.width, buffer.capacity)
             elif buffer.device.type == "cuda":
                 host = torch.empty(used.shape, dtype=torch.float64, pin_memory=True)
                 host.copy_(used, non_blocking=True)
@@ -323,9 +351,13 @@ class StepRows:
             else:  # other devices: one blocking copy
                 hosts.append(used.to("cpu"))
                 buffer.used = 0
-        by_step: dict[int, list[tuple]] = {}
-        for entry in self._entries:
-            by_step.setdefault(entry.step, []).append(entry)
+        entries = self._entries
+        by_step: dict[int, list[Entry]] = {}
+        if len(set(map(_STEP, entries))) == 1:  # the common case: no loop per record on the training thread
+            by_step[entries[0].step] = entries
+        else:
+            for entry in entries:
+                by_step.setdefault(entry.step, []).append(entry)
         ready = _waiter(events)
         indices = functools.partial(_sample_list, count=self.sample_count)
         self._reset()

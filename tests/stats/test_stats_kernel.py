@@ -125,3 +125,32 @@ def test_an_unknown_backend_variable_warns_once_and_means_auto(monkeypatch: pyte
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernel.default_backend() == "auto" and numerics.backend() == "cpp"
+
+
+def test_fast_row_writes_row_into_s_row_and_declines_every_other_tensor() -> None:
+    fused = kernel.load(required=True)
+    assert fused is not None
+    torch.manual_seed(0)
+    cases = [(torch.randn(4, 8), 32), (torch.randn(100).to(torch.bfloat16), 7), (torch.randn(5).half(), 32),
+             (torch.randint(-9, 9, (3, 5)), 1), (torch.tensor([True, False, True]), 2), (torch.randn(7).double(), 0),
+             (torch.tensor([math.nan, -math.inf, 0.0, 2.5]), 3), (torch.arange(1000, dtype=torch.int32), 32)]
+    for x, count in cases:
+        width = 11 + count
+        fast, slow = torch.full((3, width), 7.0, dtype=torch.float64), torch.full((3, width), 7.0, dtype=torch.float64)
+        assert fused.fast_row(x, fast, 1, count, 4096) is True
+        taken = min(count, x.numel())
+        fused.row_into(x, slow, 1, numerics.sample_index_tensor(x.numel(), count, torch.device("cpu")))
+        # bit for bit (nan where no element is finite), the rest of the buffer untouched
+        assert torch.equal(fast.view(torch.int64), slow.view(torch.int64)), (x.dtype, count)
+        assert (fast[1, 11 + taken:] == 7.0).all() and (fast[[0, 2]] == 7.0).all()
+    out = torch.full((2, 43), 7.0, dtype=torch.float64)
+    declined = [torch.randn(6, 6)[::2], torch.randn(4, 4).t(), torch._neg_view(torch.randn(3, 3)), torch.empty(0),
+                torch.randn(65), torch.randn(2, dtype=torch.complex64), torch.zeros(3, dtype=torch.float8_e4m3fn),
+                torch.randn(3, device="meta"), torch.randn(5).to_sparse()]
+    for x in declined:
+        assert fused.fast_row(x, out, 0, 32, 64) is False, x
+    assert (out == 7.0).all()  # nothing written
+    with pytest.raises(TypeError, match=r"fast_row\(x: Tensor, out: Tensor"):
+        fused.fast_row(torch.randn(3), out, 0, 32)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        fused.fast_row(torch.randn(3), out, 2, 32, 64)
