@@ -42,6 +42,7 @@ from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
 from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteBinding, apply_boundary, apply_probe, can_probe
+from .native import probe_applier
 from .ops import OpRecorder, Scope
 from .steps import StepTracker
 from .interface import SubscriberBase, wanted_events
@@ -131,6 +132,7 @@ class SubscriberManager:
         self._op_sites: dict[str, ProbeSite] = {}
         self._module_indices: dict[str, int] = {}  # qualified name -> module index
         self._records_ops = False  # some module's operations are recorded
+        self._apply_probe: Callable[..., Sequence[torch.Tensor]] = apply_probe  # TensorProbe's apply, eager calls
 
     # Public API -----------------------------------------------------------------------------
 
@@ -162,6 +164,7 @@ class SubscriberManager:
             except ValueError as error:
                 raise ValueError(f"subscribers[{position}]: {error}") from None
 
+        apply = probe_applier()  # the C++ probe for eager calls where it is built (probes.core.native)
         root = wrappers.unwrap(model)
         exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
@@ -175,6 +178,7 @@ class SubscriberManager:
                 subscriber.on_event(subscribed)
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
+        self._apply_probe = apply
         self._register_hooks(root)
         REGISTRY.holders[root] = self
         REGISTRY.live.add(self)
@@ -274,7 +278,7 @@ class SubscriberManager:
         if not self.tracker.wants_site(site):
             return tensor
         # The subscribers' own torch calls are no operation of the model.
-        (probed,) = self._ops.run_paused(apply_probe, self._probes[site], tensor)
+        (probed,) = self._ops.run_paused(self._apply_probe, self._probes[site], tensor)
         if self._ops.scopes:
             self._ops.produced((probed,), (site.record_name(0),))
         return probed
@@ -308,7 +312,7 @@ class SubscriberManager:
         site = self.op_site(name, inputs)
         if site is None or not self.tracker.wants_site(site) or self.tracker.failures.is_off(site):
             return None
-        return apply_probe(self._probes[site], *tensors)
+        return self._apply_probe(self._probes[site], *tensors)
 
     def module_site(self, module_index: int, kind: str) -> ProbeSite | None:
         """The ``"input"`` or ``"output"`` site of the module at ``module_index`` (None outside the subscription)."""
@@ -557,7 +561,7 @@ class SubscriberManager:
             key = self._compiled_key
             return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
-            return apply_probe(self._probes[site], *tensors)
+            return self._apply_probe(self._probes[site], *tensors)
         if tensors:
             return apply_boundary(self.tracker, *tensors)
         if not _ort_compat.is_exporting():

@@ -16,8 +16,6 @@ retried, and ``cpp`` chosen later raises its error.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import operator
 import os
 import platform
@@ -30,9 +28,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from exporters import _torch_compat
-
 from ..dump.statistics import ACCUMULATED
+from ..utils.extensions import build_inline
 
 __all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "default_backend", "load",
            "resolve_backend", "row_getter"]
@@ -127,42 +124,12 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 
 def _build() -> Kernel:
-    # CUDA builds of torch print "No CUDA runtime is found" on this import; we build no CUDA code.
-    with contextlib.redirect_stderr(io.StringIO()):
-        from torch.utils import cpp_extension
-
     source = Path(__file__).with_name("_stats_kernel.cpp").read_text()
     isa, isa_flags = _isa_flags()
     # One build per torch version and ISA: the torch_extensions cache is shared by all venvs.
     version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.__version__)
     name = f"probes_stats_v{ROW_VERSION}_torch{version}_{isa}"
-
-    def build() -> Kernel:
-        return Kernel(cpp_extension.load_inline(
-            name=name,
-            cpp_sources=[source],
-            extra_cflags=["-O3", "-ffp-contract=fast", *isa_flags],
-            verbose=False,
-        ))
-
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows)
-        return build()
-    build_dir = _torch_compat.extension_build_directory(name)
-    if build_dir is None:
-        return build()
-    os.makedirs(build_dir, exist_ok=True)
-    # torch's own build lock is a file that stays behind when a building process is killed, and
-    # then blocks every later process forever. An flock dies with its process: whoever holds it
-    # knows that a leftover torch lock is stale.
-    with open(os.path.join(build_dir, "probes_build.flock"), "a") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        try:
-            os.remove(os.path.join(build_dir, "lock"))
-        except FileNotFoundError:
-            pass
-        return build()
+    return Kernel(build_inline(name, source, ["-O3", "-ffp-contract=fast", *isa_flags]))
 
 
 def _first_lines(error: BaseException, count: int = 6) -> str:

@@ -1,0 +1,48 @@
+"""Building a C++ extension of probes: once per name, into torch's extension cache, safe across processes.
+
+    module = build_inline("probes_stats_v4_torch2_4_1_avx2", source_text, ["-O3"])
+
+``torch.utils.cpp_extension.load_inline`` compiles ``source`` unless a build under ``name`` is cached (the
+torch_extensions cache is shared by all virtual environments: put the torch version and whatever else the
+binary depends on into ``name``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from types import ModuleType
+
+from exporters import _torch_compat
+
+__all__ = ["build_inline"]
+
+
+def build_inline(name: str, source: str, extra_cflags: list[str]) -> ModuleType:
+    """The extension module ``name`` built from the C++ ``source`` (raises the compiler's or loader's error)."""
+    # CUDA builds of torch print "No CUDA runtime is found" on this import; we build no CUDA code.
+    with contextlib.redirect_stderr(io.StringIO()):
+        from torch.utils import cpp_extension
+
+    def build() -> ModuleType:
+        return cpp_extension.load_inline(name=name, cpp_sources=[source], extra_cflags=extra_cflags, verbose=False)
+
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows)
+        return build()
+    build_dir = _torch_compat.extension_build_directory(name)
+    if build_dir is None:
+        return build()
+    os.makedirs(build_dir, exist_ok=True)
+    # torch's own build lock is a file that stays behind when a building process is killed, and
+    # then blocks every later process forever. An flock dies with its process: whoever holds it
+    # knows that a leftover torch lock is stale.
+    with open(os.path.join(build_dir, "probes_build.flock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            os.remove(os.path.join(build_dir, "lock"))
+        except FileNotFoundError:
+            pass
+        return build()
