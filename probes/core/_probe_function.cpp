@@ -63,10 +63,12 @@ struct TensorProbeBackward : public ag::Node {
 using NodePtr = decltype(ag::Edge::function);
 
 // torch 2.4 holds nodes in a shared_ptr, later versions in an intrusive_ptr (a template: only one branch is built).
+// The nodes this one points to free their own successors without recursion (torch's deleter), so a plain
+// delete here adds one frame, not a graph's depth.
 template <typename Ptr = NodePtr>
 Ptr make_node(py::handle callback, py::handle token) {
   if constexpr (std::is_same_v<Ptr, std::shared_ptr<ag::Node>>) {
-    return Ptr(new TensorProbeBackward(callback, token), ag::deleteNode);
+    return Ptr(new TensorProbeBackward(callback, token));
   } else {
     return Ptr(c10::make_intrusive<TensorProbeBackward>(callback, token));
   }

@@ -30,7 +30,7 @@ import torch
 
 from exporters import _ort_compat, _torch_compat
 
-from ..utils.extensions import build_inline
+from ..utils.extensions import build_error_lines, build_inline
 from .functions import SiteBinding, apply_probe
 
 __all__ = ["BACKENDS", "probe_applier", "probe_backend"]
@@ -49,7 +49,8 @@ def _build() -> ModuleType:
 class _NativeProbe:
     """The C++ probe of this process: built once, or the error of its one failed build (warned about once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, build: Callable[[], ModuleType]) -> None:
+        self._build = build
         self._lock = threading.Lock()
         self._module: ModuleType | None = None
         self._error: BaseException | None = None
@@ -61,24 +62,23 @@ class _NativeProbe:
         with self._lock:
             if self._module is None and self._error is None:
                 try:
-                    self._module = _build()
+                    self._module = self._build()
                 except Exception as error:  # compiler, ninja or loader failure
                     self._error = error
             if self._module is not None:
                 return self._module
-            first = str(self._error).strip().splitlines()[:1]
             if required:
-                raise RuntimeError("probes: PROBES_PROBE_BACKEND=cpp, but the C++ probe could not be built: "
-                                   + " ".join(first)) from self._error
+                raise RuntimeError("probes: PROBES_PROBE_BACKEND=cpp, but the C++ probe could not be built:\n"
+                                   + build_error_lines(self._error)) from self._error
             if not self._warned:
                 self._warned = True
                 warnings.warn("probes: building the C++ probe failed; eager probes use the Python autograd "
                               "Function (same records, slower; PROBES_PROBE_BACKEND=python says so and skips "
-                              "the build): " + " ".join(first), RuntimeWarning, stacklevel=3)
+                              "the build):\n" + build_error_lines(self._error), RuntimeWarning, stacklevel=3)
             return None
 
 
-_NATIVE = _NativeProbe()
+_NATIVE = _NativeProbe(_build)
 
 
 def _setting() -> str:

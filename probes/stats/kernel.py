@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..dump.statistics import ACCUMULATED
-from ..utils.extensions import build_inline
+from ..utils.extensions import build_error_lines, build_inline
 
 __all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "default_backend", "load",
            "resolve_backend", "row_getter"]
@@ -132,12 +132,6 @@ def _build() -> Kernel:
     return Kernel(build_inline(name, source, ["-O3", "-ffp-contract=fast", *isa_flags]))
 
 
-def _first_lines(error: BaseException, count: int = 6) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return "\n".join((lines[:1] + errors[: count - 1]) if errors else lines[:count])
-
-
 class _StatsKernel:
     """The kernel of this process: loaded once, or the error of its one failed build; the backend setting.
 
@@ -176,13 +170,13 @@ class _StatsKernel:
             if required:
                 raise RuntimeError(
                     "probes.stats: the C++ statistics kernel was requested but could not be built:\n"
-                    + _first_lines(self._error)
+                    + build_error_lines(self._error)
                 ) from self._error
             if not self._warned:
                 self._warned = True
                 warnings.warn(
                     "probes.stats: building the C++ statistics kernel failed; using the slower torch "
-                    "path:\n" + _first_lines(self._error),
+                    "path:\n" + build_error_lines(self._error),
                     RuntimeWarning,
                     stacklevel=4,
                 )

@@ -16,7 +16,7 @@ from types import ModuleType
 
 from exporters import _torch_compat
 
-__all__ = ["build_inline"]
+__all__ = ["build_error_lines", "build_inline"]
 
 
 def build_inline(name: str, source: str, extra_cflags: list[str]) -> ModuleType:
@@ -46,3 +46,10 @@ def build_inline(name: str, source: str, extra_cflags: list[str]) -> ModuleType:
         except FileNotFoundError:
             pass
         return build()
+
+
+def build_error_lines(error: BaseException, count: int = 6) -> str:
+    """The lines of a failed build's error worth showing: its first line and the compiler's errors."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return "\n".join((lines[:1] + errors[: count - 1]) if errors else lines[:count])

@@ -8,6 +8,8 @@ against the model trained without probes.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -171,3 +173,19 @@ def test_the_backend_setting(monkeypatch):
     monkeypatch.setenv("PROBES_PROBE_BACKEND", "fortran")
     with pytest.raises(ValueError, match=r"PROBES_PROBE_BACKEND='fortran' is not one of \('auto', 'cpp', 'python'\)"):
         SubscriberManager().subscribe(nn.Linear(2, 2), [Everything()])
+
+
+def test_a_failed_build_is_said_once_and_the_python_function_runs():
+    def fails():
+        raise RuntimeError("Error building extension 'probes_probe'\nmain.cpp:1: error: no compiler here")
+
+    probe = native._NativeProbe(fails)
+    with pytest.warns(RuntimeWarning, match=r"(?s)building the C\+\+ probe failed; eager probes use the Python "
+                                            r"autograd Function.*main.cpp:1: error: no compiler here"):
+        assert probe.load(required=False) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe.load(required=False) is None  # said once
+    with pytest.raises(RuntimeError, match=r"(?s)PROBES_PROBE_BACKEND=cpp, but the C\+\+ probe could not be built.*"
+                                           r"no compiler here"):
+        probe.load(required=True)
