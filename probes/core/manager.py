@@ -423,7 +423,11 @@ class SubscriberManager:
             return outputs
         if self._run_by_compiler(site):
             return outputs
-        outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
+        if (probe and not (is_root or self._builders or recorder.scopes) and type(outputs) is torch.Tensor
+                and can_probe(outputs) and not torch.jit.is_tracing()):
+            outputs = self._probe_tensor(site, outputs)  # the most common call, without the general path's layers
+        else:
+            outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
         if probe and self._records_ops and not is_root:  # op records name the module outputs they read
             self._name_tensors(site, outputs)
         return outputs
@@ -513,6 +517,17 @@ class SubscriberManager:
             if running and running[-1] is self:
                 running.pop()
         return outputs
+
+    def _probe_tensor(self, site: ProbeSite, tensor: torch.Tensor) -> torch.Tensor:
+        """``_guarded_apply(site, tensor)`` for one plain tensor in an eager call, no op scope open."""
+        failures = self.tracker.failures
+        if failures.is_off(site):
+            return tensor
+        try:
+            return self._apply_probe(self._probes[site], tensor)[0]
+        except Exception as error:
+            failures.switch_off(site, None, None, error)
+            return tensor
 
     def _guarded_apply(self, site: ProbeSite, structure: Any) -> Any:
         """``_apply_to_tensors``; should inserting the probe itself fail, the module runs without it (one
