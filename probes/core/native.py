@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
@@ -30,7 +28,7 @@ import torch
 
 from exporters import _ort_compat, _torch_compat
 
-from ..utils.extensions import build_error_lines, build_inline
+from ..utils.extensions import BuiltOnce, build_inline
 from .functions import SiteBinding, apply_probe
 
 __all__ = ["BACKENDS", "probe_applier", "probe_backend"]
@@ -46,39 +44,14 @@ def _build() -> ModuleType:
     return build_inline(f"probes_probe_v{VERSION}_torch{version}", source, ["-O2"])
 
 
-class _NativeProbe:
-    """The C++ probe of this process: built once, or the error of its one failed build (warned about once)."""
-
-    def __init__(self, build: Callable[[], ModuleType]) -> None:
-        self._build = build
-        self._lock = threading.Lock()
-        self._module: ModuleType | None = None
-        self._error: BaseException | None = None
-        self._warned = False
-
-    def load(self, *, required: bool) -> ModuleType | None:
-        if self._module is not None:
-            return self._module
-        with self._lock:
-            if self._module is None and self._error is None:
-                try:
-                    self._module = self._build()
-                except Exception as error:  # compiler, ninja or loader failure
-                    self._error = error
-            if self._module is not None:
-                return self._module
-            if required:
-                raise RuntimeError("probes: PROBES_PROBE_BACKEND=cpp, but the C++ probe could not be built:\n"
-                                   + build_error_lines(self._error)) from self._error
-            if not self._warned:
-                self._warned = True
-                warnings.warn("probes: building the C++ probe failed; eager probes use the Python autograd "
-                              "Function (same records, slower; PROBES_PROBE_BACKEND=python says so and skips "
-                              "the build):\n" + build_error_lines(self._error), RuntimeWarning, stacklevel=3)
-            return None
+def _native_probe(build: Callable[[], ModuleType]) -> BuiltOnce[ModuleType]:
+    """The C++ probe of a process: built once, or the error of its one failed build (warned about once)."""
+    return BuiltOnce(build, required="probes: PROBES_PROBE_BACKEND=cpp, but the C++ probe could not be built",
+                     fallback="probes: building the C++ probe failed; eager probes use the Python autograd Function "
+                     "(same records, slower; PROBES_PROBE_BACKEND=python says so and skips the build)")
 
 
-_NATIVE = _NativeProbe(_build)
+_NATIVE = _native_probe(_build)
 
 
 def _setting() -> str:
@@ -96,7 +69,7 @@ def probe_backend() -> str:
     choice = _setting()
     if choice == "python":
         return "python"
-    return "cpp" if _NATIVE.load(required=choice == "cpp") is not None else "python"
+    return "cpp" if _NATIVE.load(required=choice == "cpp", stacklevel=4) is not None else "python"
 
 
 def _eager_forward(probe: SiteBinding, tensors: Sequence[torch.Tensor]) -> tuple[Callable, Any] | None:

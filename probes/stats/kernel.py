@@ -20,7 +20,6 @@ import operator
 import os
 import platform
 import re
-import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..dump.statistics import ACCUMULATED
-from ..utils.extensions import build_error_lines, build_inline
+from ..utils.extensions import BuiltOnce, build_inline
 
 __all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "default_backend", "load",
            "resolve_backend", "row_getter"]
@@ -140,11 +139,9 @@ class _StatsKernel:
     """
 
     def __init__(self, build: Callable[[], Kernel]) -> None:
-        self._build = build
-        self._lock = threading.Lock()
-        self._kernel: Kernel | None = None
-        self._error: BaseException | None = None
-        self._warned = False
+        self._kernel = BuiltOnce(build, required="probes.stats: the C++ statistics kernel was requested but could "
+                                 "not be built", fallback="probes.stats: building the C++ statistics kernel failed; "
+                                 "using the slower torch path")
         self._ignored_settings: set[str] = set()  # invalid PROBES_NUMERICS_BACKEND values warned about
 
     def default_backend(self) -> str:
@@ -157,30 +154,7 @@ class _StatsKernel:
         return choice
 
     def load(self, *, required: bool) -> Kernel | None:
-        if self._kernel is not None:
-            return self._kernel
-        with self._lock:
-            if self._kernel is None and self._error is None:
-                try:
-                    self._kernel = self._build()
-                except Exception as error:  # compiler, ninja or loader failure, or a row that does not match
-                    self._error = error
-            if self._kernel is not None:
-                return self._kernel
-            if required:
-                raise RuntimeError(
-                    "probes.stats: the C++ statistics kernel was requested but could not be built:\n"
-                    + build_error_lines(self._error)
-                ) from self._error
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "probes.stats: building the C++ statistics kernel failed; using the slower torch "
-                    "path:\n" + build_error_lines(self._error),
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
+        return self._kernel.load(required=required, stacklevel=5)
 
 
 _STATS_KERNEL = _StatsKernel(_build)

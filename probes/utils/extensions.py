@@ -12,11 +12,16 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
+import warnings
 from types import ModuleType
+from typing import Callable, Generic, TypeVar
 
 from exporters import _torch_compat
 
-__all__ = ["build_error_lines", "build_inline"]
+Built = TypeVar("Built")
+
+__all__ = ["BuiltOnce", "build_error_lines", "build_inline"]
 
 
 def build_inline(name: str, source: str, extra_cflags: list[str]) -> ModuleType:
@@ -53,3 +58,40 @@ def build_error_lines(error: BaseException, count: int = 6) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
     return "\n".join((lines[:1] + errors[: count - 1]) if errors else lines[:count])
+
+
+class BuiltOnce(Generic[Built]):
+    """What an extension's build gives (``build()``), made at most once per process: a loaded extension cannot be
+    unloaded and a build takes seconds. Its failure raises where the extension was required, else warns once.
+
+        kernel = BuiltOnce(build, required="the kernel was requested but could not be built",
+                           fallback="building the kernel failed; using the slower path")
+        kernel.load(required=False)   # the built object, or None (warned once)
+    """
+
+    def __init__(self, build: Callable[[], Built], *, required: str, fallback: str) -> None:
+        self._build = build
+        self._required, self._fallback = required, fallback
+        self._lock = threading.Lock()
+        self._built: Built | None = None
+        self._error: BaseException | None = None
+        self._warned = False
+
+    def load(self, *, required: bool, stacklevel: int = 3) -> Built | None:
+        if self._built is not None:
+            return self._built
+        with self._lock:
+            if self._built is None and self._error is None:
+                try:
+                    self._built = self._build()
+                except Exception as error:  # compiler, ninja or loader failure, or a check of what was built
+                    self._error = error
+            if self._built is not None:
+                return self._built
+            if required:
+                raise RuntimeError(f"{self._required}:\n{build_error_lines(self._error)}") from self._error
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"{self._fallback}:\n{build_error_lines(self._error)}", RuntimeWarning,
+                              stacklevel=stacklevel)
+            return None

@@ -179,7 +179,7 @@ def test_a_failed_build_is_said_once_and_the_python_function_runs():
     def fails():
         raise RuntimeError("Error building extension 'probes_probe'\nmain.cpp:1: error: no compiler here")
 
-    probe = native._NativeProbe(fails)
+    probe = native._native_probe(fails)
     with pytest.warns(RuntimeWarning, match=r"(?s)building the C\+\+ probe failed; eager probes use the Python "
                                             r"autograd Function.*main.cpp:1: error: no compiler here"):
         assert probe.load(required=False) is None
