@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import environment, interleaved, median, python_probes, table
+from benchmarks.common import environment, interleaved, median, python_probes, ratio_spread, table
 from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
 from probes.dump.live import flush_writers
 
@@ -159,7 +159,9 @@ def run_floor(quick: bool = False) -> str:
             "`python -m benchmarks.probe_overhead --floor` (µs per module and step, forward and backward; probes' "
             "row also has the root's step boundary)\n\n"
             f"{environment()}\n\n"
-            + table(["case", "step ms", "µs / module"], rows))
+            + table(["case", "step ms", "µs / module"], rows)
+            + "\n\nStep time with probes' no-op subscriber, eager probe Function / Python Function, per round: "
+            + ratio_spread(times["probes, no-op subscriber"], times["probes, no-op subscriber, Python Function"]))
 
 
 def run_selection(quick: bool = False) -> str:
