@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -55,8 +56,25 @@ def environment() -> str:
         except Exception:
             pass
     cpu = platform.processor() or platform.machine()
+    from probes.core.native import probe_backend
     return (f"{datetime.date.today().isoformat()}, {platform.python_implementation()} {platform.python_version()}, "
-            f"{os.cpu_count()} cores ({cpu}), torch threads {torch.get_num_threads()}, " + ", ".join(versions))
+            f"{os.cpu_count()} cores ({cpu}), torch threads {torch.get_num_threads()}, " + ", ".join(versions)
+            + f", eager probe Function: {probe_backend()}")
+
+
+@contextlib.contextmanager
+def python_probes() -> Iterator[None]:
+    """Subscriptions made inside use the Python probe Function in eager calls (``PROBES_PROBE_BACKEND=python``),
+    for a case beside the default (the C++ probe where it is built) in the same run."""
+    previous = os.environ.get("PROBES_PROBE_BACKEND")
+    os.environ["PROBES_PROBE_BACKEND"] = "python"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PROBES_PROBE_BACKEND"]
+        else:
+            os.environ["PROBES_PROBE_BACKEND"] = previous
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:

@@ -4,7 +4,8 @@
 
 Stages: build ``transformers.GPT2LMHeadModel`` from a config in code (no download, dropout off), one copy
 per case (no probes; probes with a no-op observing subscriber, the manager's own cost; probes' StatisticsSubscriber
-in a step it leaves out, and recording every step; the original onnxruntime StatisticsSubscriber where
+in a step it leaves out, and recording every step; the no-op and recording cases again with the Python probe
+Function in eager calls, ``PROBES_PROBE_BACKEND=python``; the original onnxruntime StatisticsSubscriber where
 onnxruntime-training is installed), time eager training steps round-robin, report each median against
 the unprobed step of the same run.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, interleaved, median, ratio_spread, table
+from benchmarks.common import environment, interleaved, median, python_probes, ratio_spread, table
 from benchmarks.probe_overhead import NoOp
 from benchmarks.step_overhead import _original_subscribe
 from probes import StatisticsSubscriber, SubscriberManager
@@ -62,6 +63,13 @@ def run(quick: bool = False) -> str:
     managers.append(SubscriberManager())
     managers[-1].subscribe(ours, [StatisticsSubscriber(work / "ours")])
     cases["probes StatisticsSubscriber"] = ours
+    # The same two with the Python probe Function in eager calls (the C++ probe's gain, in the same run).
+    for name, subscriber in (("probes, no-op subscriber, Python Function", NoOp()),
+                             ("probes StatisticsSubscriber, Python Function", StatisticsSubscriber(work / "python"))):
+        cases[name] = copy.deepcopy(base)
+        managers.append(SubscriberManager())
+        with python_probes():
+            managers[-1].subscribe(cases[name], [subscriber])
     original = copy.deepcopy(base)
     if _original_subscribe(original, work / "original") is not None:
         cases["original onnxruntime StatisticsSubscriber"] = original
@@ -75,8 +83,9 @@ def run(quick: bool = False) -> str:
                 for _ in range(STEPS_PER_TIMING):
                     model.zero_grad(set_to_none=True)
                     model(input_ids=tokens, labels=tokens).loss.backward()
-                if model is ours:  # the dump writer's work for these steps is counted here, not in the next case
-                    flush_writers(work / "ours")
+                if name.startswith("probes StatisticsSubscriber") and "left-out" not in name:
+                    # the dump writer's work for these steps is counted here, not in the next case
+                    flush_writers(work / ("ours" if model is ours else "python"))
             except Exception as error:  # the original hooks may not handle a model: say so, measure the rest
                 failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
         return run_step

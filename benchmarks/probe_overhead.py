@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import environment, interleaved, median, table
+from benchmarks.common import environment, interleaved, median, python_probes, ratio_spread, table
 from probes import StatisticsSubscriber, SubscriberBase, SubscriberManager
 from probes.dump.live import flush_writers
 
@@ -121,7 +121,8 @@ def run_floor(quick: bool = False) -> str:
     """What the mechanisms a probe is built from cost by themselves, per module and step (forward + backward), on
     the chain of 100: a forward hook that does nothing, the same hook passing the output through an identity
     Python autograd Function (the floor of any probe that is one), a tensor gradient hook instead, and probes'
-    no-op subscriber. The difference between the last two is the manager's own bookkeeping."""
+    no-op subscriber, with the probe Function eager calls use (``probes.core.native``) and with the Python one. The
+    difference between probes and the hook + Function row is the manager's own bookkeeping."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(FLOOR_MODULES)))
@@ -132,9 +133,12 @@ def run_floor(quick: bool = False) -> str:
                                                      lambda module, args, output: _Identity.apply(output)),
         "hook + tensor gradient hook": _hooked(copy.deepcopy(plain), _grad_hook),
         "probes, no-op subscriber": copy.deepcopy(plain),
+        "probes, no-op subscriber, Python Function": copy.deepcopy(plain),
     }
-    manager = SubscriberManager()
+    manager, python_manager = SubscriberManager(), SubscriberManager()
     manager.subscribe(models["probes, no-op subscriber"], [NoOp()])
+    with python_probes():
+        python_manager.subscribe(models["probes, no-op subscriber, Python Function"], [NoOp()])
     x = torch.randn(4, 8)
 
     def steps(model: nn.Module):
@@ -145,6 +149,7 @@ def run_floor(quick: bool = False) -> str:
 
     times = interleaved({name: steps(model) for name, model in models.items()}, repeats=3 if quick else 25)
     manager.unsubscribe()
+    python_manager.unsubscribe()
     base = median(times["plain"]) / STEPS_PER_TIMING
     rows = [[name, f"{median(values) / STEPS_PER_TIMING * 1e3:.2f}",
              f"{(median(values) / STEPS_PER_TIMING - base) / FLOOR_MODULES * 1e6:.1f}"]
@@ -154,7 +159,9 @@ def run_floor(quick: bool = False) -> str:
             "`python -m benchmarks.probe_overhead --floor` (µs per module and step, forward and backward; probes' "
             "row also has the root's step boundary)\n\n"
             f"{environment()}\n\n"
-            + table(["case", "step ms", "µs / module"], rows))
+            + table(["case", "step ms", "µs / module"], rows)
+            + "\n\nStep time with probes' no-op subscriber, eager probe Function / Python Function, per round: "
+            + ratio_spread(times["probes, no-op subscriber"], times["probes, no-op subscriber, Python Function"]))
 
 
 def run_selection(quick: bool = False) -> str:

@@ -339,6 +339,12 @@ def call_uncompiled(fn: Callable[..., Any], *args: Any) -> Any:
         torch._C._dynamo.eval_frame.set_eval_frame(prior)
 
 
+def functorch_transforms_active() -> bool:
+    """Whether a functorch transform (``torch.func.grad``, ``vmap``...) is active: autograd Functions written in
+    C++ do not run under one (torch raises), Python ones do."""
+    return torch._C._are_functorch_transforms_active()
+
+
 def function_applier(function: type) -> Callable[..., Any]:
     """``function.apply`` (an autograd Function without ``setup_context``), without the Python wrapper's
     per-call work where that work changes nothing: with no functorch transform active, ``Function.apply``

@@ -42,6 +42,7 @@ from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
 from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteBinding, apply_boundary, apply_probe, can_probe
+from .native import probe_applier
 from .ops import OpRecorder, Scope
 from .steps import StepTracker
 from .interface import SubscriberBase, wanted_events
@@ -132,6 +133,7 @@ class SubscriberManager:
         self._op_sites: dict[str, ProbeSite] = {}
         self._module_indices: dict[str, int] = {}  # qualified name -> module index
         self._records_ops = False  # some module's operations are recorded
+        self._apply_probe: Callable[..., Sequence[torch.Tensor]] = apply_probe  # TensorProbe's apply, eager calls
 
     # Public API -----------------------------------------------------------------------------
 
@@ -163,6 +165,7 @@ class SubscriberManager:
             except ValueError as error:
                 raise ValueError(f"subscribers[{position}]: {error}") from None
 
+        apply = probe_applier()  # the C++ probe for eager calls where it is built (probes.core.native)
         root = wrappers.unwrap(model)
         exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
@@ -176,6 +179,7 @@ class SubscriberManager:
                 subscriber.on_event(subscribed)
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
+        self._apply_probe = apply
         self._register_hooks(root)
         # Under ORTModule, a step no subscriber records runs on a graph exported without the probes.
         self._handles.append(_ort_compat.route_left_out_steps(
@@ -278,7 +282,7 @@ class SubscriberManager:
         if not self.tracker.wants_site(site):
             return tensor
         # The subscribers' own torch calls are no operation of the model.
-        (probed,) = self._ops.run_paused(apply_probe, self._probes[site], tensor)
+        (probed,) = self._ops.run_paused(self._apply_probe, self._probes[site], tensor)
         if self._ops.scopes:
             self._ops.produced((probed,), (site.record_name(0),))
         return probed
@@ -312,7 +316,7 @@ class SubscriberManager:
         site = self.op_site(name, inputs)
         if site is None or not self.tracker.wants_site(site) or self.tracker.failures.is_off(site):
             return None
-        return apply_probe(self._probes[site], *tensors)
+        return self._apply_probe(self._probes[site], *tensors)
 
     def module_site(self, module_index: int, kind: str) -> ProbeSite | None:
         """The ``"input"`` or ``"output"`` site of the module at ``module_index`` (None outside the subscription)."""
@@ -428,7 +432,11 @@ class SubscriberManager:
             return outputs
         if self._run_by_compiler(site):
             return outputs
-        outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
+        if (probe and not (is_root or self._builders or recorder.scopes) and type(outputs) is torch.Tensor
+                and can_probe(outputs) and not torch.jit.is_tracing()):
+            outputs = self._probe_tensor(site, outputs)  # the most common call, without the general path's layers
+        else:
+            outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
         if probe and self._records_ops and not is_root:  # op records name the module outputs they read
             self._name_tensors(site, outputs)
         return outputs
@@ -530,6 +538,17 @@ class SubscriberManager:
                 running.pop()
         return outputs
 
+    def _probe_tensor(self, site: ProbeSite, tensor: torch.Tensor) -> torch.Tensor:
+        """``_guarded_apply(site, tensor)`` for one plain tensor in an eager call, no op scope open."""
+        failures = self.tracker.failures
+        if failures.is_off(site):
+            return tensor
+        try:
+            return self._apply_probe(self._probes[site], tensor)[0]
+        except Exception as error:
+            failures.switch_off(site, None, None, error)
+            return tensor
+
     def _guarded_apply(self, site: ProbeSite, structure: Any) -> Any:
         """``_apply_to_tensors``; should inserting the probe itself fail, the module runs without it (one
         warning; the site stays off), since a probe never stops training."""
@@ -577,7 +596,7 @@ class SubscriberManager:
             key = self._compiled_key
             return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
-            return apply_probe(self._probes[site], *tensors)
+            return self._apply_probe(self._probes[site], *tensors)
         if tensors:
             return apply_boundary(self.tracker, *tensors)
         if not _ort_compat.is_exporting():

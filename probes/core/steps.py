@@ -364,8 +364,10 @@ class StepTracker:
         """The observers that get this site's ``phase`` call in ``step``."""
         if step is None:
             return ()
-        wanting = self._wanting_at(site)[phase]
-        _, active, all_active = self._active_observers(step)
+        wanting = self._wanting.get(site) or self._wanting_at(site)
+        wanting = wanting[phase]
+        known = self._active_in
+        _, active, all_active = known if known[0] == step else self._active_observers(step)
         if all_active and not self.failures.any():  # the common case: nothing to filter
             return wanting
         return tuple(r for r in wanting if r[0] in active and not self.failures.is_off(site, r[0]))

@@ -16,13 +16,10 @@ retried, and ``cpp`` chosen later raises its error.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import operator
 import os
 import platform
 import re
-import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -30,9 +27,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from exporters import _torch_compat
-
 from ..dump.statistics import ACCUMULATED
+from ..utils.extensions import BuiltOnce, build_inline
 
 __all__ = ["BACKENDS", "KERNEL_DTYPES", "Kernel", "KernelRow", "backend", "default_backend", "load",
            "resolve_backend", "row_getter"]
@@ -132,48 +128,12 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 
 def _build() -> Kernel:
-    # CUDA builds of torch print "No CUDA runtime is found" on this import; we build no CUDA code.
-    with contextlib.redirect_stderr(io.StringIO()):
-        from torch.utils import cpp_extension
-
     source = Path(__file__).with_name("_stats_kernel.cpp").read_text()
     isa, isa_flags = _isa_flags()
     # One build per torch version and ISA: the torch_extensions cache is shared by all venvs.
     version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.__version__)
     name = f"probes_stats_v{ROW_VERSION}_torch{version}_{isa}"
-
-    def build() -> Kernel:
-        return Kernel(cpp_extension.load_inline(
-            name=name,
-            cpp_sources=[source],
-            extra_cflags=["-O3", "-ffp-contract=fast", *isa_flags],
-            verbose=False,
-        ))
-
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows)
-        return build()
-    build_dir = _torch_compat.extension_build_directory(name)
-    if build_dir is None:
-        return build()
-    os.makedirs(build_dir, exist_ok=True)
-    # torch's own build lock is a file that stays behind when a building process is killed, and
-    # then blocks every later process forever. An flock dies with its process: whoever holds it
-    # knows that a leftover torch lock is stale.
-    with open(os.path.join(build_dir, "probes_build.flock"), "a") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        try:
-            os.remove(os.path.join(build_dir, "lock"))
-        except FileNotFoundError:
-            pass
-        return build()
-
-
-def _first_lines(error: BaseException, count: int = 6) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return "\n".join((lines[:1] + errors[: count - 1]) if errors else lines[:count])
+    return Kernel(build_inline(name, source, ["-O3", "-ffp-contract=fast", *isa_flags]))
 
 
 class _StatsKernel:
@@ -184,11 +144,9 @@ class _StatsKernel:
     """
 
     def __init__(self, build: Callable[[], Kernel]) -> None:
-        self._build = build
-        self._lock = threading.Lock()
-        self._kernel: Kernel | None = None
-        self._error: BaseException | None = None
-        self._warned = False
+        self._kernel = BuiltOnce(build, required="probes.stats: the C++ statistics kernel was requested but could "
+                                 "not be built", fallback="probes.stats: building the C++ statistics kernel failed; "
+                                 "using the slower torch path")
         self._ignored_settings: set[str] = set()  # invalid PROBES_NUMERICS_BACKEND values warned about
 
     def default_backend(self) -> str:
@@ -201,30 +159,7 @@ class _StatsKernel:
         return choice
 
     def load(self, *, required: bool) -> Kernel | None:
-        if self._kernel is not None:
-            return self._kernel
-        with self._lock:
-            if self._kernel is None and self._error is None:
-                try:
-                    self._kernel = self._build()
-                except Exception as error:  # compiler, ninja or loader failure, or a row that does not match
-                    self._error = error
-            if self._kernel is not None:
-                return self._kernel
-            if required:
-                raise RuntimeError(
-                    "probes.stats: the C++ statistics kernel was requested but could not be built:\n"
-                    + _first_lines(self._error)
-                ) from self._error
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "probes.stats: building the C++ statistics kernel failed; using the slower torch "
-                    "path:\n" + _first_lines(self._error),
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
+        return self._kernel.load(required=required, stacklevel=5)
 
 
 _STATS_KERNEL = _StatsKernel(_build)

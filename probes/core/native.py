@@ -1,0 +1,101 @@
+"""The C++ TensorProbe for eager calls (``_probe_function.cpp``): its build (once per torch version), its load,
+and the choice of the Function an eager probe call uses.
+
+    apply = probe_applier()                    # the C++ probe where it is built, else the Python Function
+    outputs = apply(SiteBinding(tracker, site), *tensors)   # as TensorProbe.apply(...), same events
+
+Both Functions do the same thing in eager PyTorch (the same identity, the same tracker calls on forward and
+backward); the C++ one only spends fewer microseconds a call. Exports (ORTModule's, ONNX, TorchScript traces),
+functorch transforms and tensor subclasses get the Python ``TensorProbe`` (an exported graph must hold it as
+a PythonOp; functorch runs Python Functions only; a subclass's ``detach`` may be its own); torch.compile's
+graphs hold their custom ops (``probes.core.compiled``), not either Function.
+
+``PROBES_PROBE_BACKEND=auto|cpp|python`` chooses (read at each ``probe_applier()``, i.e. each subscription):
+``auto`` (the default) builds the C++ probe on first use and falls back to the Python Function with one
+``RuntimeWarning`` if it cannot be built; ``cpp`` raises that build's error instead; ``python`` never builds.
+The build is tried once per process (a loaded extension cannot be unloaded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+import torch
+
+from exporters import _ort_compat, _torch_compat
+
+from ..utils.extensions import BuiltOnce, build_inline
+from .functions import SiteBinding, apply_probe
+
+__all__ = ["BACKENDS", "probe_applier", "probe_backend"]
+
+BACKENDS = ("auto", "cpp", "python")
+# Bump when _probe_function.cpp changes what it exports: a build under the old name is then not reused.
+VERSION = 1
+
+
+def _build() -> ModuleType:
+    version = re.sub(r"[^0-9a-zA-Z]+", "_", torch.__version__)
+    source = Path(__file__).with_name("_probe_function.cpp").read_text()
+    return build_inline(f"probes_probe_v{VERSION}_torch{version}", source, ["-O2"])
+
+
+def _native_probe(build: Callable[[], ModuleType]) -> BuiltOnce[ModuleType]:
+    """The C++ probe of a process: built once, or the error of its one failed build (warned about once)."""
+    return BuiltOnce(build, required="probes: PROBES_PROBE_BACKEND=cpp, but the C++ probe could not be built",
+                     fallback="probes: building the C++ probe failed; eager probes use the Python autograd Function "
+                     "(same records, slower; PROBES_PROBE_BACKEND=python says so and skips the build)")
+
+
+_NATIVE = _native_probe(_build)
+
+
+def _setting() -> str:
+    choice = os.environ.get("PROBES_PROBE_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"PROBES_PROBE_BACKEND={choice!r} is not one of {BACKENDS}")
+    return choice
+
+
+def probe_backend() -> str:
+    """The Function eager probe calls use now: "cpp" (built on first use) or "python".
+
+        probe_backend()   # "cpp" where a C++ compiler is installed
+    """
+    choice = _setting()
+    if choice == "python":
+        return "python"
+    return "cpp" if _NATIVE.load(required=choice == "cpp", stacklevel=4) is not None else "python"
+
+
+def _eager_forward(probe: SiteBinding, tensors: Sequence[torch.Tensor]) -> tuple[Callable, Any] | None:
+    """What TensorProbe.forward does in an eager call, for the C++ probe: None, or the backward call and its token."""
+    tracker = probe.tracker
+    if tracker.observed_now():  # a left-out step records nothing
+        event = tracker.probe_forward(probe.site, tensors)
+        if event is not None:
+            return tracker.probe_backward, event
+    return None
+
+
+def probe_applier() -> Callable[..., Sequence[torch.Tensor]]:
+    """``apply_probe`` for the backend ``probe_backend()`` chooses now: with "cpp", eager calls go to the C++ probe."""
+    if probe_backend() == "python":
+        return apply_probe
+    native = _NATIVE.load(required=True).probe
+    transforms_active = _torch_compat.functorch_transforms_active
+    exporting = _ort_compat.is_exporting
+    forward = _eager_forward
+
+    def apply(probe: SiteBinding, *tensors: torch.Tensor) -> Sequence[torch.Tensor]:
+        if not (exporting() or transforms_active()):
+            outputs = native(forward, probe, tensors)
+            if outputs is not None:  # None: a tensor subclass
+                return outputs
+        return apply_probe(probe, *tensors)
+
+    return apply
