@@ -21,12 +21,15 @@ The stages:
    with the subscription's key, the site's module index and kind, and a fresh slot (one per probe call
    in the traced program), all constants of the graph; its backward calls ``probes::observe_grad`` with them.
 2. *Forward* (every step, inside the compiled forward): ``observe`` finds the subscription's owner by its
-   key, the site through the owner, and calls the owner's tracker (``StepTracker.compiled_forward``); the
-   event waits in the tracker's queue for its slot.
-3. *Backward* (every step, inside the compiled backward): ``observe_grad`` takes the oldest event of its
-   slot and reports the gradients (``StepTracker.compiled_backward``). The compiled backward gets no per-call object from
-   its forward (a ticket tensor passed between them is recomputed by torch 2.4's partitioner, and
-   running a forward probe twice is wrong), so the backward finds its forward by slot, first in first out.
+   key and asks its tracker whether a subscriber records the step (``StepTracker.compiled_left_out``, the
+   active subscribers worked out once per step): if none does, it stops there, leaving an empty place in its
+   slot's queue, as eager inserts no probe in such a step. Otherwise it finds the site through the owner and
+   calls the tracker (``StepTracker.compiled_forward``); the event waits in the tracker's queue for its slot.
+3. *Backward* (every step, inside the compiled backward): ``observe_grad`` takes the oldest event (or empty
+   place) of its slot and reports the gradients (``StepTracker.compiled_backward``). The compiled backward
+   gets no per-call object from its forward (a ticket tensor passed between them is recomputed by torch
+   2.4's partitioner, and running a forward probe twice is wrong), so the backward finds its forward by
+   slot, first in first out.
 
 The backward token is a forward input of the compiled graph that its backward mutates, so AOT autograd
 saves it for the backward. torch 2.4 checks the version counter of every tensor it saved (later
@@ -100,6 +103,7 @@ class CompiledOps:
         # The backward tokens the compiled calls took, as their graphs got them (AOT autograd passes an
         # alias, which shares the token's version counter): weakly, they live as long as a graph saved them.
         self._taken: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._last_taken: torch.Tensor | None = None  # the token the running call's probe ops pass
         self._restoring: int | None = None  # the backward pass at whose end the taken tokens' versions go back
 
     def register(self, owner: SiteOwner) -> int:
@@ -120,9 +124,12 @@ class CompiledOps:
     def backward_token_taken(self, token: torch.Tensor) -> None:
         """A running compiled call took ``token`` (saved for its backward, which changes it): the next
         call gets a new one."""
+        if token is self._last_taken:  # the call's later probe ops (one check: the call passes the same token)
+            return
         if self._taken.get(id(token)) is not token:  # its first probe op in this call
             self._taken[id(token)] = token
             self.backward_token = torch.zeros(1)
+        self._last_taken = token
 
     def backward_changed_tokens(self) -> None:
         """A probe backward ran, changing its call's token: the taken tokens get their version back when
@@ -181,16 +188,20 @@ def flattening(active: bool) -> bool:
     return active
 
 
-def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int | None, what: int, name: str, *,
-            backward: bool) -> None:
-    """What the ops do at run time: tell the subscription's step tracker (nothing once it has ended)."""
+def _observe(token: torch.Tensor, backward_token: torch.Tensor | None, tensors: list[torch.Tensor], key: int,
+             module: int, slot: int, what: int, name: str) -> None:
+    """The forward op's body: tell the subscription's step tracker (nothing once it has ended)."""
+    if backward_token is not None:
+        OPS.backward_token_taken(backward_token)
     owner = OPS.owner(key)
     if owner is None:
         return
     tracker = owner.tracker
     if what == _BOUNDARY:  # may raise on purpose where a phase ends (the anomaly sentinel): not caught
-        tracker.backward_reached_root() if backward else tracker.forward_returned()
+        tracker.forward_returned()
         return
+    if tracker.compiled_left_out(None if backward_token is None else slot):
+        return  # a step no subscriber records: no site, no event (the step boundary still numbers the step)
     if what == _INSPECT:
         site = owner.inspect_site(name)
     elif what == _OP:
@@ -200,25 +211,22 @@ def _report(tensors: list[torch.Tensor | None], key: int, module: int, slot: int
     if site is None:
         return
     try:
-        if backward:
-            tracker.compiled_backward(site, tensors, slot=slot)
-        else:
-            tracker.compiled_forward(site, tensors, slot=slot)
+        tracker.compiled_forward(site, tensors, slot=None if backward_token is None else slot)
     except Exception as error:  # the op's body runs inside the compiled step: it must not end it
         tracker.failures.switch_off(site, None, None, error)
 
 
-def _observe(token: torch.Tensor, backward_token: torch.Tensor | None, tensors: list[torch.Tensor], key: int,
-             module: int, slot: int, what: int, name: str) -> None:
-    if backward_token is not None:
-        OPS.backward_token_taken(backward_token)
-    _report(tensors, key, module, None if backward_token is None else slot, what, name, backward=False)
-
-
 def _observe_grad(token: torch.Tensor, grads: list[torch.Tensor | None], key: int, module: int, slot: int,
                   what: int, name: str) -> None:
+    """The backward op's body: the gradients to the forward event waiting under ``slot`` (its site is the event's)."""
     OPS.backward_changed_tokens()
-    _report(grads, key, module, slot, what, name, backward=True)
+    owner = OPS.owner(key)
+    if owner is None:
+        return
+    if what == _BOUNDARY:
+        owner.tracker.backward_reached_root()
+        return
+    owner.tracker.compiled_backward(grads, slot=slot)
 
 
 def _nothing(*args: Any) -> None:

@@ -116,8 +116,9 @@ class StepTracker:
         self._forward_running = forward_running
         # torch.compile: forward events waiting for their backward, per compiled probe call (slot), and the
         # last one each slot's backward took (what a second backward of the same forward differentiates).
-        self._queued: dict[int, collections.deque[ProbeEvent | Recomputed]] = {}
-        self._taken: dict[int, ProbeEvent | Recomputed] = {}
+        # An empty place (None) stands for a forward of a left-out step.
+        self._queued: dict[int, collections.deque[ProbeEvent | Recomputed | None]] = {}
+        self._taken: dict[int, ProbeEvent | Recomputed | None] = {}
         self.failures = SiteFailures()  # sites whose probe code raised: switched off, training goes on
         self.differentiable = EagerDifferentiable()  # what eager differentiates, for probes in ORT's graph
         self.paused = False
@@ -271,20 +272,36 @@ class StepTracker:
         if receivers:
             self._deliver(receivers, fields, grads)
 
+    def compiled_left_out(self, slot: int | None) -> bool:
+        """Whether a compiled probe's forward firing now belongs to a step no observer records (``observed_now``,
+        whose active observers are worked out once per step): then it makes no event, as eager inserts no probe
+        in such a step, and leaves its slot an empty place instead, so that its backward takes that place and
+        reports nothing, and the forwards queued after it keep their backwards (first in first out). A forward
+        recomputed inside a backward pass queues nothing, as a recorded one does not."""
+        if self.observed_now():
+            return False
+        if slot is not None and _torch_compat.current_backward() is None:
+            self._queue(slot).append(None)
+        return True
+
+    def _queue(self, slot: int) -> collections.deque[ProbeEvent | Recomputed | None]:
+        queue = self._queued.get(slot)
+        if queue is None:
+            # Bounded: forwards whose backward never comes (a loss never differentiated) do not pile up.
+            queue = self._queued[slot] = collections.deque(maxlen=_QUEUED_PER_SLOT)
+        return queue
+
     def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
         """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``); its event waits
         under ``slot`` for the backward (None: no backward will come, the outputs need no gradient)."""
         event = self.probe_forward(site, tensors)
         if slot is not None and isinstance(event, ProbeEvent):  # not a recomputation inside backward
-            queue = self._queued.get(slot)
-            if queue is None:
-                # Bounded: forwards whose backward never comes (a loss never differentiated) do not pile up.
-                queue = self._queued[slot] = collections.deque(maxlen=_QUEUED_PER_SLOT)
-            queue.append(event)
+            self._queue(slot).append(event)
 
-    def compiled_backward(self, site: ProbeSite, grads: Sequence[torch.Tensor | None], *, slot: int) -> None:
+    def compiled_backward(self, grads: Sequence[torch.Tensor | None], *, slot: int) -> None:
         """A probe's backward fired inside a torch.compile graph: it differentiates the oldest forward of
-        its slot not yet differentiated, or again the last one (a second backward of a retained graph)."""
+        its slot not yet differentiated, or again the last one (a second backward of a retained graph); nothing
+        where that forward was left out (``compiled_left_out``). The site is the forward event's."""
         queue = self._queued.get(slot)
         if queue:
             self._taken[slot] = queue.popleft()

@@ -18,6 +18,7 @@ from helpers import Recorder, hook_count
 from probes import (AnomalyError, AnomalySentinel, StatisticsSubscriber, SubscriberBase, SubscriberManager,
                     inspect_activation, load_dump)
 from probes.core.selection import Selection
+from probes.core.steps import StepTracker
 from probes.models import TinyTransformer, TransformerConfig, make_batch
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=8)
@@ -352,6 +353,72 @@ def test_every_n_steps_under_torch_compile_without_recompiles():
         assert {c.step for c in compiled_rec.calls} == {0, 2, 4}
         assert {c.name for c in compiled_rec.calls} == {
             f"blocks.{i}.attn{part}.output.0" for i in range(2) for part in ("", ".qkv", ".proj", ".dropout")}
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_left_out_compiled_step_makes_no_event_and_its_probes_still_run(monkeypatch):
+    """In a step no subscriber records, the compiled graph's probe ops run (they decide per step, no recompile) but
+    stop at the step check: no site, no event, no queue entry for the tracker to pair; recorded steps as before."""
+    torch._dynamo.reset()
+    try:
+        model, eager_model = transformer(), transformer()
+        recorder, eager = Recorder(steps=[1]), Recorder(steps=[1])
+        calls = {"left out": [], "forward": []}
+        left_out, forward = StepTracker.compiled_left_out, StepTracker.compiled_forward
+
+        def counting_left_out(self, slot):
+            calls["left out"].append(left_out(self, slot))
+            return calls["left out"][-1]
+
+        def counting_forward(self, *args, **kwargs):
+            forward(self, *args, **kwargs)
+            calls["forward"].append(self.state.open_step)
+
+        monkeypatch.setattr(StepTracker, "compiled_left_out", counting_left_out)
+        monkeypatch.setattr(StepTracker, "compiled_forward", counting_forward)
+        counter = CompileCounterWithBackend("aot_eager")
+        with SubscriberManager().subscribe(model, [recorder]), SubscriberManager().subscribe(eager_model, [eager]):
+            train(torch.compile(model, backend=counter, fullgraph=True), 3)
+            train(eager_model, 3)
+        assert counter.frame_count == 1
+        probes = len(calls["forward"])  # the forward probes of the recorded step, made by the graph's ops
+        assert probes and set(calls["forward"]) == {1}
+        # Steps 0 and 2: every forward probe op asked once and stopped; step 1: asked once each, went on.
+        assert calls["left out"] == [True] * probes + [False] * probes + [True] * probes
+        keys = lambda rec: sorted((c.step, c.phase, c.name) for c in rec.calls)  # noqa: E731
+        assert keys(recorder) == keys(eager) and {c.step for c in recorder.calls} == {1}
+        assert recorder.step_ends == eager.step_ends == [1]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_left_out_compiled_forward_differentiated_in_a_recorded_step_is_not_recorded_as_in_eager():
+    """The forward of a left-out step queues an empty place for its backward: differentiated later, in a recorded
+    step, it records nothing (eager inserted no probe in it), and the recorded forward after it keeps its own
+    backward (first in first out)."""
+    torch._dynamo.reset()
+
+    def run(compile_):
+        model = transformer()
+        recorder = Recorder(steps=[1])
+        runner = torch.compile(model, backend="aot_eager", fullgraph=True) if compile_ else model
+        with SubscriberManager().subscribe(model, [recorder]):
+            losses = []
+            for step in range(2):  # step 0 (left out), then step 1 (recorded) before any backward
+                batch = make_batch(CONFIG, batch_size=4, seed=step)
+                losses.append(runner(batch["tokens"], labels=batch["labels"]))
+            losses[0].backward()  # inside recorded step 1: step 0's forward had no probe in eager
+            losses[1].backward()  # a backward-only step 2, left out
+        return recorder, [p.grad.clone() for p in model.parameters()]
+
+    try:
+        (eager, eager_grads), (compiled, compiled_grads) = run(False), run(True)
+        keys = lambda rec: sorted((c.step, c.phase, c.name) for c in rec.calls)  # noqa: E731
+        assert keys(compiled) == keys(eager)
+        assert {(c.step, c.phase) for c in compiled.calls} == {(1, "forward")}
+        assert compiled.step_ends == eager.step_ends == [1]
+        assert all(torch.equal(a, b) for a, b in zip(compiled_grads, eager_grads))
     finally:
         torch._dynamo.reset()
 
