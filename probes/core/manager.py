@@ -121,6 +121,7 @@ class SubscriberManager:
         self._probes: dict[ProbeSite, SiteBinding] = {}  # each site's TensorProbe argument
         self._unobserved_warned: set[ProbeSite] = set()
         self._uncompilable_warned: set[str] = set()  # module names
+        self._transform_warned = False  # see _transformed_pre_forward
         self._subscription: Subscription | None = None
         self._compiled_key: int | None = None  # how torch.compile graphs find this subscription (compiled.OPS)
         self._wrapper_ref: weakref.ref | None = None
@@ -216,6 +217,7 @@ class SubscriberManager:
         self._probes.clear()
         self._unobserved_warned.clear()
         self._uncompilable_warned.clear()
+        self._transform_warned = False
         self._builders = ()
         self._left_out_forward = False
         self._ops.close()
@@ -398,6 +400,8 @@ class SubscriberManager:
         if is_root and _ort_compat.exporting_unprobed():  # ORT exports the graph of left-out steps: no probe
             self._left_out_forward = True
             return args, kwargs
+        if _torch_compat.functorch_transforms_active():
+            return self._transformed_pre_forward(is_root, args, kwargs)
         if is_root:  # the whole eager forward is left out when its step is: its modules' hooks return at once
             probes_now = self._probes_now()
             self._left_out_forward = not (self._builders or probes_now)
@@ -427,6 +431,8 @@ class SubscriberManager:
             self._left_out_forward = False
             if _ort_compat.exporting_unprobed():
                 return outputs
+        if _torch_compat.functorch_transforms_active():
+            return self._transformed_post_forward(is_root, outputs)
         probe = probe and self._probes_now()
         if not (probe or is_root or self._builders):
             return outputs
@@ -439,6 +445,30 @@ class SubscriberManager:
             outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
         if probe and self._records_ops and not is_root:  # op records name the module outputs they read
             self._name_tensors(site, outputs)
+        return outputs
+
+    def _transformed_pre_forward(self, is_root: bool, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A module called under a functorch transform (``torch.func.grad``, ``vmap``, ``jacrev``...): no probe.
+
+        torch runs no autograd Function without ``setup_context`` under a transform (it raises), and the probe
+        Functions have none: they take their live state as arguments, which ORT's PythonOp needs. Inserting them
+        would stop the user's call, or switch their sites off for the rest of training. So the call runs as
+        without probes (one warning), its modules' hooks return at once (as in a left-out step) and the root's
+        step is still counted; eager calls outside the transform are observed as before.
+        """
+        if not self._transform_warned:
+            self._transform_warned = True
+            warnings.warn("probes: a model called under a torch.func transform (grad, vmap, jacrev, ...) is not "
+                          "observed: torch runs no probe Function there. Its calls outside the transform are. "
+                          "This warning is not repeated.", stacklevel=5)
+        if is_root:
+            self._left_out_forward = True
+        return args, kwargs
+
+    def _transformed_post_forward(self, is_root: bool, outputs: Any) -> Any:
+        """The end of a call under a functorch transform (``_transformed_pre_forward``): the root counts the step."""
+        if is_root and not _ort_compat.is_exporting():
+            self.tracker.forward_returned()
         return outputs
 
     def _open_ops(self, site: ProbeSite) -> None:

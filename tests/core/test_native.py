@@ -134,15 +134,30 @@ def test_the_cpp_probe_reports_and_trains_exactly_as_the_python_function(monkeyp
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
-def test_a_functorch_transform_gets_the_python_function(monkeypatch, backend):
-    """Under a torch.func transform the probes are the Python Functions whatever the backend: torch refuses those
-    there (they have no ``setup_context``; the C++ probe would be refused with another error)."""
+def test_a_functorch_transform_runs_as_without_probes(monkeypatch, backend):
+    """torch runs no probe Function under a torch.func transform (neither has ``setup_context``): the call runs as
+    without probes, with one warning, and stops nothing. No site is switched off: the eager steps around it are
+    recorded in full, and the transformed call still counts as a step."""
     monkeypatch.setenv("PROBES_PROBE_BACKEND", backend)
-    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-    with SubscriberManager().subscribe(model, [Everything()]):
-        with pytest.warns(ProbeFailureWarning, match="must override the setup_context staticmethod"):
-            with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):  # StepBoundary
-                torch.func.grad(lambda x: model(x).sum())(torch.randn(2, 3))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    expected = torch.func.grad(lambda x: model(x).sum())(x)
+    subscriber = Everything()
+    manager = SubscriberManager()
+    with manager.subscribe(model, [subscriber]):
+        model(x).sum().backward()
+        recorded = len(subscriber.events)
+        with pytest.warns(UserWarning, match="torch.func transform"):
+            got = torch.func.grad(lambda x: model(x).sum())(x)
+        assert len(subscriber.events) == recorded  # nothing observed inside the transform
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once; no ProbeFailureWarning either
+            torch.func.vmap(lambda row: model(row))(x)
+            model(x).sum().backward()
+        assert manager.step == 4
+    assert torch.equal(got, expected)
+    assert len(subscriber.events) == 2 * recorded  # the eager step after it: every site, as the first
 
 
 def test_a_tensor_subclass_passes_through_the_python_function(monkeypatch):
