@@ -484,11 +484,15 @@ PAIRINGS = {"two forwards, one backward": _two_forwards_one_backward,
             "gradient accumulation": _accumulated, "retained graph": _retained}
 
 
-@pytest.mark.parametrize("model_class,case,every_n_steps", [
-    *((Small, case, n) for case in PAIRINGS for n in (1, 2, 3)),
+@pytest.mark.parametrize("model_class,case,every_n_steps,backend", [
+    *((Small, case, n, "aot_eager") for case in PAIRINGS for n in (1, 2, 3)),
     # Graph breaks: each forward is several compiled calls, each with its own backward.
-    *((Broken, case, 1) for case in ("two forwards, one backward", "gradient accumulation", "retained graph"))])
-def test_a_compiled_backward_reports_to_the_forward_it_differentiates(tmp_path, model_class, case, every_n_steps):
+    *((Broken, case, 1, "aot_eager") for case in ("two forwards, one backward", "gradient accumulation",
+                                                  "retained graph")),
+    # Inductor hands the backward op the token AOT autograd saved, not a copy of it.
+    (Small, "two forwards, one backward", 1, "inductor")])
+def test_a_compiled_backward_reports_to_the_forward_it_differentiates(tmp_path, model_class, case, every_n_steps,
+                                                                     backend):
     """Each backward's records are those eager makes (names and call numbers, phases, statistics): when one backward
     covers two compiled calls, autograd runs the later call's backward first, and a backward paired with its forward
     by probe alone took the other call's event (the gradient of call #1 recorded as call #0's, and the reverse)."""
@@ -496,7 +500,7 @@ def test_a_compiled_backward_reports_to_the_forward_it_differentiates(tmp_path, 
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = model_class()
-        counter = CompileCounterWithBackend("aot_eager")
+        counter = CompileCounterWithBackend(backend)
         runner = torch.compile(model, backend=counter, fullgraph=model_class is Small) if compile_ else model
         with SubscriberManager().subscribe(model, [StatisticsSubscriber(out, every_n_steps=every_n_steps)]):
             for seed in range(3):
@@ -515,5 +519,7 @@ def test_a_compiled_backward_reports_to_the_forward_it_differentiates(tmp_path, 
     else:  # left-out steps between the recorded ones
         assert eager and {r["step"] % every_n_steps for r in eager} == {0}
     assert_parity(tmp_path / "eager", tmp_path / "compiled")
+    if backend == "inductor":  # it may fuse around the opaque probe ops: the last float bits may move
+        return
     assert all(same_values(a, b) for a, b in zip(compiled, eager)), [
         (a["step"], a["name"], k) for a, b in zip(compiled, eager) for k in a if not same_values(a[k], b[k])][:5]
