@@ -523,3 +523,23 @@ def test_a_compiled_backward_reports_to_the_forward_it_differentiates(tmp_path, 
         return
     assert all(same_values(a, b) for a, b in zip(compiled, eager)), [
         (a["step"], a["name"], k) for a, b in zip(compiled, eager) for k in a if not same_values(a[k], b[k])][:5]
+
+
+def test_the_events_of_a_compiled_call_whose_graph_is_freed_are_forgotten():
+    """A forward whose backward never comes (a loss evaluated with gradients on, then dropped) leaves no event
+    behind once its graph is freed; a call whose graph lives keeps its events for its backward."""
+    from probes.core.compiled import OPS
+
+    torch.manual_seed(0)
+    model = Small()
+    recorder = Recorder()
+    runner = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with SubscriberManager().subscribe(model, [recorder]):
+        kept = _loss(runner, 0)
+        for seed in range(1, 20):
+            _loss(runner, seed)  # dropped at once: its graph, and the call's token with it, are freed
+        assert len(OPS._waiting) <= 3  # the kept call's, and the last calls' (the last token is held)
+        kept.backward()
+    # Step 0's forward, differentiated in step 19: a second call of each module there, as in eager.
+    assert recorder.names(19, "backward") == ["<root>#1.output.0", "b#1.output.0", "a#1.output.0"]
+    assert recorder.step_ends == list(range(20))
