@@ -146,6 +146,7 @@ class CompiledOps:
         if token is self._last_taken:  # the call's later probe ops (one check: the call passes the same token)
             return self._last_call
         call = int(token.item())
+        self._last_taken, self._last_call = token, call  # (letting the previous call's token go first)
         if call not in self._taken:  # its first probe op in this call
             self._taken[call] = token
             self.backward_token = self._new_backward_token()
@@ -153,7 +154,6 @@ class CompiledOps:
             for ended in [ended for ended in self._waiting if ended not in self._taken]:
                 del self._waiting[ended]
             self._waiting[call] = {}
-        self._last_taken, self._last_call = token, call
         return call
 
     def wait(self, call: int, slot: int, event: ProbeEvent) -> None:
