@@ -22,23 +22,33 @@ The stages:
    in the traced program), all constants of the graph; its backward calls ``probes::observe_grad`` with them.
 2. *Forward* (every step, inside the compiled forward): ``observe`` finds the subscription's owner by its
    key and asks its tracker whether a subscriber records the step (``StepTracker.compiled_left_out``, the
-   active subscribers worked out once per step): if none does, it stops there, leaving an empty place in its
-   slot's queue, as eager inserts no probe in such a step. Otherwise it finds the site through the owner and
-   calls the tracker (``StepTracker.compiled_forward``); the event waits in the tracker's queue for its slot.
-3. *Backward* (every step, inside the compiled backward): ``observe_grad`` takes the oldest event (or empty
-   place) of its slot and reports the gradients (``StepTracker.compiled_backward``). The compiled backward
-   gets no per-call object from its forward (a ticket tensor passed between them is recomputed by torch
-   2.4's partitioner, and running a forward probe twice is wrong), so the backward finds its forward by
-   slot, first in first out.
+   active subscribers worked out once per step): if none does, it stops there and makes no event, as eager
+   inserts no probe in such a step. Otherwise it finds the site through the owner and calls the tracker
+   (``StepTracker.compiled_forward``); the event waits under the call's number and its slot.
+3. *Backward* (every step, inside the compiled backward): ``observe_grad`` reads the call's number from its
+   token, takes the event waiting under that number and its slot, and reports the gradients to it
+   (``StepTracker.probe_backward``, as eager's probe does with the event it kept); none where the forward
+   made no event (a left-out step). The event stays for a second backward of a retained graph; it is
+   forgotten once the call's token is gone (its graph freed: no backward of it can come).
 
-The backward token is a forward input of the compiled graph that its backward mutates, so AOT autograd
-saves it for the backward. torch 2.4 checks the version counter of every tensor it saved (later
-versions skip the check for tensors a Function's backward reads without saving them, as eager autograd
-does), so a token shared by two compiled calls that are both waiting for their backward (two graphs
-of a model that breaks the graph, two forwards before one backward) is found "modified by an inplace
-operation" in the second backward. Hence each compiled call gets a token of its own (``observe`` hands
-the next call a fresh one), and a retained graph's token gets its version back when the backward pass
-that changed it ends, so that a second backward of that graph finds it unchanged.
+Each compiled call that will run probe backwards gets a backward token of its own, a 1-element CPU tensor
+holding the call's number, for two reasons:
+
+- *Pairing.* The compiled backward gets no per-call object from its forward (a ticket tensor passed
+  between them is recomputed by torch 2.4's partitioner, and running a forward probe twice is wrong), and
+  the slot alone does not tell the calls apart: one backward of two calls of the graph
+  (``(model(a).sum() + model(b).sum()).backward()``) runs the second call's backward first. The token is a
+  forward input that the backward ops get back, as AOT autograd saved it or as a copy of it (its
+  functionalization hands a mutated argument over as a clone, so neither the tensor nor its memory is the
+  forward's): its value is what survives, read on the host (a CPU tensor: never a device sync).
+- *Versions.* The backward token is a forward input of the compiled graph that its backward mutates, so
+  AOT autograd saves it for the backward. torch 2.4 checks the version counter of every tensor it saved
+  (later versions skip the check for tensors a Function's backward reads without saving them, as eager
+  autograd does), so a token shared by two compiled calls that are both waiting for their backward (two
+  graphs of a model that breaks the graph, two forwards before one backward) is found "modified by an
+  inplace operation" in the second backward. Hence ``observe`` hands the next call a fresh token, and a
+  retained graph's token gets its version back when the backward pass that changed it ends, so that a
+  second backward of that graph finds it unchanged.
 
 A subscription that has ended is no longer found: its ops do nothing until dynamo recompiles
 (removing the hooks changes what dynamo guards on, so the next call recompiles).
@@ -57,7 +67,7 @@ from exporters import _torch_compat
 from .functions import differentiated, mark_frozen
 
 if TYPE_CHECKING:
-    from .sites import ProbeSite
+    from .sites import ProbeEvent, ProbeSite
     from .steps import StepTracker
 
 # What an op call is: a module's input or output probe, the root's step boundary, an ``inspect_activation``
@@ -98,12 +108,17 @@ class CompiledOps:
         # the order they were traced, and a mutating op is never dead code. One per pass, so that no backward
         # op depends on a forward op's output (which would let a partitioner recompute the forward op).
         self.forward_token = torch.zeros(1)
-        # A new one for each compiled call that will run probe backwards (see the module docstring).
-        self.backward_token = torch.zeros(1)
-        # The backward tokens the compiled calls took, as their graphs got them (AOT autograd passes an
-        # alias, which shares the token's version counter): weakly, they live as long as a graph saved them.
+        # A new one for each compiled call that will run probe backwards, holding the call's number (see the
+        # module docstring).
+        self._calls = itertools.count(1)
+        self.backward_token = self._new_backward_token()
+        # The backward tokens the compiled calls took, by call number, as their graphs got them (AOT autograd
+        # passes an alias, which shares the token's version counter): weakly, they live as long as a graph saved them.
         self._taken: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._last_taken: torch.Tensor | None = None  # the token the running call's probe ops pass
+        self._last_call = 0  # its number
+        # Per call, by slot: the forward events its backward differentiates (kept while its token lives).
+        self._waiting: dict[int, dict[int, ProbeEvent]] = {}
         self._restoring: int | None = None  # the backward pass at whose end the taken tokens' versions go back
 
     def register(self, owner: SiteOwner) -> int:
@@ -121,15 +136,37 @@ class CompiledOps:
     def new_slot(self) -> int:
         return next(self._slots)
 
-    def backward_token_taken(self, token: torch.Tensor) -> None:
+    def _new_backward_token(self) -> torch.Tensor:
+        # On the CPU whatever the default device: reading the number back is never a device sync.
+        return torch.full((1,), next(self._calls), dtype=torch.int64, device="cpu")
+
+    def backward_token_taken(self, token: torch.Tensor) -> int:
         """A running compiled call took ``token`` (saved for its backward, which changes it): the next
-        call gets a new one."""
+        call gets a new one. Returns the call's number, which its backward ops read from their token."""
         if token is self._last_taken:  # the call's later probe ops (one check: the call passes the same token)
-            return
-        if self._taken.get(id(token)) is not token:  # its first probe op in this call
-            self._taken[id(token)] = token
-            self.backward_token = torch.zeros(1)
-        self._last_taken = token
+            return self._last_call
+        call = int(token.item())
+        self._last_taken, self._last_call = token, call  # (letting the previous call's token go first)
+        if call not in self._taken:  # its first probe op in this call
+            self._taken[call] = token
+            self.backward_token = self._new_backward_token()
+            # The calls whose token is gone: their graph is freed, no backward of theirs will come.
+            for ended in [ended for ended in self._waiting if ended not in self._taken]:
+                del self._waiting[ended]
+            self._waiting[call] = {}
+        return call
+
+    def wait(self, call: int, slot: int, event: ProbeEvent) -> None:
+        """``event``, made by the forward op ``slot`` of compiled call ``call``, waits for that call's backward."""
+        waiting = self._waiting.get(call)
+        if waiting is not None:
+            waiting[slot] = event
+
+    def waiting(self, token: torch.Tensor, slot: int) -> ProbeEvent | None:
+        """The forward event that the backward op ``slot`` differentiates, given the token that op got (its
+        call's, or a copy of it: the call's number is its value); None where that forward made no event."""
+        waiting = self._waiting.get(int(token.item()))
+        return None if waiting is None else waiting.get(slot)
 
     def backward_changed_tokens(self) -> None:
         """A probe backward ran, changing its call's token: the taken tokens get their version back when
@@ -191,8 +228,7 @@ def flattening(active: bool) -> bool:
 def _observe(token: torch.Tensor, backward_token: torch.Tensor | None, tensors: list[torch.Tensor], key: int,
              module: int, slot: int, what: int, name: str) -> None:
     """The forward op's body: tell the subscription's step tracker (nothing once it has ended)."""
-    if backward_token is not None:
-        OPS.backward_token_taken(backward_token)
+    call = None if backward_token is None else OPS.backward_token_taken(backward_token)
     owner = OPS.owner(key)
     if owner is None:
         return
@@ -200,7 +236,7 @@ def _observe(token: torch.Tensor, backward_token: torch.Tensor | None, tensors: 
     if what == _BOUNDARY:  # may raise on purpose where a phase ends (the anomaly sentinel): not caught
         tracker.forward_returned()
         return
-    if tracker.compiled_left_out(None if backward_token is None else slot):
+    if tracker.compiled_left_out():
         return  # a step no subscriber records: no site, no event (the step boundary still numbers the step)
     if what == _INSPECT:
         site = owner.inspect_site(name)
@@ -211,14 +247,16 @@ def _observe(token: torch.Tensor, backward_token: torch.Tensor | None, tensors: 
     if site is None:
         return
     try:
-        tracker.compiled_forward(site, tensors, slot=None if backward_token is None else slot)
+        event = tracker.compiled_forward(site, tensors)
+        if event is not None and call is not None:
+            OPS.wait(call, slot, event)
     except Exception as error:  # the op's body runs inside the compiled step: it must not end it
         tracker.failures.switch_off(site, None, None, error)
 
 
 def _observe_grad(token: torch.Tensor, grads: list[torch.Tensor | None], key: int, module: int, slot: int,
                   what: int, name: str) -> None:
-    """The backward op's body: the gradients to the forward event waiting under ``slot`` (its site is the event's)."""
+    """The backward op's body: the gradients to the forward event of its call and slot (its site is the event's)."""
     OPS.backward_changed_tokens()
     owner = OPS.owner(key)
     if owner is None:
@@ -226,7 +264,9 @@ def _observe_grad(token: torch.Tensor, grads: list[torch.Tensor | None], key: in
     if what == _BOUNDARY:
         owner.tracker.backward_reached_root()
         return
-    owner.tracker.compiled_backward(grads, slot=slot)
+    event = OPS.waiting(token, slot)
+    if event is not None:  # None: that forward was left out (``compiled_left_out``), as eager inserted no probe
+        owner.tracker.probe_backward(event, grads)
 
 
 def _nothing(*args: Any) -> None:

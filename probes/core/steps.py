@@ -30,7 +30,6 @@ The rules (docs/training.md says what each training set-up gives):
 
 from __future__ import annotations
 
-import collections
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -49,7 +48,6 @@ from .sites import EVENT_KINDS, ProbeEvent, ProbeSite
 Receivers = tuple[tuple[SubscriberBase, "Callable | None"], ...]
 
 
-_QUEUED_PER_SLOT = 64  # torch.compile: forwards of one probe call that may wait for their backward
 # A probe firing's events are made with tuple's own constructor from all of ``ProbeEvent``'s fields in order: it skips
 # the named tuple's argument binding, a third of the cost of an event, made once or twice per probe call.
 _new_tuple = tuple.__new__
@@ -114,11 +112,6 @@ class StepTracker:
         # The observers active in one step (``_receivers``): (step, them, whether they are all the observers).
         self._active_in: tuple[int | None, tuple[SubscriberBase, ...], bool] = (None, (), True)
         self._forward_running = forward_running
-        # torch.compile: forward events waiting for their backward, per compiled probe call (slot), and the
-        # last one each slot's backward took (what a second backward of the same forward differentiates).
-        # An empty place (None) stands for a forward of a left-out step.
-        self._queued: dict[int, collections.deque[ProbeEvent | Recomputed | None]] = {}
-        self._taken: dict[int, ProbeEvent | Recomputed | None] = {}
         self.failures = SiteFailures()  # sites whose probe code raised: switched off, training goes on
         self.differentiable = EagerDifferentiable()  # what eager differentiates, for probes in ORT's graph
         self.paused = False
@@ -126,8 +119,6 @@ class StepTracker:
     def reset(self, subscribers: Sequence[SubscriberBase]) -> None:
         """Start counting from step 0 for a new set of subscribers."""
         self.state = RunState()
-        self._queued.clear()
-        self._taken.clear()
         self._subscribers = tuple(subscribers)
         wanted = [wanted_events(s) for s in subscribers]
         self._taking = {kind: tuple(s for s, kinds in zip(subscribers, wanted) if kind in kinds)
@@ -156,8 +147,6 @@ class StepTracker:
         self._taking = {}
         self._wanting.clear()
         self._active_in = (None, (), True)
-        self._queued.clear()
-        self._taken.clear()
 
     @property
     def step(self) -> int:
@@ -272,42 +261,18 @@ class StepTracker:
         if receivers:
             self._deliver(receivers, fields, grads)
 
-    def compiled_left_out(self, slot: int | None) -> bool:
+    def compiled_left_out(self) -> bool:
         """Whether a compiled probe's forward firing now belongs to a step no observer records (``observed_now``,
         whose active observers are worked out once per step): then it makes no event, as eager inserts no probe
-        in such a step, and leaves its slot an empty place instead, so that its backward takes that place and
-        reports nothing, and the forwards queued after it keep their backwards (first in first out). A forward
-        recomputed inside a backward pass queues nothing, as a recorded one does not."""
-        if self.observed_now():
-            return False
-        if slot is not None and _torch_compat.current_backward() is None:
-            self._queue(slot).append(None)
-        return True
+        in such a step, and its backward finds none to report to."""
+        return not self.observed_now()
 
-    def _queue(self, slot: int) -> collections.deque[ProbeEvent | Recomputed | None]:
-        queue = self._queued.get(slot)
-        if queue is None:
-            # Bounded: forwards whose backward never comes (a loss never differentiated) do not pile up.
-            queue = self._queued[slot] = collections.deque(maxlen=_QUEUED_PER_SLOT)
-        return queue
-
-    def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor], *, slot: int | None) -> None:
-        """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``); its event waits
-        under ``slot`` for the backward (None: no backward will come, the outputs need no gradient)."""
+    def compiled_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | None:
+        """A probe's forward fired inside a torch.compile graph (``probes.core.compiled``): the event its backward
+        reports to (``probe_backward``), None where there is none (the site is off, a recomputation inside a
+        backward pass)."""
         event = self.probe_forward(site, tensors)
-        if slot is not None and isinstance(event, ProbeEvent):  # not a recomputation inside backward
-            self._queue(slot).append(event)
-
-    def compiled_backward(self, grads: Sequence[torch.Tensor | None], *, slot: int) -> None:
-        """A probe's backward fired inside a torch.compile graph: it differentiates the oldest forward of
-        its slot not yet differentiated, or again the last one (a second backward of a retained graph); nothing
-        where that forward was left out (``compiled_left_out``). The site is the forward event's."""
-        queue = self._queued.get(slot)
-        if queue:
-            self._taken[slot] = queue.popleft()
-        token = self._taken.get(slot)
-        if token is not None:
-            self.probe_backward(token, grads)
+        return event if isinstance(event, ProbeEvent) else None
 
     def forward_returned(self) -> None:
         """The root module's forward returned."""

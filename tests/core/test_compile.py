@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from helpers import Recorder, gpt2_batch, tiny_gpt2, train_run
+from helpers import Recorder, gpt2_batch, same_values, tiny_gpt2, train_run
 from probes import StatisticsSubscriber, SubscriberManager, inspect_activation, load_dump
 from probes.compare import compare_dumps
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -438,3 +438,109 @@ def test_hugging_face_gpt2_eager_and_compiled_compare_clean(tmp_path, parity):
     assert run(tmp_path / "compiled", True) == 1
     report = parity(tmp_path / "eager", tmp_path / "compiled")
     assert report.matched > 100
+
+
+class Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _loss(runner, seed):
+    # A loss whose gradients depend on the input: a backward paired with the wrong forward reports other values.
+    return runner(torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))).square().mean()
+
+
+def _two_forwards_one_backward(runner, seed):
+    (_loss(runner, seed) + _loss(runner, seed + 100)).backward()  # autograd runs the second call's backward first
+
+
+def _two_forwards_two_backwards(runner, seed):
+    first, second = _loss(runner, seed), _loss(runner, seed + 100)
+    first.backward()
+    second.backward()
+
+
+def _step(runner, seed):
+    _loss(runner, seed).backward()
+
+
+def _accumulated(runner, seed):
+    for micro in range(2):
+        _loss(runner, seed + 100 * micro).backward()
+
+
+def _retained(runner, seed):
+    loss = _loss(runner, seed)
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+PAIRINGS = {"two forwards, one backward": _two_forwards_one_backward,
+            "two forwards, two backwards": _two_forwards_two_backwards, "steps": _step,
+            "gradient accumulation": _accumulated, "retained graph": _retained}
+
+
+@pytest.mark.parametrize("model_class,case,every_n_steps,backend", [
+    *((Small, case, n, "aot_eager") for case in PAIRINGS for n in (1, 2, 3)),
+    # Graph breaks: each forward is several compiled calls, each with its own backward.
+    *((Broken, case, 1, "aot_eager") for case in ("two forwards, one backward", "gradient accumulation",
+                                                  "retained graph")),
+    # Inductor hands the backward op the token AOT autograd saved, not a copy of it.
+    (Small, "two forwards, one backward", 1, "inductor")])
+def test_a_compiled_backward_reports_to_the_forward_it_differentiates(tmp_path, model_class, case, every_n_steps,
+                                                                     backend):
+    """Each backward's records are those eager makes (names and call numbers, phases, statistics): when one backward
+    covers two compiled calls, autograd runs the later call's backward first, and a backward paired with its forward
+    by probe alone took the other call's event (the gradient of call #1 recorded as call #0's, and the reverse)."""
+    def run(out, compile_):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = model_class()
+        counter = CompileCounterWithBackend(backend)
+        runner = torch.compile(model, backend=counter, fullgraph=model_class is Small) if compile_ else model
+        with SubscriberManager().subscribe(model, [StatisticsSubscriber(out, every_n_steps=every_n_steps)]):
+            for seed in range(3):
+                PAIRINGS[case](runner, seed)
+        # The compiled graphs ran the probes: one graph, or several around the break (their number is dynamo's).
+        assert (counter.frame_count == 1 if model_class is Small else counter.frame_count >= 2) if compile_ \
+            else counter.frame_count == 0
+        return load_dump(out)
+
+    eager, compiled = run(tmp_path / "eager", False), run(tmp_path / "compiled", True)
+    assert [(r["step"], r["phase"], r["name"]) for r in compiled] == [(r["step"], r["phase"], r["name"]) for r in eager]
+    if every_n_steps == 1:
+        assert {r["phase"] for r in eager} == {"forward", "backward"}
+        if case.startswith("two forwards"):  # the first call's backward is a new call of each module: #1
+            assert any("#1." in r["name"] and r["phase"] == "backward" for r in eager)
+    else:  # left-out steps between the recorded ones
+        assert eager and {r["step"] % every_n_steps for r in eager} == {0}
+    assert_parity(tmp_path / "eager", tmp_path / "compiled")
+    if backend == "inductor":  # it may fuse around the opaque probe ops: the last float bits may move
+        return
+    assert all(same_values(a, b) for a, b in zip(compiled, eager)), [
+        (a["step"], a["name"], k) for a, b in zip(compiled, eager) for k in a if not same_values(a[k], b[k])][:5]
+
+
+def test_the_events_of_a_compiled_call_whose_graph_is_freed_are_forgotten():
+    """A forward whose backward never comes (a loss evaluated with gradients on, then dropped) leaves no event
+    behind once its graph is freed; a call whose graph lives keeps its events for its backward."""
+    from probes.core.compiled import OPS
+
+    torch.manual_seed(0)
+    model = Small()
+    recorder = Recorder()
+    runner = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with SubscriberManager().subscribe(model, [recorder]):
+        kept = _loss(runner, 0)
+        before = set(OPS._waiting)  # the kept call's, and those of earlier tests' graphs still alive
+        for seed in range(1, 20):
+            _loss(runner, seed)  # dropped at once: its graph, and the call's token with it, are freed
+        assert len(set(OPS._waiting) - before) == 1  # the last call's: its token is held until the next call
+        kept.backward()
+    # Step 0's forward, differentiated in step 19: a second call of each module there, as in eager.
+    assert recorder.names(19, "backward") == ["<root>#1.output.0", "b#1.output.0", "a#1.output.0"]
+    assert recorder.step_ends == list(range(20))

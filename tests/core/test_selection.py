@@ -359,7 +359,7 @@ def test_every_n_steps_under_torch_compile_without_recompiles():
 
 def test_a_left_out_compiled_step_makes_no_event_and_its_probes_still_run(monkeypatch):
     """In a step no subscriber records, the compiled graph's probe ops run (they decide per step, no recompile) but
-    stop at the step check: no site, no event, no queue entry for the tracker to pair; recorded steps as before."""
+    stop at the step check: no site, no event for a backward to report to; recorded steps as before."""
     torch._dynamo.reset()
     try:
         model, eager_model = transformer(), transformer()
@@ -367,13 +367,14 @@ def test_a_left_out_compiled_step_makes_no_event_and_its_probes_still_run(monkey
         calls = {"left out": [], "forward": []}
         left_out, forward = StepTracker.compiled_left_out, StepTracker.compiled_forward
 
-        def counting_left_out(self, slot):
-            calls["left out"].append(left_out(self, slot))
+        def counting_left_out(self):
+            calls["left out"].append(left_out(self))
             return calls["left out"][-1]
 
         def counting_forward(self, *args, **kwargs):
-            forward(self, *args, **kwargs)
+            event = forward(self, *args, **kwargs)
             calls["forward"].append(self.state.open_step)
+            return event
 
         monkeypatch.setattr(StepTracker, "compiled_left_out", counting_left_out)
         monkeypatch.setattr(StepTracker, "compiled_forward", counting_forward)
@@ -394,9 +395,8 @@ def test_a_left_out_compiled_step_makes_no_event_and_its_probes_still_run(monkey
 
 
 def test_a_left_out_compiled_forward_differentiated_in_a_recorded_step_is_not_recorded_as_in_eager():
-    """The forward of a left-out step queues an empty place for its backward: differentiated later, in a recorded
-    step, it records nothing (eager inserted no probe in it), and the recorded forward after it keeps its own
-    backward (first in first out)."""
+    """The forward of a left-out step makes no event: differentiated later, in a recorded step, it records nothing
+    (eager inserted no probe in it), and the recorded forward after it keeps its own backward."""
     torch._dynamo.reset()
 
     def run(compile_):

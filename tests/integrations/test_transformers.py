@@ -226,7 +226,7 @@ def test_torch_compile_records_what_eager_records(tmp_path, monkeypatch):
     from_graph = []  # the probe calls made by the custom op inside the compiled graph (never by eager code)
     compiled_forward = StepTracker.compiled_forward
     monkeypatch.setattr(StepTracker, "compiled_forward",
-                        lambda self, *args, **kwargs: (from_graph.append(1), compiled_forward(self, *args, **kwargs)))
+                        lambda self, *args, **kwargs: (from_graph.append(1), compiled_forward(self, *args, **kwargs))[1])
     compiled = ProbesCallback(tmp_path / "compiled")
     train(tmp_path, compiled, steps=2, torch_compile=True)
     forward_records = [r for r in load_dump(tmp_path / "compiled") if r["phase"] == "forward"]
