@@ -72,25 +72,54 @@ def same(got, want) -> bool:
     return got == want or (isinstance(got, float) and isinstance(want, float) and math.isnan(got) and math.isnan(want))
 
 
+class Runs:
+    """The two runs, written once per module (the records, their order and the permutation are fixed by the seed):
+    base, other in the same order and in another; each as loaded by ``load_dump``; and what ``compare_records``
+    makes of each pair per tolerance, the reference, computed once per tolerance (it does not depend on the
+    order the records are written in). Every test only reads them."""
+
+    def __init__(self, root) -> None:
+        rng = np.random.default_rng(3)
+        base, other = records(rng)
+        self.paths = {"base": root / "base", "same order": root / "other", "other order": root / "shuffled"}
+        write(self.paths["base"], base)
+        write(self.paths["same order"], other)
+        write(self.paths["other order"], [other[i] for i in rng.permutation(COUNT)])
+        self.loaded = {side: {r["name"]: r for r in load_dump(self.paths[side])} for side in ("base", "same order")}
+        self._expected: dict[tuple, dict] = {}
+
+    def expected(self, tolerance: dict) -> dict:
+        """name -> ``compare_records`` of the pair under ``tolerance`` (the reference the column path must equal)."""
+        key = tuple(sorted(tolerance.items()))
+        if key not in self._expected:
+            config = CompareConfig(**tolerance)
+            self._expected[key] = {name: compare_records(b, self.loaded["same order"][name], config)
+                                   for name, b in self.loaded["base"].items()}
+        return self._expected[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("samples"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shuffled", [False, True], ids=["same order", "other order"])
 @pytest.mark.parametrize("tolerance", [{}, {"rtol": 0.0, "atol": 0.0}])
-def test_the_column_path_equals_compare_records(tmp_path, shuffled, tolerance):
-    rng = np.random.default_rng(3)
-    base, other = records(rng)
-    write(tmp_path / "base", base)
-    write(tmp_path / "other", [other[i] for i in rng.permutation(COUNT)] if shuffled else other)
+def test_the_column_path_equals_compare_records(runs, shuffled, tolerance):
     config = CompareConfig(**tolerance)
-    loaded = {side: {r["name"]: r for r in load_dump(tmp_path / side)} for side in ("base", "other")}
-    report = compare_dumps(tmp_path / "base", tmp_path / "other", **tolerance)
+    loaded, reference = runs.loaded, runs.expected(tolerance)
+    other = runs.paths["other order" if shuffled else "same order"]
+    assert shuffled == ([r["name"] for r in load_dump(other)] != list(loaded["same order"]))
+    report = compare_dumps(runs.paths["base"], other, **tolerance)
     found = report.records
     assert len(found) == COUNT
     views = found.views(np.arange(COUNT))
     plain_checked = 0
     for index in range(COUNT):
         name = found.phase_name(index)[1]
-        b, o = loaded["base"][name], loaded["other"][name]
-        expected = compare_records(b, o, config)
+        b, o = loaded["base"][name], loaded["same order"][name]
+        expected = reference[name]
         assert found.ratio[index] == expected.ratio, name
         assert bool(found.diverged[index]) == expected.diverged, name
         assert found.rel_error[index] == expected.rel_error, name
