@@ -16,7 +16,7 @@ rounds, per module and step (forward and backward), with the quartiles of the pe
 - delivery to one no-op subscriber (its ``on_forward``/``on_backward``): probes as they run;
 - the same with the garbage collector off (``gc.disable()`` while it runs): the collector's share.
 
-The variants swap the manager's probe call (``_apply_probe``) and the tracker's receivers on their own instances:
+The variants swap the manager's probe call (``_apply_observed``) and the tracker's receivers on their own instances:
 benchmark-only, nothing in the library has a switch for it. Every probes row also has the root's step boundary
 (once per step, 1/100 of it per module).
 
@@ -100,10 +100,11 @@ def _steps(model: nn.Module, x: torch.Tensor, dump: Path | None = None) -> Calla
     return run
 
 
-def _probe_variants() -> dict[str, Callable[[SubscriberManager], None]]:
-    """How each probes row changes its manager (None: probes as they run)."""
+def _probe_variants() -> dict[str, Callable[[SubscriberManager], None] | None]:
+    """How each probes row changes its manager (None: probes as they run). The hook of a Linear hands its output to
+    the manager's ``_apply_observed`` (``native.ProbeAppliers.observed``)."""
     probe = native._NATIVE.load(required=True).probe
-    real_forward = native._eager_forward
+    real_forward = native._observed_forward
 
     def nothing(binding, tensors):
         return None
@@ -114,7 +115,7 @@ def _probe_variants() -> dict[str, Callable[[SubscriberManager], None]]:
 
     def with_forward(callback):
         def setup(manager: SubscriberManager) -> None:
-            manager._apply_probe = lambda binding, *tensors: probe(callback, binding, tensors)
+            manager._apply_observed = lambda binding, tensor: probe(callback, binding, (tensor,))[0]
         return setup
 
     def no_delivery(setup):
@@ -126,7 +127,7 @@ def _probe_variants() -> dict[str, Callable[[SubscriberManager], None]]:
 
     return {
         "probes' hook and checks, identity probe": lambda manager: setattr(
-            manager, "_apply_probe", lambda binding, *tensors: tensors),
+            manager, "_apply_observed", lambda binding, tensor: tensor),
         "C++ probe node, forward callback returns None": with_forward(nothing),
         "tracker forward (no delivery)": no_delivery(with_forward(forward_only)),
         "tracker backward callback (no delivery)": no_delivery(None),
