@@ -127,10 +127,7 @@ class StepRows:
     def add_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
         """``add`` for a record named by ``names`` (see ``probes.dump.rowblock``)."""
         try:
-            filled = None
-            if self._kernel is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
-                filled = self._fast_fill(tensor)  # (here, not in _fill: one Python call less per record)
-            described, part, row = filled or self._fill(tensor)
+            described, part, row = self._fill(tensor)
         except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
             self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, self._describe_failure(error)), None, None,
                                   step))
@@ -173,8 +170,11 @@ class StepRows:
         self._entries.append(Entry(names, phase, seq, described, part, at, step))
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
-        """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row); for a
-        tensor ``_fast_fill`` did not take."""
+        """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row)."""
+        if self._kernel is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
+            filled = self._fast_fill(tensor)
+            if filled is not None:
+                return filled
         described, part, row, values = self._fill_statistics(tensor)
         if self.hash:
             buffer = self._parts[part]
