@@ -30,7 +30,6 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from . import _torch_compat
 from .handles import Handle
 
 # The versions whose internals this adapter was written against and tested with.
@@ -84,7 +83,7 @@ def is_ort_exporting() -> bool:
 
 def is_exporting() -> bool:
     """True for runs that are not training steps: ORT's export runs and any ONNX/TorchScript trace."""
-    return is_ort_exporting() or _torch_compat.in_onnx_export() or torch.jit.is_tracing()
+    return is_ort_exporting() or torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
 
 
 def is_ort_schema_run() -> bool:
@@ -93,7 +92,7 @@ def is_ort_schema_run() -> bool:
     ORT 1.19 runs (a deep copy of) the model once, eagerly under ``torch.no_grad()``, then traces it; both
     inside the export flag of ``is_ort_exporting``. The eager run is the one that is no trace.
     """
-    return is_ort_exporting() and not torch.jit.is_tracing() and not _torch_compat.in_onnx_export()
+    return is_ort_exporting() and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
 
 
 # ORTModule's Python frame through which its C++ graph run (forward and backward) calls PythonOps.
