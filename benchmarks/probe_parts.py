@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from benchmarks.common import environment, table
+from benchmarks.common import environment, interleaved, table
 from benchmarks.probe_overhead import NoOp
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.core import ProbeEvent, ProbeSite
@@ -52,17 +52,8 @@ STEPS = 2  # per timing: short timings, many rounds (the machine is shared)
 
 
 def _timed(cases: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[int]]:
-    """CPU ns of this thread per case and round, round-robin (``common.interleaved`` with thread time)."""
-    for run in cases.values():
-        run()
-        run()
-    times: dict[str, list[int]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, run in cases.items():
-            started = time.thread_time_ns()
-            run()
-            times[name].append(time.thread_time_ns() - started)
-    return times
+    """CPU ns of this thread per case and round, round-robin (two warm-up rounds)."""
+    return interleaved(cases, repeats, warmup=2, clock=time.thread_time_ns)
 
 
 def _spread(values: list[float], middle: float | None = None) -> str:
