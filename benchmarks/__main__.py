@@ -15,6 +15,7 @@ BENCHMARKS = (
     "benchmarks.compile_overhead",
     "benchmarks.stats_kernel",
     "benchmarks.probe_overhead",
+    "benchmarks.probe_parts",
     "benchmarks.gpt2_overhead",
     "benchmarks.gpt2_ort_overhead",
     "benchmarks.ops_overhead",

@@ -392,13 +392,51 @@ def compiler_runs_module() -> bool:
 
 @functools.cache
 def _tracing_context() -> Callable[[], Any]:
-    """``torch._guards.TracingContext.try_get``, looked up once (it is called on every eager hook)."""
+    """``torch._guards.TracingContext.try_get``, looked up once (it is called on every eager hook).
+
+    Where ``try_get`` is ``getattr(_TLS, "tracing_context", None)`` on a thread-local (torch 2.4 to 2.13), the same
+    read from the thread's own dict: outside a compilation the attribute is missing, and ``getattr`` finds that out
+    by raising and catching an AttributeError (0.4 to 0.8 µs, on every eager hook call; the dict's ``get``: 0.05)."""
+    import threading
+
     from torch import _guards
 
     context = getattr(_guards, "TracingContext", None)
     if context is None or not hasattr(context, "try_get"):
         raise _missing("torch._guards.TracingContext.try_get")
+    code = getattr(context.try_get, "__code__", None)
+    local = getattr(_guards, "_TLS", None)
+    if (code is not None and code.co_names == ("getattr", "_TLS") and "tracing_context" in code.co_consts
+            and type(local) is threading.local):
+        return functools.partial(_thread_value, local, "tracing_context")
     return context.try_get
+
+
+def _thread_value(local: Any, name: str) -> Any:
+    """``getattr(local, name, None)`` for a ``threading.local``, without raising where it has no ``name``."""
+    return vars(local).get(name)
+
+
+def in_onnx_export() -> bool:
+    """``torch.onnx.is_in_onnx_export()`` (a TorchScript or a dynamo ONNX export runs), without the two imports
+    torch >= 2.9 makes inside it on every call (1.3 µs; it is asked on every eager probe call)."""
+    return _onnx_export_flags()()
+
+
+@functools.cache
+def _onnx_export_flags() -> Callable[[], bool]:
+    """What ``torch.onnx.is_in_onnx_export`` reads, looked up once: the TorchScript exporter's ``GLOBALS`` and, where
+    there is one (torch >= 2.9), the dynamo exporter's flag."""
+    exporter_globals = _exporter_modules()[1].GLOBALS
+    if not hasattr(exporter_globals, "in_onnx_export"):
+        raise _missing("the TorchScript exporter's GLOBALS.in_onnx_export")
+    try:
+        from torch.onnx._internal.exporter import _flags
+    except ImportError:  # torch 2.4: the TorchScript exporter only
+        return lambda: exporter_globals.in_onnx_export
+    if not hasattr(_flags, "_is_onnx_exporting"):
+        raise _missing("torch.onnx._internal.exporter._flags._is_onnx_exporting")
+    return lambda: exporter_globals.in_onnx_export or _flags._is_onnx_exporting
 
 
 def constant_while_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:

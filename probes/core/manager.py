@@ -41,8 +41,8 @@ from exporters.handles import Handle
 from ..utils.exit import at_exit
 from ..utils.tree import TensorLeaves
 from . import aliases, compiled, rootcall, wrappers
-from .functions import SiteBinding, apply_boundary, apply_probe, can_probe
-from .native import probe_applier
+from .functions import SiteBinding, apply_boundary, can_probe
+from .native import PYTHON_APPLIERS, probe_applier
 from .ops import OpRecorder, Scope
 from .steps import StepTracker
 from .interface import SubscriberBase, wanted_events
@@ -134,7 +134,9 @@ class SubscriberManager:
         self._op_sites: dict[str, ProbeSite] = {}
         self._module_indices: dict[str, int] = {}  # qualified name -> module index
         self._records_ops = False  # some module's operations are recorded
-        self._apply_probe: Callable[..., Sequence[torch.Tensor]] = apply_probe  # TensorProbe's apply, eager calls
+        # TensorProbe's apply in eager calls, and the same for one plain tensor of a module hook that made the checks
+        # (``native.ProbeAppliers``).
+        self._apply_probe, self._apply_observed = PYTHON_APPLIERS
 
     # Public API -----------------------------------------------------------------------------
 
@@ -166,7 +168,7 @@ class SubscriberManager:
             except ValueError as error:
                 raise ValueError(f"subscribers[{position}]: {error}") from None
 
-        apply = probe_applier()  # the C++ probe for eager calls where it is built (probes.core.native)
+        appliers = probe_applier()  # the C++ probe for eager calls where it is built (probes.core.native)
         root = wrappers.unwrap(model)
         exporters.install_for_ort()  # ORTModule exports the probes with exporters/ (no-op without ORT)
         self.unsubscribe()
@@ -180,7 +182,7 @@ class SubscriberManager:
                 subscriber.on_event(subscribed)
         self.tracker.reset(subscribers)
         self._compiled_key = compiled.OPS.register(self)
-        self._apply_probe = apply
+        self._apply_probe, self._apply_observed = appliers
         self._register_hooks(root)
         # Under ORTModule, a step no subscriber records runs on a graph exported without the probes.
         self._handles.append(_ort_compat.route_left_out_steps(
@@ -569,12 +571,13 @@ class SubscriberManager:
         return outputs
 
     def _probe_tensor(self, site: ProbeSite, tensor: torch.Tensor) -> torch.Tensor:
-        """``_guarded_apply(site, tensor)`` for one plain tensor in an eager call, no op scope open."""
+        """``_guarded_apply(site, tensor)`` for one plain tensor in an eager call, no op scope open, no trace or
+        functorch transform running, its step observed now (or an export running)."""
         failures = self.tracker.failures
         if failures.is_off(site):
             return tensor
         try:
-            return self._apply_probe(self._probes[site], tensor)[0]
+            return self._apply_observed(self._probes[site], tensor)
         except Exception as error:
             failures.switch_off(site, None, None, error)
             return tensor

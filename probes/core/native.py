@@ -1,8 +1,9 @@
 """The C++ TensorProbe for eager calls (``_probe_function.cpp``): its build (once per torch version), its load,
 and the choice of the Function an eager probe call uses.
 
-    apply = probe_applier()                    # the C++ probe where it is built, else the Python Function
+    apply, observed = probe_applier()          # the C++ probe where it is built, else the Python Function
     outputs = apply(SiteBinding(tracker, site), *tensors)   # as TensorProbe.apply(...), same events
+    output = observed(binding, tensor)         # one tensor, the caller having checked what apply checks (below)
 
 Both Functions do the same thing in eager PyTorch (the same identity, the same tracker calls on forward and
 backward); the C++ one only spends fewer microseconds a call. Exports (ORTModule's, ONNX, TorchScript traces),
@@ -22,7 +23,7 @@ import os
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ from exporters import _ort_compat, _torch_compat
 from ..utils.extensions import BuiltOnce, build_inline
 from .functions import SiteBinding, apply_probe
 
-__all__ = ["BACKENDS", "probe_applier", "probe_backend"]
+__all__ = ["BACKENDS", "PYTHON_APPLIERS", "ProbeAppliers", "probe_applier", "probe_backend"]
 
 BACKENDS = ("auto", "cpp", "python")
 # Bump when _probe_function.cpp changes what it exports: a build under the old name is then not reused.
@@ -82,20 +83,58 @@ def _eager_forward(probe: SiteBinding, tensors: Sequence[torch.Tensor]) -> tuple
     return None
 
 
-def probe_applier() -> Callable[..., Sequence[torch.Tensor]]:
-    """``apply_probe`` for the backend ``probe_backend()`` chooses now: with "cpp", eager calls go to the C++ probe."""
+def _observed_forward(probe: SiteBinding, tensors: Sequence[torch.Tensor]) -> tuple[Callable, Any] | None:
+    """``_eager_forward`` for a caller that has checked that the step is observed now and the site is not off."""
+    tracker = probe.tracker
+    event = tracker.probe_forward_observed(probe.site, tensors)
+    if event is not None:
+        return tracker.probe_backward, event
+    return None
+
+
+class ProbeAppliers(NamedTuple):
+    """The eager probe calls of one subscription.
+
+    ``apply(binding, *tensors)``: any call, as ``TensorProbe.apply`` (the export, transform and tensor checks made
+    here). ``observed(binding, tensor)``: one plain tensor of a module hook that has checked all ``apply`` checks
+    but ORT's and ONNX's export flags (no TorchScript trace, no functorch transform), and that the step is observed
+    now (not paused) and the site not switched off: the most common call, without asking any of that twice.
+    """
+
+    apply: Callable[..., Sequence[torch.Tensor]]
+    observed: Callable[[SiteBinding, torch.Tensor], torch.Tensor]
+
+
+def _python_observed(probe: SiteBinding, tensor: torch.Tensor) -> torch.Tensor:
+    return apply_probe(probe, tensor)[0]
+
+
+PYTHON_APPLIERS = ProbeAppliers(apply_probe, _python_observed)  # the Python Function's, for both calls
+
+
+def probe_applier() -> ProbeAppliers:
+    """The probe calls for the backend ``probe_backend()`` chooses now: with "cpp", eager calls go to the C++
+    probe, else to ``apply_probe`` (the Python Function)."""
     if probe_backend() == "python":
-        return apply_probe
+        return PYTHON_APPLIERS
     native = _NATIVE.load(required=True).probe
     transforms_active = _torch_compat.functorch_transforms_active
     exporting = _ort_compat.is_exporting
-    forward = _eager_forward
+    ort_exporting = _ort_compat.is_ort_exporting
+    onnx_exporting = _torch_compat.in_onnx_export
 
     def apply(probe: SiteBinding, *tensors: torch.Tensor) -> Sequence[torch.Tensor]:
         if not (exporting() or transforms_active()):
-            outputs = native(forward, probe, tensors)
+            outputs = native(_eager_forward, probe, tensors)
             if outputs is not None:  # None: a tensor subclass
                 return outputs
         return apply_probe(probe, *tensors)
 
-    return apply
+    def observed(probe: SiteBinding, tensor: torch.Tensor) -> torch.Tensor:
+        if not (ort_exporting() or onnx_exporting()):
+            outputs = native(_observed_forward, probe, (tensor,))
+            if outputs is not None:
+                return outputs[0]
+        return apply_probe(probe, tensor)[0]
+
+    return ProbeAppliers(apply, observed)

@@ -205,11 +205,25 @@ class StepTracker:
             self.failures.switch_off(site, None, None, error)
             return None
 
+    def probe_forward_observed(self, site: ProbeSite,
+                               tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed | None:
+        """``probe_forward`` called by a module hook that has checked that its step is observed now (so not paused)
+        and that ``site`` is not off (``native.ProbeAppliers.observed``)."""
+        try:
+            return self._probe_forward(site, tensors)
+        except Exception as error:
+            self.failures.switch_off(site, None, None, error)
+            return None
+
     def _probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
         if _torch_compat.current_backward() is not None:
             return self._recomputed_forward(site, tensors)
         state = self.state
-        step = self._begin_forward_work()
+        step = state.open_step
+        if step is None or state.forward_done:
+            step = self._begin_forward_work()
+        elif state.backward_tasks:  # (what _begin_forward_work does in an open step's forward)
+            state.backward_tasks.clear()
         if site.kind == "inspect":
             if site.name in state.inspected:
                 raise ValueError(
@@ -217,15 +231,21 @@ class StepTracker:
                     "give every inspected tensor a unique name"
                 )
             state.inspected.add(site.name)
-        call = state.calls.get(id(site), 0)
-        state.calls[id(site)] = call + 1
-        fields = (site, step, "forward", state.seq, call, None, "forward", None, None)
-        event = _new_tuple(ProbeEvent, fields + ((),))
-        state.seq += 1
-        state.unmatched.setdefault(id(site), []).append(event)
+        key = id(site)
+        calls = state.calls
+        call = calls.get(key, 0)
+        calls[key] = call + 1
+        seq = state.seq
+        state.seq = seq + 1
+        event = _new_tuple(ProbeEvent, (site, step, "forward", seq, call, None, "forward", None, None, ()))
+        unmatched = state.unmatched.get(key)
+        if unmatched is None:
+            state.unmatched[key] = [event]
+        else:
+            unmatched.append(event)
         receivers = self._receivers(site, step, "forward")
         if receivers:
-            self._deliver(receivers, fields, tensors, event)
+            self._deliver(receivers, event, tensors)
         return event
 
     def probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
@@ -238,28 +258,34 @@ class StepTracker:
             self.failures.switch_off(token.site, None, None, error)
 
     def _probe_backward(self, token: ProbeEvent | Recomputed, grads: Sequence[torch.Tensor | None]) -> None:
-        self._match_recomputed()
-        forward = token.event if isinstance(token, Recomputed) else token
+        state = self.state
+        if state.recomputing:
+            self._match_recomputed()
+        forward = token.event if type(token) is Recomputed else token
         if forward is None:
             return
         self._watch_backward()
         grads = self.differentiable.reported(forward, grads)
         if grads is None:  # ORT differentiated a probe call eager does not differentiate at all
             return
-        state = self.state
-        step = self._open()
+        step = state.open_step
+        if step is None:
+            step = self._open()
         site = forward.site
+        seq = state.seq
+        state.seq = seq + 1
         if forward.step == step and id(forward) not in state.backward_done:
             state.backward_done.add(id(forward))
-            fields = (site, step, "backward", state.seq, forward.call, None, "backward", None, None)
+            event = _new_tuple(ProbeEvent, (site, step, "backward", seq, forward.call, None, "backward", None, None,
+                                            ()))
         else:  # another backward of a forward already differentiated: a new call in this step
             call = state.calls.get(id(site), 0)
             state.calls[id(site)] = call + 1
-            fields = (site, step, "backward", state.seq, call, forward.step, "backward", None, None)
-        state.seq += 1
+            event = _new_tuple(ProbeEvent, (site, step, "backward", seq, call, forward.step, "backward", None, None,
+                                            ()))
         receivers = self._receivers(site, step, "backward")
         if receivers:
-            self._deliver(receivers, fields, grads)
+            self._deliver(receivers, event, grads)
 
     def compiled_left_out(self) -> bool:
         """Whether a compiled probe's forward firing now belongs to a step no observer records (``observed_now``,
@@ -361,25 +387,22 @@ class StepTracker:
             self._active_in = (step, active, len(active) == len(self._observers))
         return self._active_in
 
-    def _deliver(self, receivers: Receivers, fields: tuple, tensors: Sequence, event: ProbeEvent | None = None) -> None:
-        """A probe firing to its receivers: ``fields`` are its event's but the last (the tensors), ``event`` the event
-        without its tensors if made already. The event with its tensors (for ``on_event``) and without them (for the
-        seed's methods, which get the tensors apart) are each made once, where a receiver needs them. A subscriber
-        that raises loses this site, and training goes on."""
+    def _deliver(self, receivers: Receivers, event: ProbeEvent, tensors: Sequence) -> None:
+        """A probe firing to its receivers: ``event`` is its event without its tensors (what the seed's methods get,
+        with the tensors apart); the event with them (for ``on_event``) is made once, where a receiver needs it. A
+        subscriber that raises loses this site, and training goes on."""
         full = None
         for subscriber, named in receivers:
             try:
                 if named is None:
                     if full is None:
-                        full = _new_tuple(ProbeEvent, fields + (tensors,))
+                        site, step, phase, seq, call, forward_step, kind, reason, model, _ = event
+                        full = _new_tuple(ProbeEvent, (site, step, phase, seq, call, forward_step, kind, reason, model,
+                                                       tensors))
                     subscriber.on_event(full)
                 else:
-                    if event is None:
-                        event = _new_tuple(ProbeEvent, fields + ((),))
                     named(subscriber, event, tensors)
             except Exception as error:
-                if event is None:
-                    event = _new_tuple(ProbeEvent, fields + ((),))
                 self.failures.switch_off(event.site, subscriber, event, error)
 
     def _wanting_at(self, site: ProbeSite) -> dict[str, Receivers]:
@@ -406,9 +429,9 @@ class StepTracker:
         if wanted:
             count = state.recomputes.get(id(site), 0)
             state.recomputes[id(site)] = count + 1
-            fields = (site, step, "recompute", state.seq, count, None, "forward", None, None)
+            event = _new_tuple(ProbeEvent, (site, step, "recompute", state.seq, count, None, "forward", None, None, ()))
             state.seq += 1
-            self._deliver(wanted, fields, tensors)
+            self._deliver(wanted, event, tensors)
         return token
 
     def _match_recomputed(self) -> None:
