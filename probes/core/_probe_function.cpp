@@ -16,6 +16,17 @@ namespace {
 
 namespace ag = torch::autograd;
 
+// Whether the interpreter is shutting down: a thread that then asks for the GIL is ended by CPython with
+// pthread_exit, whose unwinding through a (noexcept) destructor aborts the process ("terminate called without
+// an active exception"). A node freed that late by another thread leaks its references instead.
+inline bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // A Python reference freed with the GIL held: the node may be freed on an autograd engine thread.
 struct PyRef {
   PyObject* object = nullptr;
@@ -24,7 +35,7 @@ struct PyRef {
   PyRef(const PyRef&) = delete;
   PyRef& operator=(const PyRef&) = delete;
   ~PyRef() {
-    if (object != nullptr && Py_IsInitialized()) {
+    if (object != nullptr && Py_IsInitialized() && !finalizing()) {
       py::gil_scoped_acquire gil;
       Py_DECREF(object);
     }

@@ -36,7 +36,7 @@ __all__ = ["BACKENDS", "PYTHON_APPLIERS", "ProbeAppliers", "probe_applier", "pro
 
 BACKENDS = ("auto", "cpp", "python")
 # Bump when _probe_function.cpp changes what it exports: a build under the old name is then not reused.
-VERSION = 1
+VERSION = 2
 
 
 def _build() -> ModuleType:

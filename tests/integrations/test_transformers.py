@@ -6,8 +6,10 @@ import json
 import math
 import re
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -244,11 +246,22 @@ def test_two_ranks_under_ddp_or_deepspeed_zero3_record_each_rank(tmp_path, backe
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), *sys.path]),
            "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--standalone", str(here / "hf_run.py"),  # a free port: the lanes' suites run at once
-                          str(tmp_path / "out"), *(["deepspeed"] if backend == "deepspeed" else [])],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
+
+    def launch() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--standalone", str(here / "hf_run.py"),  # a free port: the lanes' suites run at once
+                               str(tmp_path / "out"), *(["deepspeed"] if backend == "deepspeed" else [])],
+                              capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+
+    run = launch()
+    if (run.returncode != 0 and "terminate called without an active exception" in run.stderr
+            and len(re.findall(r"rank \d of 2 wrapped", run.stdout)) == 2):
+        # Both ranks trained and said so, then one aborted in the interpreter's shutdown: seen twice in about ten
+        # loaded suites on the modern lane (DeepSpeed + gloo), never alone. Said, and run once more from nothing.
+        warnings.warn(f"a rank aborted after training (exit teardown), run again: {run.stderr[-300:]}")
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        run = launch()
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
     ranks = re.findall(r"rank (\d) of 2 wrapped (\w+) weights ([-+]?[0-9.]+e[-+][0-9]+)", run.stdout)
     assert sorted(rank for rank, _, _ in ranks) == ["0", "1"], run.stdout
     assert {wrapped for _, wrapped, _ in ranks} == {"DeepSpeedEngine" if backend == "deepspeed"
