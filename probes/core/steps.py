@@ -199,11 +199,7 @@ class StepTracker:
         or while paused."""
         if self.paused or self.failures.is_off(site):
             return None
-        try:
-            return self._probe_forward(site, tensors)
-        except Exception as error:  # the probe's own bookkeeping: never the training step's problem
-            self.failures.switch_off(site, None, None, error)
-            return None
+        return self.probe_forward_observed(site, tensors)
 
     def probe_forward_observed(self, site: ProbeSite,
                                tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed | None:
@@ -211,7 +207,7 @@ class StepTracker:
         and that ``site`` is not off (``native.ProbeAppliers.observed``)."""
         try:
             return self._probe_forward(site, tensors)
-        except Exception as error:
+        except Exception as error:  # the probe's own bookkeeping: never the training step's problem
             self.failures.switch_off(site, None, None, error)
             return None
 
