@@ -165,14 +165,12 @@ class StatisticsSubscriber(SubscriberBase):
                 if any(tensor is not None for tensor in event.tensors):
                     self._warn_closed(event.step)
                 return
-            rows = self._rows
-            for index, tensor in enumerate(event.tensors):  # (once per record: no call in between)
-                if tensor is not None:
-                    self._next_seq = event.seq + 1
-                    error = rows.add(event, index, tensor)
-                    if error is not None:  # an unsupported record (warned once per site, index, phase)
-                        self._warn_unsupported((event.site.name, event.site.kind, index, event.phase),
-                                               event.record_name(index), event.phase, error)
+            errors = self._rows.add_event(event)
+            if errors is not None:  # it had a tensor
+                self._next_seq = event.seq + 1
+                for index, error in errors:  # unsupported records (warned once per site, index, phase)
+                    self._warn_unsupported((event.site.name, event.site.kind, index, event.phase),
+                                           event.record_name(index), event.phase, error)
         elif kind == "step_end":
             self._step_ended(event.step)
         elif kind == "forward_end":

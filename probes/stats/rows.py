@@ -124,17 +124,59 @@ class StepRows:
         names = self._names.get((event.site, index, event.call)) or self._names_of(event, index)
         return self.add_named(names, event.step, event.phase, event.seq, tensor)
 
+    def add_event(self, event: ProbeEvent) -> list[tuple[int, BaseException]] | None:
+        """``add`` of each tensor of a probe's event (None where none came): None when it had none, else the
+        ``(index, error)`` of its records without statistics (usually none).
+
+        The record path: one call per event; the common tensor's row is ``_fast_fill``'s, inlined.
+        """
+        errors = None
+        site, call, step, phase, seq = event.site, event.call, event.step, event.phase, event.seq
+        fast_row = self._kernel.fast_row if self._kernel is not None and not self.hash else None
+        for index, tensor in enumerate(event.tensors):
+            if tensor is None:
+                continue
+            if errors is None:
+                errors = []
+            names = self._names.get((site, index, call)) or self._names_of(event, index)
+            if fast_row is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
+                buffer, part = self._cpu or self._cpu_part()
+                row = buffer.used
+                if row == buffer.capacity:
+                    buffer.grow()
+                try:
+                    written = fast_row(tensor, buffer.rows, row, self.sample_count, self.bucket_size)
+                except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
+                    errors.append((index, self._failed(names, step, phase, seq, tensor, error)))
+                    continue
+                if written:
+                    buffer.used = row + 1
+                    described = (self._described.get((tensor.shape, tensor.dtype))
+                                 or self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point))
+                    # Entry(...) less its Python __new__ (it only checks the count): this runs once per record.
+                    self._entries.append(tuple.__new__(Entry, (names, phase, seq, described, part, row, step)))
+                    continue
+            error = self.add_named(names, step, phase, seq, tensor)
+            if error is not None:
+                errors.append((index, error))
+        return errors
+
     def add_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
         """``add`` for a record named by ``names`` (see ``probes.dump.rowblock``)."""
         try:
             described, part, row = self._fill(tensor)
         except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
-            self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, self._describe_failure(error)), None, None,
-                                  step))
-            return error.with_traceback(None)  # its frames would keep the tensor alive
-        # Entry(...) less its Python __new__ (it only checks the count): this runs once per record.
+            return self._failed(names, step, phase, seq, tensor, error)
         self._entries.append(tuple.__new__(Entry, (names, phase, seq, described, part, row, step)))
         return None
+
+    def _failed(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor,
+                error: Exception) -> BaseException:
+        """The entry of a record whose statistics failed; the error, without its frames (they would keep the
+        tensor alive)."""
+        self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, self._describe_failure(error)),
+                                   None, None, step))
+        return error.with_traceback(None)
 
     def add_unsupported(self, event: ProbeEvent, index: int, tensor: torch.Tensor | None, reason: str) -> None:
         """An entry without statistics: what is known of ``tensor`` (None: nothing), and why."""
