@@ -126,44 +126,40 @@ class StepRows:
 
     def add_event(self, event: ProbeEvent) -> list[tuple[int, BaseException]] | None:
         """``add`` of each tensor of a probe's event (None where none came): None when it had none, else the
-        ``(index, error)`` of its records without statistics (usually none).
-
-        The record path: one call per event; the common tensor's row is ``_fast_fill``'s, inlined.
-        """
+        ``(index, error)`` of its records without statistics (usually none). The record path: one call per event."""
         errors = None
         site, call, step, phase, seq = event.site, event.call, event.step, event.phase, event.seq
-        fast_row = self._kernel.fast_row if self._kernel is not None and not self.hash else None
         for index, tensor in enumerate(event.tensors):
-            if tensor is None:
-                continue
-            if errors is None:
-                errors = []
-            names = self._names.get((site, index, call)) or self._names_of(event, index)
-            if fast_row is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
-                buffer, part = self._cpu or self._cpu_part()
-                row = buffer.used
-                if row == buffer.capacity:
-                    buffer.grow()
-                try:
-                    written = fast_row(tensor, buffer.rows, row, self.sample_count, self.bucket_size)
-                except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
-                    errors.append((index, self._failed(names, step, phase, seq, tensor, error)))
-                    continue
-                if written:
-                    buffer.used = row + 1
-                    described = (self._described.get((tensor.shape, tensor.dtype))
-                                 or self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point))
-                    # Entry(...) less its Python __new__ (it only checks the count): this runs once per record.
-                    self._entries.append(tuple.__new__(Entry, (names, phase, seq, described, part, row, step)))
-                    continue
-            error = self.add_named(names, step, phase, seq, tensor)
-            if error is not None:
-                errors.append((index, error))
+            if tensor is not None:
+                names = self._names.get((site, index, call)) or self._names_of(event, index)
+                error = self.add_named(names, step, phase, seq, tensor)
+                if errors is None:
+                    errors = []
+                if error is not None:
+                    errors.append((index, error))
         return errors
 
     def add_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
         """``add`` for a record named by ``names`` (see ``probes.dump.rowblock``)."""
         try:
+            # The common tensor in one kernel call (``Kernel.fast_row``: a plain contiguous CPU tensor of a kernel
+            # dtype within one bucket, every check made there), inline: this runs once per record. The kernel
+            # declines any other tensor (nothing written), which then takes the general path, ``_fill``.
+            kernel = self._kernel
+            if kernel is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
+                buffer, part = self._cpu or self._cpu_part()
+                row = buffer.used  # (next_row, inlined: the row is taken only once it is written)
+                if row == buffer.capacity:
+                    buffer.grow()
+                if kernel.fast_row(tensor, buffer.rows, row, self.sample_count, self.bucket_size):
+                    if self.hash:
+                        kernel.hash_into(tensor, buffer.rows, row, self.width - 1)
+                    described = (self._described.get((tensor.shape, tensor.dtype))
+                                 or self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point))
+                    buffer.used = row + 1
+                    # Entry(...) less its Python __new__ (it only checks the count).
+                    self._entries.append(tuple.__new__(Entry, (names, phase, seq, described, part, row, step)))
+                    return None
             described, part, row = self._fill(tensor)
         except Exception as error:  # a probe is an observer: nothing about a tensor may stop training
             return self._failed(names, step, phase, seq, tensor, error)
@@ -212,11 +208,8 @@ class StepRows:
         self._entries.append(Entry(names, phase, seq, described, part, at, step))
 
     def _fill(self, tensor: torch.Tensor) -> tuple[Described, int, int]:
-        """Writes the statistics and samples of ``tensor`` (and its hash) into a row: (what it is, part, row)."""
-        if self._kernel is not None and type(tensor) in _PLAIN_TYPES and tensor.is_cpu:
-            filled = self._fast_fill(tensor)
-            if filled is not None:
-                return filled
+        """Writes the statistics and samples of a tensor that ``add_named``'s kernel call declined (and its hash) into
+        a row: (what it is, part, row)."""
         described, part, row, values = self._fill_statistics(tensor)
         if self.hash:
             buffer = self._parts[part]
@@ -225,24 +218,6 @@ class StepRows:
             else:
                 hashed = tensor_hash(values, on_cpu=buffer.device.type == "cpu")
                 buffer.rows[row, self.width - 1:].view(torch.int64).copy_(hashed)
-        return described, part, row
-
-    def _fast_fill(self, tensor: torch.Tensor) -> tuple[Described, int, int] | None:
-        """The common case in one kernel call (``Kernel.fast_row``: a plain contiguous CPU tensor of a kernel dtype
-        within one bucket, every check made there) and its hash: (what it is, part, row); None, with nothing
-        written, for any other tensor. The caller has checked that ``tensor`` is a plain CPU tensor and that there
-        is a kernel."""
-        buffer, part = self._cpu or self._cpu_part()
-        row = buffer.used  # (next_row, inlined: the row is taken only once it is written)
-        if row == buffer.capacity:
-            buffer.grow()
-        if not self._kernel.fast_row(tensor, buffer.rows, row, self.sample_count, self.bucket_size):
-            return None
-        buffer.used = row + 1
-        if self.hash:
-            self._kernel.hash_into(tensor, buffer.rows, row, self.width - 1)
-        described = (self._described.get((tensor.shape, tensor.dtype))
-                     or self._describe(tensor, tensor, None, not tensor.dtype.is_floating_point))
         return described, part, row
 
     def _cpu_part(self) -> tuple[_Buffer, int]:

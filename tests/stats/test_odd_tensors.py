@@ -531,14 +531,14 @@ def test_a_dtensor_is_summarised_by_its_local_shard(tmp_path, one_rank_group):
 def test_a_failure_inside_the_statistics_never_stops_training(tmp_path, monkeypatch):
     from probes.stats.rows import StepRows
 
-    real = StepRows._fill
+    real = StepRows._describe
 
-    def failing(self, tensor):
+    def failing(self, tensor, *args):  # every record's description, after its statistics (either path)
         if tensor.shape == (3, 2):
             raise RuntimeError("injected failure\nsecond line")
-        return real(self, tensor)
+        return real(self, tensor, *args)
 
-    monkeypatch.setattr(StepRows, "_fill", failing)
+    monkeypatch.setattr(StepRows, "_describe", failing)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 2), nn.Tanh())
     probed, plain = probed_and_plain(model, inputs(3), lambda y: y.sum(), tmp_path / "out")
