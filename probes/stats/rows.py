@@ -2,6 +2,7 @@
 
     rows = StepRows(rank=0, sample_count=32)
     rows.add(event, 0, tensor)          # statistics and samples into a row of a buffer on tensor.device
+    rows.add_event(event)               # add() of each of a probe event's tensors, in one call (the record path)
     rows.add_row(names, step, phase, seq, row, described)   # a row computed elsewhere (merged shards: stats/shards.py)
     StepRows(rank=0, sample_count=32, hash=True)   # each row also ends with the tensor's hash (hashing.py)
     rows.anomalies(check)               # the sentinel: one read of the nan/inf/min/max of the rows since the last call
