@@ -108,16 +108,16 @@ class RowBlock:
         nulls = list(built.nulls)  # a copy: _statistics replaces the rows that gain a null statistic
         self._statistics(columns, nulls, built)
         columns["nulls"] = nulls
-        arrays = {}
+        arrays = []
         for schema_field in SCHEMA:
             values = columns.get(schema_field.name)
             if values is None:
-                arrays[schema_field.name] = built.null_column(schema_field)
+                arrays.append(built.null_column(schema_field))
             elif isinstance(values, pa.Array):
-                arrays[schema_field.name] = values
+                arrays.append(values)
             else:
-                arrays[schema_field.name] = pa.array(values, type=schema_field.type)
-        return pa.table(arrays, schema=SCHEMA)
+                arrays.append(pa.array(values, type=schema_field.type))
+        return pa.Table.from_arrays(arrays, schema=SCHEMA)
 
     def _sample_indices(self, numels: np.ndarray) -> np.ndarray:
         """The sample indices of records of these sizes, one after the other (each size's made once)."""
@@ -132,12 +132,12 @@ class RowBlock:
         """The statistics and samples columns of the records that have rows."""
         entries = self.entries
         count = len(entries)
-        # part and row of each record (-1: none), None read as nan by numpy
-        part = np.nan_to_num(np.array(list(map(_PART, entries)), dtype=np.float64), nan=-1).astype(np.int64)
+        part = _positions(list(map(_PART, entries)))
         with_rows = part >= 0
         if not with_rows.any():
             return
-        row_of = np.nan_to_num(np.array(list(map(_ROW, entries)), dtype=np.float64), nan=-1).astype(np.int64)
+        without_rows = ~with_rows
+        row_of = _positions(list(map(_ROW, entries)))
         width = ACCUMULATED_WIDTH + self.sample_count
         # Each record's row, gathered from the parts (the hash, when there is one, in the last column).
         rows = np.zeros((count, width + 1 if self.hashed else width))
@@ -149,12 +149,13 @@ class RowBlock:
         stats = rows[:, :ACCUMULATED_WIDTH]
         finite = stats[:, [stat.name for stat in ACCUMULATED].index("finite")]
         merged: dict[str, np.ndarray] = {}
+        null: list[np.ndarray] = []  # per statistic, in registry order: the records that have it as None
         for slot, stat in enumerate(ACCUMULATED):
             values = stats[:, slot]
             valid = with_rows & ((finite > 0) if stat.finite_only else True)
             if stat.column == "int":
                 merged[stat.name] = values
-                columns[stat.name] = pa.array(values.astype(np.int64), mask=~with_rows)
+                columns[stat.name] = pa.array(values.astype(np.int64), mask=without_rows)
             elif stat.column == "float":
                 merged[stat.name] = np.where(valid, values, np.nan)
                 columns[stat.name] = pa.array(values, mask=~valid)
@@ -163,14 +164,15 @@ class RowBlock:
                 as_float = np.where(integer, exact.astype(np.float64), values)
                 columns[stat.name] = pa.array(as_float, mask=~valid)
                 columns[f"{stat.name}_int"] = pa.array(exact, mask=~(valid & integer))
-            for row in np.flatnonzero(with_rows & ~valid):
-                _add_null(nulls, row, stat.name)
+            null.append(with_rows & ~valid)
         for stat in DERIVED:
             values = np.asarray(stat.derive(merged), dtype=np.float64)
             valid = with_rows & ~np.isnan(values)
             columns[stat.name] = pa.array(values, mask=~valid)
-            for row in np.flatnonzero(with_rows & ~valid):
-                _add_null(nulls, row, stat.name)
+            null.append(with_rows & ~valid)
+        # One search for them all; row by row, in registry order (as the record lists its keys).
+        for row, slot in zip(*map(np.ndarray.tolist, np.nonzero(np.column_stack(null)))):
+            _add_null(nulls, row, _STATISTIC_NAMES[slot])
         # Samples as list columns built from one flat array each (no list per record).
         numel = built.numel
         taken = np.where(with_rows, np.minimum(numel, self.sample_count), 0)
@@ -178,19 +180,20 @@ class RowBlock:
         values = rows[:, ACCUMULATED_WIDTH:width]
         exact = values.view(np.int64)
         as_float = np.where(integer[:, None], exact.astype(np.float64), values)
-        columns["samples"] = _lists(taken, pa.array(as_float[kept]), ~with_rows)
+        columns["samples"] = _lists(taken, pa.array(as_float[kept]), without_rows)
         taken_int = np.where(integer, taken, 0)
         columns["samples_int"] = _lists(taken_int, pa.array(exact[kept & integer[:, None]]), ~integer)
         key = (with_rows.tobytes(), self.sample_count, self.indices)
         columns["sample_indices"] = built.sample_indices(key, lambda: _lists(
-            taken, pa.array(self._sample_indices(numel[with_rows])), ~with_rows))
+            taken, pa.array(self._sample_indices(numel[with_rows])), without_rows))
         if self.hashed:
             hashes = np.ascontiguousarray(rows[:, width])
-            columns["hash"] = pa.array(hashes.view(np.int64), mask=~with_rows | built.unhashed)
+            columns["hash"] = pa.array(hashes.view(np.int64), mask=without_rows | built.unhashed)
 
 
 _NAMES, _PHASE, _SEQ, _DESCRIBED, _PART, _ROW = map(itemgetter, range(6))  # an Entry's fields, read in C
 _INTEGER, _NUMEL, _HASHED = attrgetter("integer"), attrgetter("numel"), attrgetter("hashed")
+_STATISTIC_NAMES = [stat.name for stat in (*ACCUMULATED, *DERIVED)]  # in the order _statistics checks them
 _TYPE = {schema_field.name: schema_field.type for schema_field in SCHEMA}
 
 
@@ -277,6 +280,13 @@ def _codes(objects: list[Any]) -> tuple[list[Any], pa.Array]:
     code_of = {id(value): code for code, value in enumerate(distinct)}
     return distinct, pa.array(np.fromiter(map(code_of.__getitem__, map(id, objects)), dtype=np.int64,
                                           count=len(objects)))
+
+
+def _positions(values: list[int | None]) -> np.ndarray:
+    """The values as int64, -1 for None (numpy reads None as nan)."""
+    positions = np.array(values, dtype=np.float64)
+    positions[np.isnan(positions)] = -1
+    return positions.astype(np.int64)
 
 
 def _gather_runs(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
