@@ -178,12 +178,16 @@ def write_parquet(path: str | os.PathLike, table: pa.Table, *, durable: bool = T
                          if column.null_count < rows or name in _ALWAYS]).replace_schema_metadata(None)
     schema = kept.schema
     compression, encoding = _writer_options(tuple(schema.names), tuple(map(pa.types.is_list, schema.types)))
+    # Built in an Arrow buffer, then written in one call: Parquet writes a file in about 70 pieces, and each
+    # written to a Python file takes the GIL back from the training thread (see docs/performance.md).
+    buffer = pa.BufferOutputStream()
+    with pq.ParquetWriter(buffer, schema, compression=compression, use_dictionary=_DICTIONARY,
+                          column_encoding=encoding, write_statistics=["step", "rank"], store_schema=False,
+                          write_page_checksum=True) as writer:
+        writer.write_table(kept)
+        writer.add_key_value_metadata({RECORDS_KEY: str(rows)})
     with open(path, "wb") as file:
-        with pq.ParquetWriter(file, schema, compression=compression, use_dictionary=_DICTIONARY,
-                              column_encoding=encoding, write_statistics=["step", "rank"], store_schema=False,
-                              write_page_checksum=True) as writer:
-            writer.write_table(kept)
-            writer.add_key_value_metadata({RECORDS_KEY: str(rows)})
+        file.write(buffer.getvalue())  # larger than the file's buffer: passed on whole, without a copy
         file.flush()
         if durable:
             os.fsync(file.fileno())
