@@ -178,8 +178,8 @@ def write_parquet(path: str | os.PathLike, table: pa.Table, *, durable: bool = T
                          if column.null_count < rows or name in _ALWAYS]).replace_schema_metadata(None)
     schema = kept.schema
     compression, encoding = _writer_options(tuple(schema.names), tuple(map(pa.types.is_list, schema.types)))
-    # Built in an Arrow buffer, then written in one call: Parquet writes a file in about 70 pieces, and each
-    # written to a Python file takes the GIL back from the training thread (see docs/performance.md).
+    # Built in an Arrow buffer (outside the GIL), then written in one call: Parquet writes a file in about 70
+    # pieces, and each piece written to a Python file retakes the GIL, which the training thread wants too.
     buffer = pa.BufferOutputStream()
     with pq.ParquetWriter(buffer, schema, compression=compression, use_dictionary=_DICTIONARY,
                           column_encoding=encoding, write_statistics=["step", "rank"], store_schema=False,
