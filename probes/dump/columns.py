@@ -16,6 +16,7 @@ a float32 value held as a float64 costs little more than 4 bytes; increasing ind
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -172,16 +173,21 @@ def write_parquet(path: str | os.PathLike, table: pa.Table, *, durable: bool = T
     Columns null in every row are left out of the file (``read_parquet`` puts them back): each column costs
     a reader time whatever it holds.
     """
+    rows = table.num_rows
     kept = table.select([name for name, column in zip(table.column_names, table.columns)
-                         if column.null_count < table.num_rows or name in _ALWAYS]).replace_schema_metadata(None)
+                         if column.null_count < rows or name in _ALWAYS]).replace_schema_metadata(None)
+    schema = kept.schema
+    compression, encoding = _writer_options(tuple(schema.names), tuple(map(pa.types.is_list, schema.types)))
+    # Built in an Arrow buffer (outside the GIL), then written in one call: Parquet writes a file in about 70
+    # pieces, and each piece written to a Python file retakes the GIL, which the training thread wants too.
+    buffer = pa.BufferOutputStream()
+    with pq.ParquetWriter(buffer, schema, compression=compression, use_dictionary=_DICTIONARY,
+                          column_encoding=encoding, write_statistics=["step", "rank"], store_schema=False,
+                          write_page_checksum=True) as writer:
+        writer.write_table(kept)
+        writer.add_key_value_metadata({RECORDS_KEY: str(rows)})
     with open(path, "wb") as file:
-        with pq.ParquetWriter(file, kept.schema, compression=_compression(kept), use_dictionary=_DICTIONARY,
-                              column_encoding={name: encoding for name, encoding in _ENCODINGS.items()
-                                               if name in kept.column_names},
-                              write_statistics=["step", "rank"], store_schema=False,
-                              write_page_checksum=True) as writer:
-            writer.write_table(kept)
-            writer.add_key_value_metadata({RECORDS_KEY: str(table.num_rows)})
+        file.write(buffer.getvalue())  # larger than the file's buffer: passed on whole, without a copy
         file.flush()
         if durable:
             os.fsync(file.fileno())
@@ -193,11 +199,17 @@ def footer_records(metadata: Mapping[bytes, bytes] | None) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _compression(table: pa.Table) -> dict[str, str]:
+@functools.lru_cache(maxsize=64)
+def _writer_options(names: tuple[str, ...], lists: tuple[bool, ...]) -> tuple[dict[str, str], dict[str, str]]:
+    """The Parquet compression and encoding of each column, for these columns (``lists``: which are lists).
+
+    Made once per set of columns (a run's steps share a few): the writer thread builds them holding the GIL.
+    """
     # zstd where the bytes are (samples, names); lz4 elsewhere: small columns decode faster with it.
-    paths = {name: f"{name}.list.element" if pa.types.is_list(table.schema.field(name).type) else name
-             for name in table.column_names}
-    return {path: "zstd" if name in _ZSTD else "lz4" for name, path in paths.items()}
+    compression = {f"{name}.list.element" if is_list else name: "zstd" if name in _ZSTD else "lz4"
+                   for name, is_list in zip(names, lists)}
+    present = set(names)
+    return compression, {name: encoding for name, encoding in _ENCODINGS.items() if name in present}
 
 
 # How probes reads step files with pyarrow.dataset: pages checked against their checksums (flipped bytes).

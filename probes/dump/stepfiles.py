@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from .columns import table_to_records, write_parquet
 from .layout import STEP_FORMATS, DumpLayout, fsync_dir, write_durably
-from .rowblock import RowBlock
+from .rowblock import EntryColumns, RowBlock
 
 _BUFFER_SIZE = 1 << 16
 
@@ -71,6 +71,7 @@ class OpenSteps:
         self.rank = rank
         self.format = format
         self._open: dict[int, _OpenStep] = {}
+        self._reuse = EntryColumns()  # a step's columns of names and descriptions, taken again by the next
 
     def steps(self) -> list[int]:
         """The steps that are open."""
@@ -82,7 +83,7 @@ class OpenSteps:
         if entry is None:
             entry = self._open[step] = _OpenStep(
                 self.layout.step_file(self.rank, step, partial=True, format=self.format))
-        table = batch.to_table() if isinstance(batch, RowBlock) else batch
+        table = batch.to_table(self._reuse) if isinstance(batch, RowBlock) else batch
         if self.format == "parquet":
             entry.tables.append(table)
         else:

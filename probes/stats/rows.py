@@ -113,6 +113,8 @@ class StepRows:
         self._kernel = kernel.load(required=choice == "cpp") if choice != "torch" else None
         self._lock = threading.Lock()
         self._cpu: tuple[_Buffer, int] | None = None  # the CPU buffer and its part since the last take, once known
+        # One callable for every block: the writer keeps a block's sample indices for the next one made by it.
+        self._indices = functools.partial(_sample_list, count=sample_count)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -377,10 +379,9 @@ class StepRows:
             for entry in entries:
                 by_step.setdefault(entry.step, []).append(entry)
         ready = _waiter(events)
-        indices = functools.partial(_sample_list, count=self.sample_count)
         self._reset()
         return [RowBlock(step=step, rank=self.rank, sample_count=self.sample_count, parts=hosts, entries=entries,
-                         ready=ready, indices=indices, hashed=self.hash) for step, entries in by_step.items()]
+                         ready=ready, indices=self._indices, hashed=self.hash) for step, entries in by_step.items()]
 
 
 def unsupported_description(tensor: torch.Tensor | None, reason: str) -> Described:

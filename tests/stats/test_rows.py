@@ -5,6 +5,7 @@ from rows are the ones ``records_to_table`` builds from the same records."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from helpers import assert_moments, same_values as _same
-from probes.dump.columns import records_to_table, table_to_records
+from probes.dump.columns import records_to_table, table_to_records, write_parquet
+from probes.dump.rowblock import EntryColumns
 from probes.dump.statistics import ACCUMULATED, DERIVED, STATISTICS, names
 from probes.stats import kernel
 from probes.stats.rows import StepRows
@@ -126,3 +128,58 @@ def test_the_registry_is_what_the_views_show() -> None:
     assert names(compared="count") == ("nan", "inf")
     assert all(pa.types.is_integer(records_to_table([]).schema.field(stat.name).type) == (stat.column == "int")
                for stat in STATISTICS)
+
+
+class _StaleColumns(EntryColumns):
+    """Takes the last block's columns again whatever the entries hold: what the identity check prevents."""
+
+    def find(self, names, phases, described):  # type: ignore[no-untyped-def]
+        return self._built
+
+
+def _same_table(a: pa.Table, b: pa.Table) -> bool:
+    return a.schema.equals(b.schema) and all(_same(a.column(name).to_pylist(), b.column(name).to_pylist())
+                                             for name in a.column_names)
+
+
+def test_columns_taken_again_from_the_last_step_are_the_ones_built_afresh(tmp_path: Path) -> None:
+    site_a, site_b, site_c = (("a.output.0", 0, "a", "A", "output", 1, "A_0_0th_output", None),
+                              ("b.output.0", 0, "b", "B", "output", 1, "B_0_0th_output", None),
+                              ("c.output.0", 0, "c", "C", "output", 2, "C_0_0th_output", None))
+    g = torch.Generator().manual_seed(0)
+    steps = [  # (names, phase, tensor) per record, step after step
+        [(site_a, "forward", torch.randn(3, 4, generator=g)), (site_b, "forward", torch.randn(5, generator=g))],
+        [(site_a, "forward", torch.randn(3, 4, generator=g)), (site_b, "forward", torch.randn(5, generator=g))],
+        [(site_a, "forward", torch.randn(3, 4, generator=g)), (site_b, "forward", torch.randn(5, generator=g)),
+         (site_c, "forward", torch.randn(2, 2, generator=g))],  # a site added
+        [(site_a, "forward", torch.randn(3, 4, generator=g)), (site_c, "forward", torch.randn(2, 2, generator=g))],
+        [(site_a, "forward", torch.randn(6, 2, generator=g)),  # the same sites, other kinds of tensor
+         (site_c, "forward", torch.tensor([[1, -2], [3, 4]]))],
+        [(site_a, "backward", torch.randn(6, 2, generator=g)),  # another phase, a record without finite values
+         (site_c, "forward", torch.full((2, 2), math.nan))],
+        [(tuple(site_a), "backward", torch.randn(6, 2, generator=g)),  # equal names, not the same tuple
+         (site_c, "forward", torch.empty(2, device="meta"))],  # a record without statistics
+    ]
+    rows = StepRows(rank=0, sample_count=4, hash=True)
+    reuse, stale = EntryColumns(), _StaleColumns()
+    reused, stale_differs = [], []
+    for step, records in enumerate(steps):
+        for seq, (site, phase, tensor) in enumerate(records):
+            rows.add_named(site, step, phase, seq, tensor)
+        (block,) = rows.take()
+        kept = reuse._built
+        fresh, again = block.to_table(), block.to_table(reuse)
+        assert _same_table(again, fresh), step
+        write_parquet(tmp_path / "fresh.parquet", fresh, durable=False)
+        write_parquet(tmp_path / "again.parquet", again, durable=False)
+        assert (tmp_path / "fresh.parquet").read_bytes() == (tmp_path / "again.parquet").read_bytes(), step
+        reused.append(reuse._built is kept)
+        if stale._built is not None and len(stale._built.names) == len(block.entries):
+            stale_differs.append(not _same_table(block.to_table(stale), fresh))
+        else:  # a table of another length: it builds and keeps this step's columns
+            stale._built = None
+            block.to_table(stale)
+    assert reused == [False, True, False, False, False, False, False]
+    # Taking the columns again without looking would have been caught: steps 1 and 4 to 6 have as many records as
+    # the step before, and all but step 1 (the same entries) come out different.
+    assert stale_differs == [False, True, True, True]
