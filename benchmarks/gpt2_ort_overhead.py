@@ -4,7 +4,9 @@
 
 Stages: build ``transformers.GPT2LMHeadModel`` from a config in code (``benchmarks.gpt2_overhead``: no
 download, dropout off), one copy per case, each wrapped in ORTModule (fallback disabled: a failed export
-raises instead of timing PyTorch): no probes; probes' StatisticsSubscriber recording every step; the
+raises instead of timing PyTorch): no probes; probes with a no-op observing subscriber (the probes' own cost:
+ORT's PythonOp calls); probes' StatisticsSubscriber recording every step, with its rows computed but not
+written (the dump writer's share is the difference) and written; the
 same subscriber with ``every_n_steps`` so large that no timed step is recorded (the cost of a step left
 out: it runs on ORT's second graph, exported without probes, at its first left-out step, also timed); and the
 eager model with and without probes for reference. Cases are timed round-robin; each
@@ -28,11 +30,14 @@ import torch
 
 from benchmarks.common import environment, interleaved, median, ratio_spread, table
 from benchmarks.gpt2_overhead import FULL, QUICK, STEPS_PER_TIMING, _model
+from benchmarks.probe_overhead import NoOp
 from benchmarks.step_overhead import _ortmodule, ortmodule_budget
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 
 NEVER = 10**9  # every_n_steps: after step 0 (a warm-up step) no step is recorded
+_CASES = ("no probes", "no-op subscriber", "StatisticsSubscriber, rows not written", "StatisticsSubscriber",
+          "StatisticsSubscriber, step left out")
 
 
 def run(quick: bool = False, repeats: int | None = None, ort_default_threads: bool = False) -> str:
@@ -56,16 +61,20 @@ def _run(quick: bool, repeats: int | None, threads: str) -> str:
     dumps: dict[tuple[str, str], Path] = {}
     managers = []
     for backend in ("ortmodule", "eager"):
-        for case in ("no probes", "StatisticsSubscriber", "StatisticsSubscriber, step left out"):
-            if backend == "eager" and case.endswith("left out"):
-                continue
+        for case in _CASES if backend == "ortmodule" else ("no probes", "StatisticsSubscriber"):
             model = copy.deepcopy(base)
-            if case != "no probes":
-                dump = work / f"{backend}-{len(dumps)}"
-                every = NEVER if case.endswith("left out") else None
+            if case == "no-op subscriber":
                 managers.append(SubscriberManager())
-                managers[-1].subscribe(model, [StatisticsSubscriber(dump, every_n_steps=every)])
-                dumps[(backend, case)] = dump
+                managers[-1].subscribe(model, [NoOp()])
+            elif case != "no probes":
+                dump = work / f"{backend}-{len(managers)}"
+                subscriber = StatisticsSubscriber(dump, every_n_steps=NEVER if case.endswith("left out") else None)
+                if case.endswith("not written"):
+                    subscriber._writer.write = lambda step, batch: None  # rows computed, never written
+                else:
+                    dumps[(backend, case)] = dump
+                managers.append(SubscriberManager())
+                managers[-1].subscribe(model, [subscriber])
             if backend == "ortmodule":
                 model = _ortmodule(model)
                 if model is None:
