@@ -39,7 +39,7 @@ from exporters import _ort_compat, _torch_compat
 from exporters.handles import Handle
 
 from ..utils.exit import at_exit
-from ..utils.tree import TensorLeaves
+from ..utils.tree import TensorLeaves, lone_tensor
 from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteBinding, apply_boundary, can_probe
 from .native import PYTHON_APPLIERS, probe_applier
@@ -440,9 +440,13 @@ class SubscriberManager:
             return outputs
         if self._run_by_compiler(site):
             return outputs
-        if (probe and not (is_root or self._builders or recorder.scopes) and type(outputs) is torch.Tensor
-                and can_probe(outputs) and not torch.jit.is_tracing()):
+        direct = probe and not (is_root or self._builders or recorder.scopes) and not torch.jit.is_tracing()
+        kind = type(outputs)
+        if direct and kind is torch.Tensor and can_probe(outputs):
             outputs = self._probe_tensor(site, outputs)  # the most common call, without the general path's layers
+        elif direct and kind is tuple and (place := lone_tensor(outputs)) is not None and can_probe(outputs[place]):
+            # One tensor and scalars (Hugging Face's (hidden, None)): passed as the general path would pass it.
+            outputs = outputs[:place] + (self._probe_tensor(site, outputs[place]),) + outputs[place + 1:]
         else:
             outputs = recorder.run_paused(self._post_forward_hook, site, is_root, probe, module, args, outputs)
         if probe and self._records_ops and not is_root:  # op records name the module outputs they read

@@ -52,6 +52,24 @@ class TensorLeaves:
 _SCALAR_TYPES = (type(None), bool, int, float, str)
 
 
+def lone_tensor(structure: tuple) -> int | None:
+    """The place of the one leaf of a plain tuple that is exactly ``torch.Tensor`` (no subclass), its other items
+    scalars (a module's ``(hidden, None)``), else None: the tuple whose leaves are its items with one tensor.
+
+        lone_tensor((hidden, None))   # 0
+    """
+    place = None
+    for index, item in enumerate(structure):
+        kind = type(item)
+        if kind is torch.Tensor:
+            if place is not None:
+                return None
+            place = index
+        elif kind not in _SCALAR_TYPES:
+            return None
+    return place
+
+
 def _flat_tuple(structure: Any) -> bool:
     """A plain tuple of tensors and scalars: its leaves are its items, in order (what pytree would give)."""
     return type(structure) is tuple and all(type(item) in _SCALAR_TYPES or isinstance(item, torch.Tensor)

@@ -333,6 +333,75 @@ def test_nested_outputs_and_keyword_only_inputs_pass_through_unchanged():
     assert grads["<root>.output.0"] == (None, (), None, None)  # only y.sum() is on the loss path
 
 
+class HiddenAndScalars(nn.Module):
+    """Returns its hidden state in a plain tuple with scalars, as Hugging Face's blocks return (hidden, None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x).relu(), None, 3
+
+
+class TwoTensors(nn.Module):
+    def forward(self, x):
+        return x * 2, x + 1
+
+
+class TupleBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = HiddenAndScalars()
+        self.pair = TwoTensors()
+
+    def forward(self, x):
+        hidden, nothing, three = self.block(x)
+        assert nothing is None and three == 3
+        doubled, shifted = self.pair(hidden)
+        return (doubled * shifted).sum()
+
+
+class ValueRecorder(SubscriberBase):
+    def __init__(self):
+        super().__init__()
+        self.values = {}
+
+    def on_forward(self, event, tensors):
+        self.values[event.record_name(0), "forward"] = [t.detach().clone() for t in tensors]
+
+    def on_backward(self, event, grads):
+        self.values[event.record_name(0), "backward"] = [None if g is None else g.clone() for g in grads]
+
+
+def test_a_tuple_of_one_tensor_and_scalars_goes_straight_to_the_probe_with_the_same_records():
+    torch.manual_seed(0)
+    model = TupleBlocks()
+    plain = copy.deepcopy(model)
+    recorder = ValueRecorder()
+    manager = SubscriberManager()
+    general = []
+    general_path = manager._post_forward_hook
+    x = torch.randn(3, 4)
+    with manager.subscribe(model, [recorder]):
+        manager._post_forward_hook = lambda site, *rest: general.append(site.name) or general_path(site, *rest)
+        loss = model(x)
+        loss.backward()
+    # The tuple of one tensor skips the general path; two tensors (which may share memory) and the root take it.
+    assert general == ["pair", "<root>"]
+    hidden = plain.block.linear(x).relu()
+    doubled, shifted = plain.pair(hidden)
+    expected = (doubled * shifted).sum()
+    gradient, = torch.autograd.grad(expected, hidden, retain_graph=True)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert torch.equal(model.block.linear.weight.grad, plain.block.linear.weight.grad)
+    assert torch.equal(recorder.values["block.output.0", "forward"][0], hidden)
+    assert torch.equal(recorder.values["block.output.0", "backward"][0], gradient)
+    assert len(recorder.values["block.output.0", "forward"]) == 1
+    assert torch.equal(recorder.values["pair.output.0", "forward"][1], hidden + 1)
+
+
 class WithOwnFunction(nn.Module):
     def __init__(self):
         super().__init__()

@@ -14,7 +14,7 @@ import torch
 from exporters.handles import Handle
 from probes.utils.checks import check_int
 from probes.utils.tables import printable, text_table
-from probes.utils.tree import TensorLeaves
+from probes.utils.tree import TensorLeaves, lone_tensor
 
 
 def test_handle_undoes_once_and_is_a_context_manager() -> None:
@@ -63,6 +63,17 @@ def test_tensor_leaves_replace_tensors_in_place_and_keep_the_rest() -> None:
     assert torch.equal(rebuilt["x"][0], a + 1) and torch.equal(rebuilt["y"].a, b + 1) and torch.equal(rebuilt["z"], c + 1)
     floats = TensorLeaves.of(structure, select=lambda leaf: isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
     assert len(floats.tensors) == 2
+
+
+def test_lone_tensor_is_the_place_of_the_one_plain_tensor_among_scalars() -> None:
+    t = torch.ones(2)
+    assert lone_tensor((t, None, 3)) == 0 and lone_tensor((None, "s", t, 1.5, True)) == 2
+    assert lone_tensor((t, t)) is None and lone_tensor((t, torch.zeros(1))) is None  # two tensors: may share memory
+    assert lone_tensor((t, [None])) is None and lone_tensor((t, (None,))) is None  # a nested structure
+    assert lone_tensor((torch.nn.Parameter(t), None)) is None  # a subclass is no plain tensor
+    assert lone_tensor(()) is None and lone_tensor((None, 3)) is None
+    leaves = TensorLeaves.of((None, t, 3))  # what the general path would select
+    assert leaves.positions == [lone_tensor((None, t, 3))]
 
 
 def test_text_table_aligns_columns_and_printable_escapes_control_characters() -> None:
