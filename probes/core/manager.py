@@ -440,8 +440,10 @@ class SubscriberManager:
             return outputs
         if self._run_by_compiler(site):
             return outputs
-        direct = probe and not (is_root or self._builders or recorder.scopes) and not torch.jit.is_tracing()
         kind = type(outputs)
+        # Only a tensor or a tuple can take the direct call: other outputs skip the trace check.
+        direct = (probe and (kind is torch.Tensor or kind is tuple)
+                  and not (is_root or self._builders or recorder.scopes) and not torch.jit.is_tracing())
         if direct and kind is torch.Tensor and can_probe(outputs):
             outputs = self._probe_tensor(site, outputs)  # the most common call, without the general path's layers
         elif direct and kind is tuple and (place := lone_tensor(outputs)) is not None and can_probe(outputs[place]):
