@@ -10,15 +10,21 @@ probe call (a module's outputs, or its inputs):
   module gave one tensor: its other places pass the probe as a detached alias (recorded, not differentiated;
   dynamo also refuses one tensor at two inputs of a Function), its gradient is recorded at its first place;
 - floating-point tensors that are views of one another (``x`` and ``x[:, 0]``, two views of one base) are
-  refused: the call is not probed, everything goes on as the module made it, and the manager warns once.
-  Rebuilding the views from the probed base would keep their records, but a compiled graph cannot (dynamo
-  cannot read a view's storage offset) and every backend must keep the same records; a partial call would
-  leave ORT's PythonOp without a used output where all are refused. The step boundary, which records
-  nothing, passes the other tensors. Integer tensors need no such care (no gradient, so no wrong one).
+  *read*: each passes the probe detached, so it gets a forward record, and the probe's outputs at those places
+  are dropped: the caller gets the module's own tensors, views of one another as the module made them, with
+  their autograd history. They get no gradient record, on any backend: rebuilding the views from a probed base
+  would differentiate them in eager mode, but a compiled graph cannot (dynamo cannot read a view's storage
+  offset), and every backend keeps the same records. The tensors beside them are probed as usual.
+  Integer tensors need no such care (no gradient, so no wrong one).
 
     shared = find(tensors)                     # None when no two tensors share memory
-    shared.refused                             # the places of views of one another (then: do not probe)
-    outputs = shared.apply(tensors, probe)     # probe(tensors it should pass) -> what the caller gets
+    shared.read                                # the places of views of one another (forward record only)
+    shared.read_only                           # every place is read: none of the probe's outputs is used
+    outputs = shared.apply(tensors, probe)     # probe(every tensor, as it should pass) -> what the caller gets
+
+A probe call whose outputs are all dropped is no consumer of anything for a graph: an exported graph (ORTModule's
+TorchScript trace) would lose it, so the manager carries such outputs to the step boundary there. A compiled
+graph keeps it (its ops mutate a token).
 
 Everything here is traceable by dynamo (identity, ``_base``, dtypes, ``detach``): it runs while dynamo traces
 the hooks, as in eager PyTorch and in ORTModule's export.
@@ -26,32 +32,35 @@ the hooks, as in eager PyTorch and in ORTModule's export.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Sequence
 
 import torch
 
-from exporters import _torch_compat
-
 
 class SharedMemory:
-    """Which places of one probe call repeat an earlier tensor, and which are left as the module made them.
+    """Which places of one probe call repeat an earlier tensor, and which are only read (views of one another).
     (A plain class of plain containers: dynamo traces it.)"""
 
-    def __init__(self, first: dict[int, int], refused: tuple[int, ...]) -> None:
+    def __init__(self, first: dict[int, int], read: tuple[int, ...], places: int) -> None:
         self.first = first  # a place -> the first place of the same tensor
-        self.refused = refused  # places whose floating-point tensors are views of one another
+        self.read = read  # places whose floating-point tensors are views of one another
+        self.places = places
+        self.read_only = len(read) == places  # no place's probed tensor goes on
 
     def apply(self, tensors: Sequence[torch.Tensor],
               probe: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        """What the caller gets when ``probe`` passes the tensors it should: the first place's probed tensor at
-        each repeated place (which passes a detached alias), the module's own tensor at each refused place
-        (which does not pass)."""
-        places = [place for place in range(len(tensors)) if place not in self.refused]
-        probed = dict(zip(places, probe([tensors[place].detach() if place in self.first else tensors[place]
-                                         for place in places])))
-        return [tensors[place] if place in self.refused else probed[self.first.get(place, place)]
+        """What the caller gets when ``probe`` passes every place's tensor (detached where it repeats an earlier
+        tensor or is read): the first place's probed tensor at each repeated place, the module's own tensor at
+        each read place."""
+        probed = probe([tensors[place].detach() if place in self.first or place in self.read else tensors[place]
+                        for place in range(len(tensors))])
+        return [tensors[place] if place in self.read else probed[self.first.get(place, place)]
                 for place in range(len(tensors))]
+
+    def unread(self) -> "SharedMemory | None":
+        """The same places, none only read (for a call after which no view relation can matter); None when no
+        place repeats another."""
+        return SharedMemory(self.first, (), self.places) if self.first else None
 
 
 def find(tensors: Sequence[torch.Tensor]) -> SharedMemory | None:
@@ -67,16 +76,16 @@ def find(tensors: Sequence[torch.Tensor]) -> SharedMemory | None:
                 break
         else:
             unique.append(place)
-    refused: set[int] = set()
+    read: set[int] = set()
     roots = [_root(tensors[place]) for place in unique]
     for position, place in enumerate(unique):
         group = [place] + [unique[later] for later in range(position + 1, len(unique)) if roots[later] is roots[position]]
         if len(group) > 1 and any(_differentiable(tensors[member]) for member in group):
-            refused.update(group)
-    refused.update(place for place, earlier in first.items() if earlier in refused)
-    if not first and not refused:
+            read.update(group)
+    read.update(place for place, earlier in first.items() if earlier in read)
+    if not first and not read:
         return None
-    return SharedMemory(first, tuple(sorted(refused)))
+    return SharedMemory(first, tuple(sorted(read)), len(tensors))
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,30 +95,3 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
 
 def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
-
-
-class RefusalWarnings:
-    """The warnings about refused places: one per subscription and site (process-wide, as ``warn`` is also
-    called while dynamo traces, which it does once per compilation)."""
-
-    def __init__(self) -> None:
-        self._warned: set[tuple[int, str, str]] = set()
-
-    def warn(self, subscription: int, site: str, kind: str, places: tuple[int, ...]) -> bool:
-        if (subscription, site, kind) in self._warned:
-            return False
-        self._warned.add((subscription, site, kind))
-        listed = ", ".join(f"{site}.{kind}.{place}" for place in places)
-        warnings.warn(f"probes: {site!r} {kind} tensors share memory, views of one another ({listed}): this "
-                      f"{kind} is not probed (no record), so that an in-place change of one of them reaches the "
-                      "others as without probes. This warning is not repeated.", stacklevel=2)
-        return True
-
-
-REFUSALS = RefusalWarnings()
-
-
-@_torch_compat.constant_while_tracing
-def warn_refused(subscription: int, site: str, kind: str, places: tuple[int, ...]) -> bool:
-    """``REFUSALS.warn``; while dynamo traces it is called then, not put in the graph."""
-    return REFUSALS.warn(subscription, site, kind, places)

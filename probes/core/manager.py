@@ -130,10 +130,13 @@ class SubscriberManager:
         # the hooks of its modules have nothing to do. Never set while dynamo traces or a model is exported, but
         # for ORTModule's export of the graph of left-out steps (``_ort_compat.exporting_unprobed``).
         self._left_out_forward = False
-        self._ops = OpRecorder(self._probe_op)  # the operations inside modules selected by ``ops=`` (probes.core.ops)
+        self._ops = OpRecorder(self._probe_op, self._read_op)  # the operations inside modules selected by ``ops=`` (probes.core.ops)
         self._op_sites: dict[str, ProbeSite] = {}
         self._module_indices: dict[str, int] = {}  # qualified name -> module index
         self._records_ops = False  # some module's operations are recorded
+        # In a trace (ORTModule's export), the outputs of the probe calls no traced code uses: the root's step boundary
+        # takes them too, so that the exported graph keeps those calls (``_carry``).
+        self._carried: list[torch.Tensor] = []
         # TensorProbe's apply in eager calls, and the same for one plain tensor of a module hook that made the checks
         # (``native.ProbeAppliers``).
         self._apply_probe, self._apply_observed = PYTHON_APPLIERS
@@ -322,6 +325,16 @@ class SubscriberManager:
             return None
         return self._apply_probe(self._probes[site], *tensors)
 
+    def _read_op(self, name: str, inputs: list[str] | None, tensors: Sequence[torch.Tensor]) -> None:
+        """The ``OpRecorder``'s read: tensors that a call the recorder leaves out made (``tensors``, detached), through
+        the probe of the site ``name``; its outputs are dropped (in a trace: carried, see ``_carry``)."""
+        if torch.compiler.is_compiling():
+            compiled.probe_op(self._compiled_key, name, tensors)
+            return
+        probed = self._probe_op(name, inputs, tensors)
+        if probed is not None and torch.jit.is_tracing():
+            self._carry(probed)
+
     def module_site(self, module_index: int, kind: str) -> ProbeSite | None:
         """The ``"input"`` or ``"output"`` site of the module at ``module_index`` (None outside the subscription)."""
         if not 0 <= module_index < len(self._module_sites):
@@ -399,6 +412,8 @@ class SubscriberManager:
 
     def _eager_pre_forward_hook(self, site: ProbeSite, is_root: bool, probe: bool, module: torch.nn.Module,
                                 args: tuple, kwargs: dict, ops: ProbeSite | None) -> tuple[tuple, dict]:
+        if is_root:
+            self._carried.clear()  # left by a traced forward that raised
         if is_root and _ort_compat.exporting_unprobed():  # ORT exports the graph of left-out steps: no probe
             self._left_out_forward = True
             return args, kwargs
@@ -621,13 +636,28 @@ class SubscriberManager:
         if not leaves.positions and not boundary:
             return structure
         shared = aliases.find(leaves.tensors)  # tensors sharing memory: see aliases
+        tracing = not compiling and torch.jit.is_tracing()
+        if shared is not None and boundary and tracing:
+            # The traced boundary's outputs are the exported graph's, never views of one another when it runs: they
+            # pass it as usual, so that it has a used output to carry the read probes (``_carry``) to.
+            shared = shared.unread()
         if shared is None:
             return leaves.rebuild(self._pass(site, leaves.tensors, boundary, compiling))
-        if shared.refused and not boundary:
-            aliases.warn_refused(self._compiled_key, site.name, site.kind, shared.refused)
-            return structure
-        return leaves.rebuild(shared.apply(leaves.tensors,
-                                           lambda tensors: self._pass(site, tensors, boundary, compiling)))
+        carry = tracing and not boundary and shared.read_only
+
+        def probe(tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+            probed = self._pass(site, tensors, boundary, compiling)
+            if carry:
+                self._carry(probed)
+            return probed
+
+        return leaves.rebuild(shared.apply(leaves.tensors, probe))
+
+    def _carry(self, dropped: Sequence[torch.Tensor]) -> None:
+        """``dropped``, the outputs of a probe call that the traced forward does not use (views of one another only
+        read; an op's input read), go to the step boundary: an exported graph keeps only what its outputs depend on,
+        and the boundary's outputs are the graph's."""
+        self._carried.extend(dropped[:1])
 
     def _pass(self, site: ProbeSite, tensors: Sequence[torch.Tensor], boundary: bool,
               compiling: bool) -> Sequence[torch.Tensor]:
@@ -636,8 +666,9 @@ class SubscriberManager:
             return compiled.boundary(key, tensors) if boundary else compiled.probe(key, site, tensors)
         if not boundary:
             return self._apply_probe(self._probes[site], *tensors)
-        if tensors:
-            return apply_boundary(self.tracker, *tensors)
+        carried, self._carried = self._carried, []
+        if tensors or carried:
+            return apply_boundary(self.tracker, *tensors, *carried)[:len(tensors)]
         if not _ort_compat.is_exporting():
             self.tracker.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
         return ()

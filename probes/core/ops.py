@@ -102,6 +102,38 @@ def _op_name(func: Callable) -> str | None:
     return _INPLACE if aliasing == "write" else _VIEW if aliasing else name
 
 
+# Calls whose values are drawn: their integer outputs are read too (``randperm``'s order, ``multinomial``'s choice), and
+# their in-place forms (``uniform_``) are read after the draw.
+_RANDOM = frozenset({"rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal", "poisson",
+                     "rand_like", "randn_like", "randint_like", "uniform", "exponential", "geometric", "cauchy",
+                     "log_normal", "random"})
+# Calls that make memory without values: a record would read whatever the memory held.
+_UNSET = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+
+
+@_torch_compat.constant_while_tracing
+def read_name(func: Callable) -> str | None:
+    """The name of the read record of what a call of ``func`` that ``op_name`` leaves out made (``getitem``,
+    ``transpose``, ``zeros_like``, ``uniform``): a view or indexing, a constant of a shape, an in-place random draw;
+    None for a call whose output gets no read record (a copy, a cast, another in-place call, unset memory, a call that
+    makes no tensor). Calls with no tensor argument (``zeros``, ``rand``) are read under their ``op_name``."""
+    return _read_name(func)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_name(func: Callable) -> str | None:
+    kind = _op_name(func)
+    raw = getattr(func, "__name__", "")
+    name = raw.strip("_")
+    if kind == _VIEW:
+        return None if raw in _COPIES else name
+    if kind == _INPLACE:
+        return name if name in _RANDOM else None
+    if kind is None and (name.endswith("_like") or name.startswith("new_")) and getattr(func, "namespace", None) is None:
+        return None if name in _UNSET else name
+    return None
+
+
 @dataclass(eq=False)
 class Scope:
     """One call of an op-selected module: where its operations' records belong."""
@@ -112,19 +144,22 @@ class Scope:
 
 
 ProbeOp = Callable[[str, "list[str] | None", Sequence[torch.Tensor]], "Sequence[torch.Tensor] | None"]
+ReadOp = Callable[[str, "list[str] | None", Sequence[torch.Tensor]], None]
 
 
 class OpRecorder(TorchFunctionMode):
     """Sees the torch function calls made inside open scopes and passes their outputs through ``probe``.
 
     ``probe(name, inputs, tensors)`` returns the tensors to continue with (the manager's probe of the op site
-    ``name``; None: unchanged); ``inputs`` is the provenance list (None under dynamo). ``run_paused`` runs the
-    probes' own code inside a scope (hooks, subscribers), whose torch calls are not the model's.
+    ``name``; None: unchanged); ``inputs`` is the provenance list (None under dynamo). ``read(name, inputs, tensors)``
+    records detached tensors that a left-out call made (the same probe, its outputs dropped). ``run_paused`` runs
+    the probes' own code inside a scope (hooks, subscribers), whose torch calls are not the model's.
     """
 
-    def __init__(self, probe: ProbeOp) -> None:
+    def __init__(self, probe: ProbeOp, read: ReadOp) -> None:
         super().__init__()
         self._probe = probe
+        self._read = read
         self.scopes: list[Scope] = []
         self._entered = False
         self._paused = 0
@@ -208,6 +243,26 @@ class OpRecorder(TorchFunctionMode):
             outputs = (result,) if isinstance(result, torch.Tensor) else result if type(result) in (tuple, list) else ()
             self.produced(outputs, [source] * len(outputs))
 
+    def _read_made(self, name: str, arguments: Sequence[torch.Tensor], result: Any, view: bool = False) -> bool:
+        """Read what a left-out call ``name`` made (``result``): its floating-point tensors (and a draw's integer ones)
+        get a forward record ``<module>/<name>:<k>``, read detached, and are that record from now on. A view that
+        reads its argument as it is (same shape and strides) gets none. Whether it made a record."""
+        outputs = (result,) if isinstance(result, torch.Tensor) else result if type(result) in (tuple, list) else ()
+        drawn = name in _RANDOM
+        made = [out for out in outputs if isinstance(out, torch.Tensor) and (drawn or out.is_floating_point())
+                and not _torch_compat.is_traced_number(out)
+                and not (view and out.shape == arguments[0].shape and out.stride() == arguments[0].stride())]
+        if not made:
+            return False
+        scope = self.scopes[-1]
+        count = scope.counts.get(name, 0)
+        scope.counts[name] = count + 1
+        site_name = f"{scope.module}/{name}:{count}"
+        inputs = None if torch.compiler.is_compiling() else [self._source(tensor) for tensor in arguments]
+        self.run_paused(self._read, site_name, inputs, [tensor.detach() for tensor in made])
+        self.produced(made, [f"{site_name}.output.{k}" for k in range(len(made))])
+        return True
+
     # The mode -------------------------------------------------------------------------------------
 
     def __torch_function__(self, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -216,19 +271,27 @@ class OpRecorder(TorchFunctionMode):
         if not self.scopes or self._paused:
             return result
         name = op_name(func)
-        if name is None or "out" in kwargs:
+        if "out" in kwargs:
+            return result
+        made = read_name(func)
+        if name is None and made is None:
             return result
         arguments = [leaf for leaf in (*args, *kwargs.values()) if isinstance(leaf, torch.Tensor)]
         arguments += [item for leaf in args if isinstance(leaf, (list, tuple))
                       for item in leaf if isinstance(item, torch.Tensor)]
         if torch.jit.is_tracing():  # the tracer's stand-ins for sizes are the numbers eager code holds
             arguments = [tensor for tensor in arguments if not _torch_compat.is_traced_number(tensor)]
-        if not arguments:
+        if not arguments:  # a constant or a random draw: read
+            if name and name != _INPLACE and name not in _UNSET:
+                self._read_made(name, arguments, result)
             return result
         if name in _DROPOUTS and _identity_dropout(args, kwargs):
-            name = _VIEW  # eager returns its input itself, a compiled graph a copy: no operation either way
-        if name == _VIEW or name == _INPLACE:
-            if not torch.compiler.is_compiling():
+            name, made = _VIEW, None  # eager returns its input itself, a compiled graph a copy: no operation either way
+        if name is None or name == _VIEW or name == _INPLACE:
+            if made is not None and self._read_made(made, arguments, arguments[0] if name == _INPLACE else result,
+                                                    view=name == _VIEW):
+                return result
+            if name is not None and not torch.compiler.is_compiling():
                 self._pass_source(name, arguments[0], result)
             return result
         single = isinstance(result, torch.Tensor)
