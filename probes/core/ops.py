@@ -31,6 +31,14 @@ alias annotations: a probe's output is a new tensor, and an in-place write throu
 its base's autograd history), indexing (``x[...]``), ``clone``/``contiguous``/``detach``, a cast that keeps the
 dtype, an output that is one of the arguments (dropout in eval), and outputs that are not floating point.
 Direct calls of ``torch.ops.*`` operators are left out too (the model's code calls torch functions).
+
+*Read records* (``read_name``): what some left-out calls make is read where it is made, so that the operations
+reading it can name it (compare then names a view or a draw that differs): a view or indexing that changes shape
+or strides, a constant (no tensor argument, ``*_like``, ``new_*``; never unset memory: ``empty``), a random draw
+(its integer outputs too; an in-place draw after it). Named ``<module>/<call>:<k>`` as op records are, they pass
+the manager's probe detached (``read``), whose outputs are dropped: a forward record only, the model's tensor and
+its autograd history untouched, no draw repeated. Made where the call is made, the same on every backend (dynamo
+cannot trace which tensors a later call reads).
 """
 
 from __future__ import annotations
