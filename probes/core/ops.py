@@ -251,6 +251,15 @@ class OpRecorder(TorchFunctionMode):
             outputs = (result,) if isinstance(result, torch.Tensor) else result if type(result) in (tuple, list) else ()
             self.produced(outputs, [source] * len(outputs))
 
+    def _site(self, name: str, arguments: Sequence[torch.Tensor]) -> tuple[str, "list[str] | None"]:
+        """The site name of this call of ``name`` in the innermost scope (``<module>/<name>:<k>``, counted), and the
+        provenance of its tensor ``arguments`` (None under dynamo)."""
+        scope = self.scopes[-1]
+        count = scope.counts.get(name, 0)
+        scope.counts[name] = count + 1
+        inputs = None if torch.compiler.is_compiling() else [self._source(tensor) for tensor in arguments]
+        return f"{scope.module}/{name}:{count}", inputs
+
     def _read_made(self, name: str, arguments: Sequence[torch.Tensor], result: Any, view: bool = False) -> bool:
         """Read what a left-out call ``name`` made (``result``): its floating-point tensors (and a draw's integer ones)
         get a forward record ``<module>/<name>:<k>``, read detached, and are that record from now on. A view that
@@ -262,11 +271,7 @@ class OpRecorder(TorchFunctionMode):
                 and not (view and out.shape == arguments[0].shape and out.stride() == arguments[0].stride())]
         if not made:
             return False
-        scope = self.scopes[-1]
-        count = scope.counts.get(name, 0)
-        scope.counts[name] = count + 1
-        site_name = f"{scope.module}/{name}:{count}"
-        inputs = None if torch.compiler.is_compiling() else [self._source(tensor) for tensor in arguments]
+        site_name, inputs = self._site(name, arguments)
         self.run_paused(self._read, site_name, inputs, [tensor.detach() for tensor in made])
         self.produced(made, [f"{site_name}.output.{k}" for k in range(len(made))])
         return True
@@ -313,11 +318,7 @@ class OpRecorder(TorchFunctionMode):
             positions = [i for i in positions if outputs[i].dtype != arguments[0].dtype]
         if not positions:
             return result
-        scope = self.scopes[-1]
-        count = scope.counts.get(name, 0)
-        scope.counts[name] = count + 1
-        site_name = f"{scope.module}/{name}:{count}"
-        inputs = None if torch.compiler.is_compiling() else [self._source(tensor) for tensor in arguments]
+        site_name, inputs = self._site(name, arguments)
         probed = self.run_paused(self._probe, site_name, inputs, [outputs[i] for i in positions])
         if probed is None:
             return result
