@@ -386,6 +386,9 @@ def exporting_unprobed() -> bool:
 # ORT's random kernels that seed their generator, when the node has no ``seed`` attribute, with the global seed
 # plus the node's index in the graph the session runs (onnxruntime/core/providers/cpu/generator/random.h, 1.19).
 _SEEDED_BY_INDEX = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial"})
+# Random nodes ORT inlines as functions when it builds the session (Bernoulli: a RandomUniformLike appended to the
+# graph, so seeded by the graph's node count then): no place in the probed graph gives them the unprobed index.
+_SEEDED_WHEN_INLINED = frozenset({"Bernoulli"})
 
 
 def keep_random_streams() -> None:
@@ -580,12 +583,16 @@ class _OrtPatches:
                 graph = manager._onnx_models.optimized_model.graph
             except AttributeError as error:
                 raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
-            if any(_draws_by_index(node) for node in graph.node) and _holds_probes(graph):
-                unplaced = _place_random_nodes(graph, self.unprobed_graph(manager, *building_for))
-                if unplaced:
-                    warnings.warn(f"probes: ORTModule's random nodes {unplaced} have no place in the graph without "
-                                  "probes: their random numbers may differ from training without probes",
-                                  stacklevel=2)
+            if not _holds_probes(graph):
+                return result
+            unplaced = [node.name or node.op_type for node in graph.node if node.op_type in _SEEDED_WHEN_INLINED
+                        and not any(attribute.name == "seed" for attribute in node.attribute)]
+            if any(_draws_by_index(node) for node in graph.node):
+                unplaced += _place_random_nodes(graph, self.unprobed_graph(manager, *building_for))
+            if unplaced:
+                warnings.warn(f"probes: ORTModule seeds the random nodes {unplaced} by their place in the graph, which "
+                              "the probes change: their random numbers differ from training without probes",
+                              stacklevel=2)
             return result
 
         return build_graph
