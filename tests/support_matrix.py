@@ -4,7 +4,9 @@
     python tests/support_matrix.py MATRIX.jsonl [MORE.jsonl ...] --output docs/support.md
 
 Each input line is one (lane, architecture, backend) outcome: ok, ok with a note, fails without probes
-(the backend cannot run the model at all; the reason is its error), or failed.
+(the backend cannot run the model at all; the reason is its error), or failed; or (``"kind": "coverage"``) how many
+of the module outputs of a plain eager run have their forward records, and of those with a gradient their backward
+records, in the probed run (tests/test_zoo.py, test_zoo_records_every_module_output).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ _COLUMNS = (("ort", "eager"), ("ort", "ort"), ("ort", "compile"), ("modern", "ea
 
 
 def render(rows: list[dict]) -> str:
-    torch_of = {row["lane"]: row["torch"] for row in rows}
+    coverage = [row for row in rows if row.get("kind") == "coverage"]
+    rows = [row for row in rows if row.get("kind") != "coverage"]
+    torch_of = {row["lane"]: row["torch"] for row in rows + coverage}
     cells: dict[tuple[str, str, str], dict] = {(row["arch"], row["lane"], row["backend"]): row for row in rows}
     archs: dict[str, str] = {}
     for row in rows:
@@ -66,7 +70,50 @@ def render(rows: list[dict]) -> str:
         "",
         *(notes or ["none"]),
         "",
+        *_coverage_table(coverage, header),
     ])
+
+
+def _coverage_table(rows: list[dict], header: list[str]) -> list[str]:
+    """Records of module outputs per (architecture, backend): forward records of the floating-point tensors the
+    modules return, and backward records of those that get a gradient, each as recorded / expected."""
+    if not rows:
+        return []
+    cells = {(row["arch"], row["lane"], row["backend"]): row for row in rows}
+    archs = list(dict.fromkeys(row["arch"] for row in rows))
+    lines = ["| " + " | ".join(["architecture"] + header[2:]) + " |", "|" + "---|" * (len(header) - 1)]
+    missing: list[str] = []
+    for arch in archs:
+        row_cells = []
+        for lane, backend in _COLUMNS:
+            cell = cells.get((arch, lane, backend))
+            if cell is None:
+                row_cells.append("-")
+                continue
+            (forward, outputs), (backward, gradients) = cell["forward"], cell["backward"]
+            text = f"{forward}/{outputs}, {backward}/{gradients}"
+            if (forward, backward) != (outputs, gradients):
+                missing.append(f"{len(missing) + 1}. {arch}, {backend} ({lane}): no record of "
+                               + ", ".join(cell["missing"]) + (" ..." if outputs - forward + gradients - backward
+                                                               > len(cell["missing"]) else ""))
+                text = f"**{text}** (missing {len(missing)})"
+            row_cells.append(text)
+        lines.append(f"| {arch} | " + " | ".join(row_cells) + " |")
+    return [
+        "## Records: every module output",
+        "",
+        "Per cell: the forward records of the floating-point tensors the modules return (found by forward hooks on a",
+        "plain eager run, flattened with torch's pytree), recorded of expected; then the backward records of those",
+        "that get a gradient there. A missing record fails the zoo's coverage test; `-`: not run (the backend cannot",
+        "run the model).",
+        "",
+        *lines,
+        "",
+        "Missing records:",
+        "",
+        *(missing or ["none"]),
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
