@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 _MARK = {"ok": "ok", "ok, note": "ok (note {n})", "fails without probes": "n/a (note {n})", "failed": "**FAILS** (note {n})"}
 _COLUMNS = (("ort", "eager"), ("ort", "ort"), ("ort", "compile"), ("modern", "eager"), ("modern", "compile"))
@@ -32,19 +33,15 @@ def render(rows: list[dict]) -> str:
     header = ["architecture", "family"] + [f"{backend} ({lane}, torch {torch_of.get(lane, '?')})"
                                            for lane, backend in _COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    def outcome(arch: str, lane: str, backend: str, cell: dict) -> str:
+        text = _MARK.get(cell["status"], cell["status"])
+        if "{n}" in text:
+            notes.append(f"{len(notes) + 1}. {arch}, {backend} ({lane}): {cell['reason']}")
+            text = text.format(n=len(notes))
+        return text
+
     for arch, family in archs.items():
-        row_cells = []
-        for lane, backend in _COLUMNS:
-            cell = cells.get((arch, lane, backend))
-            if cell is None:
-                row_cells.append("not run")
-                continue
-            text = _MARK.get(cell["status"], cell["status"])
-            if "{n}" in text:
-                notes.append(f"{len(notes) + 1}. {arch}, {backend} ({lane}): {cell['reason']}")
-                text = text.format(n=len(notes))
-            row_cells.append(text)
-        lines.append(f"| {arch} | {family} | " + " | ".join(row_cells) + " |")
+        lines.append(f"| {arch} | {family} | " + " | ".join(_row_cells(cells, arch, outcome, "not run")) + " |")
     return "\n".join([
         "# Support matrix: the model zoo",
         "",
@@ -83,22 +80,18 @@ def _coverage_table(rows: list[dict], header: list[str]) -> list[str]:
     archs = list(dict.fromkeys(row["arch"] for row in rows))
     lines = ["| " + " | ".join(["architecture"] + header[2:]) + " |", "|" + "---|" * (len(header) - 1)]
     missing: list[str] = []
+
+    def records(arch: str, lane: str, backend: str, cell: dict) -> str:
+        (forward, outputs), (backward, gradients) = cell["forward"], cell["backward"]
+        text = f"{forward}/{outputs}, {backward}/{gradients}"
+        if (forward, backward) == (outputs, gradients):
+            return text
+        more = " ..." if outputs - forward + gradients - backward > len(cell["missing"]) else ""
+        missing.append(f"{len(missing) + 1}. {arch}, {backend} ({lane}): no record of {', '.join(cell['missing'])}{more}")
+        return f"**{text}** (missing {len(missing)})"
+
     for arch in archs:
-        row_cells = []
-        for lane, backend in _COLUMNS:
-            cell = cells.get((arch, lane, backend))
-            if cell is None:
-                row_cells.append("-")
-                continue
-            (forward, outputs), (backward, gradients) = cell["forward"], cell["backward"]
-            text = f"{forward}/{outputs}, {backward}/{gradients}"
-            if (forward, backward) != (outputs, gradients):
-                missing.append(f"{len(missing) + 1}. {arch}, {backend} ({lane}): no record of "
-                               + ", ".join(cell["missing"]) + (" ..." if outputs - forward + gradients - backward
-                                                               > len(cell["missing"]) else ""))
-                text = f"**{text}** (missing {len(missing)})"
-            row_cells.append(text)
-        lines.append(f"| {arch} | " + " | ".join(row_cells) + " |")
+        lines.append(f"| {arch} | " + " | ".join(_row_cells(cells, arch, records, "-")) + " |")
     return [
         "## Records: every module output",
         "",
@@ -114,6 +107,13 @@ def _coverage_table(rows: list[dict], header: list[str]) -> list[str]:
         *(missing or ["none"]),
         "",
     ]
+
+
+def _row_cells(cells: dict[tuple[str, str, str], dict], arch: str, text: Callable[[str, str, str, dict], str],
+               absent: str) -> list[str]:
+    """One table row's cells, a column per (lane, backend): ``text(arch, lane, backend, row)``, or ``absent``."""
+    return [absent if (arch, lane, backend) not in cells else text(arch, lane, backend, cells[(arch, lane, backend)])
+            for lane, backend in _COLUMNS]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -303,6 +303,7 @@ def test_zoo_records_every_module_output(arch_name, backend, zoo_root):
     backward = [output.name for output in expected if output.gradient and (output.name, "backward") not in recorded]
     with_gradient = sum(output.gradient for output in expected)
     _record(arch_name, backend, "coverage", kind="coverage", forward=[len(expected) - len(forward), len(expected)],
-            backward=[with_gradient - len(backward), with_gradient], missing=(forward + backward)[:12])
+            backward=[with_gradient - len(backward), with_gradient],
+            missing=(forward + [f"{name} (backward)" for name in backward])[:12])
     assert not forward, f"{len(forward)} of {len(expected)} module outputs have no forward record: {forward}"
     assert not backward, f"{len(backward)} of {with_gradient} gradients have no backward record: {backward}"
