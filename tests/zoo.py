@@ -42,13 +42,15 @@ class Architecture:
     # The forward draws random numbers (dropout on, random masking): each backend draws from its own generator
     # (ORT's kernels, inductor's seeds), so only eager and ``aot_eager`` compilation draw the same numbers.
     draws: bool = False
+    # The model has only eager attention (MPT: transformers 5 breaks when the config asks for sdpa).
+    eager_attention: bool = False
 
     def build(self, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
         import transformers
 
         torch.manual_seed(seed)
         model = self.make(transformers)
-        _set_attention(model, attention)
+        _set_attention(model, "eager" if self.eager_attention else attention)
         model.train()
         return model
 
@@ -306,7 +308,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="clip_tiny_init", family="image-text, tiny init: attention gradients cancel",
                  make=_clip_tiny_init, inputs="image-text"),
     Architecture(name="bloom", family="decoder, ALiBi, key/value cache tuples", make=_bloom),
-    Architecture(name="mpt", family="decoder, ALiBi, key/value cache tuples", make=_mpt),
+    Architecture(name="mpt", family="decoder, ALiBi, key/value cache tuples", make=_mpt, eager_attention=True),
     Architecture(name="vit_mae", family="masked autoencoder: random masking and dropout in the forward", make=_vit_mae,
                  inputs="pixels", draws=True),
 )}
