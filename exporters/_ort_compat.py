@@ -12,6 +12,7 @@ already been imported by the user's program, so importing probes never imports O
     with _ort_compat.ortmodule_threads(1): ...   # ORTModule sessions built inside: 1 intra-op thread, no spinning
     _ort_compat.route_left_out_steps(model, LeftOutRoute(left_out=..., finish=...))  # unprobed graph for them
     if _ort_compat.exporting_unprobed(): ...     # ORTModule exports that graph: hooks insert nothing
+    _ort_compat.keep_random_streams()            # graphs with probes draw the random numbers those without draw
 
 One version check (``SUPPORTED_ORT``) runs before ORT's internals are used or when they are not as expected.
 """
@@ -24,6 +25,7 @@ import importlib
 import importlib.util
 import sys
 import traceback
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
@@ -381,6 +383,74 @@ def exporting_unprobed() -> bool:
     return _PATCHES.unprobed_runs > 0
 
 
+# ORT's random kernels that seed their generator, when the node has no ``seed`` attribute, with the global seed
+# plus the node's index in the graph the session runs (onnxruntime/core/providers/cpu/generator/random.h, 1.19).
+_SEEDED_BY_INDEX = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial"})
+# Random nodes ORT inlines as functions when it builds the session (Bernoulli: a RandomUniformLike appended to the
+# graph, so seeded by the graph's node count then): no place in the probed graph gives them the unprobed index.
+_SEEDED_WHEN_INLINED = frozenset({"Bernoulli"})
+
+
+def keep_random_streams() -> None:
+    """Make ORTModule's graphs with probes draw the random numbers its graphs without probes draw (idempotent).
+
+    ORT 1.19 seeds each random node without a ``seed`` attribute (``torch.rand``/``randn``/``multinomial`` in a
+    forward) with the global seed plus the node's index in its session's graph. Probe nodes move those indices,
+    and with them the random streams: ViT-MAE's masking drew other patches with probes than without. So when
+    ORT builds a training or inference graph that holds probes and such nodes, the manager's unprobed twin
+    builds the graph without probes from the same inputs, and each random node of the probed graph moves to
+    the index its namesake has there (swapped with the node it finds there). Costs one more export and graph
+    build, only for graphs with such nodes; dropout draws from ORT's Philox generator, which no index seeds.
+    """
+    _check_version()
+    classes = [getattr(importlib.import_module(module_name), name, None) for module_name, name in
+               ((_TRAINING_MANAGER_MODULE, "TrainingManager"), (_INFERENCE_MANAGER_MODULE, "InferenceManager"))]
+    for cls in classes:
+        if cls is None or not all(callable(getattr(cls, method, None)) for method in
+                                  ("_build_graph", "_detect_from_inputs", "_initialize_graph_builder")):
+            raise OrtInternalsError(
+                "ORT's TrainingManager or InferenceManager changed; probes cannot keep ORTModule's random streams "
+                "(see exporters/_ort_compat.py)"
+            )
+    _PATCHES.install_random_streams(classes)
+
+
+def _draws_by_index(node: Any) -> bool:
+    return node.op_type in _SEEDED_BY_INDEX and node.domain in ("", "ai.onnx") and \
+        not any(attribute.name == "seed" for attribute in node.attribute)
+
+
+def _holds_probes(graph: Any) -> bool:
+    """Whether an ONNX graph holds probe nodes (PythonOps of probes' Functions, or probes' ATen operators)."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            if (attribute.name, node.op_type) in (("func_name", "PythonOp"), ("operator", "ATen")) and \
+                    attribute.s.decode(errors="replace").startswith(("probes.", "probes::")):
+                return True
+    return False
+
+
+def _place_random_nodes(graph: Any, unprobed: Any) -> list[str]:
+    """Move each random node of ``graph`` to its namesake's index in ``unprobed`` (by swapping); the names of
+    those that cannot move (no namesake, or an index past ``graph``'s end)."""
+    import onnx
+
+    nodes = []
+    for node in graph.node:
+        nodes.append(onnx.NodeProto())
+        nodes[-1].CopyFrom(node)
+    wanted = {node.name: index for index, node in enumerate(unprobed.node) if _draws_by_index(node)}
+    unplaced = [node.name for node in nodes
+                if _draws_by_index(node) and (node.name not in wanted or wanted[node.name] >= len(nodes))]
+    for name, target in sorted(wanted.items(), key=lambda item: item[1]):
+        here = next((index for index, node in enumerate(nodes) if node.name == name and _draws_by_index(node)), None)
+        if here is not None and target < len(nodes):
+            nodes[here], nodes[target] = nodes[target], nodes[here]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return unplaced
+
+
 def ortmodule_threads(intra_op_threads: int, *, spinning: bool = False) -> Handle:
     """Make the ORTModule sessions built from now on (at their first forward) use ``intra_op_threads``
     intra-op threads, spinning while idle or not; ``remove()`` restores the earlier setting.
@@ -457,6 +527,9 @@ class _OrtPatches:
         self.twins: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.left_out_switched = False
         self.unprobed_runs = 0  # twins' forwards running now (more than one: a model nested in another)
+        # keep_random_streams: the inputs a manager is building its graph for, between its two calls.
+        self.building_for: "weakref.WeakKeyDictionary[Any, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+        self.random_streams_kept = False
 
     def install_left_out_switch(self, classes: list[type]) -> None:
         if self.left_out_switched:
@@ -482,6 +555,63 @@ class _OrtPatches:
             return route.finish(outputs)
 
         return forward
+
+    def install_random_streams(self, classes: list[type]) -> None:
+        if self.random_streams_kept:
+            return
+        for cls in classes:
+            cls._detect_from_inputs = self.noting_inputs(cls._detect_from_inputs)
+            cls._build_graph = self.placing_random_nodes(cls._build_graph)
+        self.random_streams_kept = True
+
+    def noting_inputs(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def detect_from_inputs(manager: Any, inputs: tuple, kwargs: dict) -> Any:
+            self.building_for[manager] = (inputs, kwargs)  # ORT builds the graph next (_build_graph)
+            return original(manager, inputs, kwargs)
+
+        return detect_from_inputs
+
+    def placing_random_nodes(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def build_graph(manager: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(manager, *args, **kwargs)
+            building_for = self.building_for.pop(manager, None)
+            if building_for is None or manager in self.twins or self.unprobed_runs:
+                return result
+            try:
+                graph = manager._onnx_models.optimized_model.graph
+            except AttributeError as error:
+                raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
+            if not _holds_probes(graph):
+                return result
+            unplaced = [node.name or node.op_type for node in graph.node if node.op_type in _SEEDED_WHEN_INLINED
+                        and not any(attribute.name == "seed" for attribute in node.attribute)]
+            if any(_draws_by_index(node) for node in graph.node):
+                unplaced += _place_random_nodes(graph, self.unprobed_graph(manager, *building_for))
+            if unplaced:
+                warnings.warn(f"probes: ORTModule seeds the random nodes {unplaced} by their place in the graph, which "
+                              "the probes change: their random numbers differ from training without probes",
+                              stacklevel=2)
+            return result
+
+        return build_graph
+
+    def unprobed_graph(self, manager: Any, inputs: tuple, kwargs: dict) -> Any:
+        """The graph ``manager``'s twin builds without probes for ``inputs`` (the twin keeps it)."""
+        twin = self.twin_of.get(manager)
+        if twin is None:
+            twin = self.twin_of[manager] = self.twin(manager)
+        self.unprobed_runs += 1
+        try:
+            build, info = twin._graph_transition_manager.get_post_processed_model(inputs, kwargs)
+            if build:
+                twin._initialize_graph_builder(info)
+                twin._detect_from_inputs(inputs, kwargs)
+                twin._build_graph(twin._get_graph_transformer_config())
+            return twin._onnx_models.optimized_model.graph
+        finally:
+            self.unprobed_runs -= 1
 
     def route_of(self, manager: Any) -> LeftOutRoute | None:
         if manager in self.twins:

@@ -89,6 +89,8 @@ class _OrtInstallation:
             _ort_compat.reexport_when_requires_grad_changes(lambda: self.exported_probes)
             # Steps no subscriber records run on a graph exported without probes (no PythonOp call).
             _ort_compat.switch_left_out_steps()
+            # A random node draws from a stream ORT seeds by the node's index: probe nodes must not move it.
+            _ort_compat.keep_random_streams()
             self.installed = True
             on_register(_install_spec)
 

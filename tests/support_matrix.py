@@ -4,7 +4,9 @@
     python tests/support_matrix.py MATRIX.jsonl [MORE.jsonl ...] --output docs/support.md
 
 Each input line is one (lane, architecture, backend) outcome: ok, ok with a note, fails without probes
-(the backend cannot run the model at all; the reason is its error), or failed.
+(the backend cannot run the model at all; the reason is its error), or failed; or (``"kind": "coverage"``) how many
+of the module outputs of a plain eager run have their forward records, and of those with a gradient their backward
+records, in the probed run (tests/test_zoo.py, test_zoo_records_every_module_output).
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 _MARK = {"ok": "ok", "ok, note": "ok (note {n})", "fails without probes": "n/a (note {n})", "failed": "**FAILS** (note {n})"}
 _COLUMNS = (("ort", "eager"), ("ort", "ort"), ("ort", "compile"), ("modern", "eager"), ("modern", "compile"))
 
 
 def render(rows: list[dict]) -> str:
-    torch_of = {row["lane"]: row["torch"] for row in rows}
+    coverage = [row for row in rows if row.get("kind") == "coverage"]
+    rows = [row for row in rows if row.get("kind") != "coverage"]
+    torch_of = {row["lane"]: row["torch"] for row in rows + coverage}
     cells: dict[tuple[str, str, str], dict] = {(row["arch"], row["lane"], row["backend"]): row for row in rows}
     archs: dict[str, str] = {}
     for row in rows:
@@ -28,19 +33,15 @@ def render(rows: list[dict]) -> str:
     header = ["architecture", "family"] + [f"{backend} ({lane}, torch {torch_of.get(lane, '?')})"
                                            for lane, backend in _COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    def outcome(arch: str, lane: str, backend: str, cell: dict) -> str:
+        text = _MARK.get(cell["status"], cell["status"])
+        if "{n}" in text:
+            notes.append(f"{len(notes) + 1}. {arch}, {backend} ({lane}): {cell['reason']}")
+            text = text.format(n=len(notes))
+        return text
+
     for arch, family in archs.items():
-        row_cells = []
-        for lane, backend in _COLUMNS:
-            cell = cells.get((arch, lane, backend))
-            if cell is None:
-                row_cells.append("not run")
-                continue
-            text = _MARK.get(cell["status"], cell["status"])
-            if "{n}" in text:
-                notes.append(f"{len(notes) + 1}. {arch}, {backend} ({lane}): {cell['reason']}")
-                text = text.format(n=len(notes))
-            row_cells.append(text)
-        lines.append(f"| {arch} | {family} | " + " | ".join(row_cells) + " |")
+        lines.append(f"| {arch} | {family} | " + " | ".join(_row_cells(cells, arch, outcome, "not run")) + " |")
     return "\n".join([
         "# Support matrix: the model zoo",
         "",
@@ -66,7 +67,53 @@ def render(rows: list[dict]) -> str:
         "",
         *(notes or ["none"]),
         "",
+        *_coverage_table(coverage, header),
     ])
+
+
+def _coverage_table(rows: list[dict], header: list[str]) -> list[str]:
+    """Records of module outputs per (architecture, backend): forward records of the floating-point tensors the
+    modules return, and backward records of those that get a gradient, each as recorded / expected."""
+    if not rows:
+        return []
+    cells = {(row["arch"], row["lane"], row["backend"]): row for row in rows}
+    archs = list(dict.fromkeys(row["arch"] for row in rows))
+    lines = ["| " + " | ".join(["architecture"] + header[2:]) + " |", "|" + "---|" * (len(header) - 1)]
+    missing: list[str] = []
+
+    def records(arch: str, lane: str, backend: str, cell: dict) -> str:
+        (forward, outputs), (backward, gradients) = cell["forward"], cell["backward"]
+        text = f"{forward}/{outputs}, {backward}/{gradients}"
+        if (forward, backward) == (outputs, gradients):
+            return text
+        more = " ..." if outputs - forward + gradients - backward > len(cell["missing"]) else ""
+        missing.append(f"{len(missing) + 1}. {arch}, {backend} ({lane}): no record of {', '.join(cell['missing'])}{more}")
+        return f"**{text}** (missing {len(missing)})"
+
+    for arch in archs:
+        lines.append(f"| {arch} | " + " | ".join(_row_cells(cells, arch, records, "-")) + " |")
+    return [
+        "## Records: every module output",
+        "",
+        "Per cell: the forward records of the floating-point tensors the modules return (found by forward hooks on a",
+        "plain eager run, flattened with torch's pytree), recorded of expected; then the backward records of those",
+        "that get a gradient there. A missing record fails the zoo's coverage test; `-`: not run (the backend cannot",
+        "run the model).",
+        "",
+        *lines,
+        "",
+        "Missing records:",
+        "",
+        *(missing or ["none"]),
+        "",
+    ]
+
+
+def _row_cells(cells: dict[tuple[str, str, str], dict], arch: str, text: Callable[[str, str, str, dict], str],
+               absent: str) -> list[str]:
+    """One table row's cells, a column per (lane, backend): ``text(arch, lane, backend, row)``, or ``absent``."""
+    return [absent if (arch, lane, backend) not in cells else text(arch, lane, backend, cells[(arch, lane, backend)])
+            for lane, backend in _COLUMNS]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,16 @@ For each (architecture, backend) of ``zoo.ARCHITECTURES`` x {eager, ORTModule (o
 - under torch.compile, probes add no graph and no graph break (one fresh dynamo cache per run: recompiles
   across the steps count as graphs too);
 - ORTModule runs with fallback disabled and the test proves ORT's runtime called the probes.
-A combination is skipped only when the backend fails on the model without probes, with that error.
+A combination is skipped only when the backend fails on the model without probes, with that error. A model that
+draws random numbers in its forward (``Architecture.draws``) draws other numbers under ORTModule than in eager (ORT's
+own generator): there training with and without probes must be equal bit for bit, and eager against ORT is not
+compared.
+
+And the coverage test: for each (architecture, backend), every module that returns a floating-point tensor in a plain
+eager run (forward hooks, its outputs flattened with torch's pytree) has a forward record of each such tensor in the
+probed run's first step (``<module>.output.<k>``, ``#<call>`` after the name from a module's second call in a step),
+and a backward record of each that gets a gradient in that eager run (tensor hooks); a missing record fails the test
+with its name.
 
 With ``PROBES_ZOO_MATRIX=<file>`` each outcome is appended as a JSON line; ``tests/support_matrix.py``
 renders those lines as docs/support.md.
@@ -26,7 +35,8 @@ import torch
 import torch._dynamo
 
 from helpers import OrtWitness, counting_backend
-from probes import StatisticsSubscriber, SubscriberManager
+from exporters._torch_compat import pytree
+from probes import StatisticsSubscriber, SubscriberManager, load_table
 from probes.testing import assert_parity
 from zoo import ARCHITECTURES, Architecture
 
@@ -108,13 +118,14 @@ def train(arch: Architecture, backend: str, out: Path | None, *, compile_backend
     return run
 
 
-def _record(arch: str, backend: str, status: str, reason: str = "", seconds: float = 0.0, family: str | None = None
-            ) -> None:
+def _record(arch: str, backend: str, status: str, reason: str = "", seconds: float = 0.0, family: str | None = None,
+            **more: object) -> None:
     path = os.environ.get("PROBES_ZOO_MATRIX")
     if path:
         row = {"lane": LANE, "torch": torch.__version__.split("+")[0], "arch": arch,
                "family": family or ARCHITECTURES[arch].family,
-               "backend": backend, "status": status, "reason": reason[:300], "seconds": round(seconds, 1)}
+               "backend": backend, "status": status, "reason": reason[:300], "seconds": round(seconds, 1),
+               **more}
         with open(path, "a", encoding="utf-8") as file:
             file.write(json.dumps(row) + "\n")
 
@@ -129,6 +140,8 @@ def _backends() -> list[str]:
 TORCH_24 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
 
 _EAGER: dict[str, tuple[Run, Run, Path]] = {}
+# The probed run's dump of each (architecture, backend) trained so far (the coverage test reads them).
+_PROBED: dict[tuple[str, str], Path] = {}
 
 
 def _eager(arch: Architecture, root: Path) -> tuple[Run, Run, Path]:
@@ -177,6 +190,7 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
     arch = ARCHITECTURES[arch_name]
     started = time.perf_counter()
     eager_plain, eager_probed, eager_out = _eager(arch, zoo_root)
+    _PROBED[(arch_name, "eager")] = eager_out
     if backend == "eager":
         _assert_same_training(eager_plain, eager_probed, exact=True)
         _record(arch_name, backend, "ok", seconds=time.perf_counter() - started)
@@ -191,6 +205,7 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
         pytest.skip(f"{backend} fails on {arch_name} without probes too: {reason[:200]}")
     out = zoo_root / f"{arch_name}-{backend}"
     probed = train(arch, backend, out)
+    _PROBED[(arch_name, backend)] = out
     # Exactly equal where probes are identities in the same program; ORT and inductor may plan kernels
     # around the opaque probe nodes differently, so there the values agree to float32 rounding.
     exact = backend == "compile" and COMPILE_BACKEND == "aot_eager"
@@ -215,5 +230,80 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
         extra = 1 if plain.breaks else 0
         assert probed.graphs <= plain.graphs + extra, (probed.graphs, plain.graphs)
         assert set(probed.reasons) <= set(plain.reasons), (probed.reasons, plain.reasons)
-    assert_parity(eager_out, out)
+    if arch.draws and backend == "ort":
+        _assert_same_training(plain, probed, exact=True)  # ORT's own draws: the same with probes as without
+        note = ("the forward draws random numbers, which ORT draws from its own generator: training with probes "
+                "equals training without bit for bit; eager against ORT is not compared")
+    else:
+        assert_parity(eager_out, out)
     _record(arch_name, backend, "ok, note" if note else "ok", note, seconds=time.perf_counter() - started)
+
+
+@dataclass
+class Output:
+    """One floating-point tensor a module returned in the plain eager run, and whether it got a gradient."""
+
+    name: str  # its record's name: <module>[#<call>].output.<k>
+    gradient: bool = False
+
+
+def module_outputs(arch: Architecture) -> list[Output]:
+    """Every floating-point tensor each module (the root too) returns in the first step of a plain eager run, in the
+    probes' naming, with whether it got a gradient (tensor hooks; one tensor at several places of one call: at its
+    first place, where probes record its gradient)."""
+    model = arch.build(seed=0, attention=ATTENTION)
+    names = {module: name or "<root>" for name, module in model.named_modules()}
+    calls: collections.Counter = collections.Counter()
+    outputs: list[Output] = []
+
+    def hook(module: torch.nn.Module, args: object, result: object) -> None:
+        name, call = names[module], calls[module]
+        calls[module] += 1
+        base = name if call == 0 else f"{name}#{call}"
+        leaves = [leaf for leaf in pytree.tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+        for k, tensor in enumerate(leaves):
+            if not tensor.is_floating_point():
+                continue
+            output = Output(f"{base}.output.{k}")
+            outputs.append(output)
+            first = next(i for i, other in enumerate(leaves) if other is tensor)
+            if tensor.requires_grad and first == k:
+                tensor.register_hook(lambda grad, output=output: setattr(output, "gradient", True))
+
+    handles = [module.register_forward_hook(hook) for module in model.modules()]
+    try:
+        with arch.autocast():
+            loss = arch.loss(model, arch.batch(0))
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+_OUTPUTS: dict[str, list[Output]] = {}
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("arch_name", list(ARCHITECTURES))
+def test_zoo_records_every_module_output(arch_name, backend, zoo_root):
+    if (arch_name, backend) not in _PROBED:  # run alone (-k): train it as the test above does
+        try:
+            _check(arch_name, backend, zoo_root)
+        except AssertionError:
+            pass  # the test above reports that; here only the records count
+    if (arch_name, backend) not in _PROBED:
+        pytest.skip(f"{backend} does not run {arch_name} (see test_zoo_trains_identically_with_probes)")
+    if arch_name not in _OUTPUTS:
+        _OUTPUTS[arch_name] = module_outputs(ARCHITECTURES[arch_name])
+    expected = _OUTPUTS[arch_name]
+    table = load_table(_PROBED[(arch_name, backend)], columns=["step", "name", "phase"]).to_pydict()
+    recorded = {(name, phase) for step, name, phase in zip(table["step"], table["name"], table["phase"]) if step == 0}
+    forward = [output.name for output in expected if (output.name, "forward") not in recorded]
+    backward = [output.name for output in expected if output.gradient and (output.name, "backward") not in recorded]
+    with_gradient = sum(output.gradient for output in expected)
+    _record(arch_name, backend, "coverage", kind="coverage", forward=[len(expected) - len(forward), len(expected)],
+            backward=[with_gradient - len(backward), with_gradient],
+            missing=(forward + [f"{name} (backward)" for name in backward])[:12])
+    assert not forward, f"{len(forward)} of {len(expected)} module outputs have no forward record: {forward}"
+    assert not backward, f"{len(backward)} of {with_gradient} gradients have no backward record: {backward}"

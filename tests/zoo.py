@@ -7,8 +7,10 @@
 
 Each entry names the family it stands for (decoder with learned or rotary positions, grouped-query attention,
 sliding window, mixture of experts, encoder, encoder-decoder, vision, speech with a CTC loss, tied embeddings, a
-frozen base with adapters, constant position embeddings, modules returning sizes beside tensors). Configs use the
-arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on the modern one) accept.
+frozen base with adapters, constant position embeddings, modules returning sizes beside tensors, outputs that are views
+of one another: key/value caches, pooled tokens, transposed logits; attention whose gradients cancel; random draws in
+the forward). Configs use the arguments both pinned ``transformers`` versions (4.46 on the ort lane, 5.x on the modern
+one) accept.
 """
 
 from __future__ import annotations
@@ -32,18 +34,23 @@ class Architecture:
     name: str
     family: str
     make: Callable[[Any], torch.nn.Module]  # transformers module -> model
-    inputs: str = "causal"  # causal | masked | seq2seq | image | audio
+    inputs: str = "causal"  # causal | masked | seq2seq | image | audio | pixels (no labels) | image-text
     # An attention mask of ones, as a tokenizer gives: where the model's program without one differs between
     # eager and torch.compile (transformers 4.46's T5 makes one only when not compiling).
     attention_mask: bool = False
     precision: str = "float32"  # "bfloat16": the forward under torch.autocast("cpu", dtype=torch.bfloat16)
+    # The forward draws random numbers (dropout on, random masking): each backend draws from its own generator
+    # (ORT's kernels, inductor's seeds), so only eager and ``aot_eager`` compilation draw the same numbers.
+    draws: bool = False
+    # The model has only eager attention (MPT: transformers 5 breaks when the config asks for sdpa).
+    eager_attention: bool = False
 
     def build(self, seed: int = 0, attention: str = "eager") -> torch.nn.Module:
         import transformers
 
         torch.manual_seed(seed)
         model = self.make(transformers)
-        _set_attention(model, attention)
+        _set_attention(model, "eager" if self.eager_attention else attention)
         model.train()
         return model
 
@@ -55,10 +62,12 @@ class Architecture:
 
     def batch(self, step: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(1000 + step)
-        if self.inputs == "image":
+        if self.inputs in ("image", "pixels", "image-text"):
             pixels = torch.randn(BATCH, 3, 16, 16, generator=generator)
             labels = torch.randint(0, 4, (BATCH,), generator=generator)
-            batch = {"pixel_values": pixels, "labels": labels}
+            batch = {"pixel_values": pixels, "labels": labels} if self.inputs == "image" else {"pixel_values": pixels}
+            if self.inputs == "image-text":  # CLIP's contrastive loss over the batch's image-text pairs
+                batch.update(input_ids=torch.randint(4, VOCAB, (BATCH, SEQ), generator=generator), return_loss=True)
         elif self.inputs == "audio":  # 400 samples: 39 frames after the feature encoder; 8 characters each
             audio = torch.randn(BATCH, AUDIO, generator=generator)
             batch = {"input_values": audio, "labels": torch.randint(1, VOCAB // 3, (BATCH, 8), generator=generator)}
@@ -69,7 +78,7 @@ class Architecture:
                 batch["labels"] = torch.randint(4, VOCAB, (BATCH, SEQ // 2), generator=generator)
             if self.attention_mask:
                 batch["attention_mask"] = torch.ones_like(tokens)
-        return {key: value.to(device) for key, value in batch.items()}
+        return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
 
     @staticmethod
     def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -214,6 +223,60 @@ def _swin(t: Any) -> torch.nn.Module:
                                                      problem_type="single_label_classification"))
 
 
+
+def _gpt2_cache(t: Any) -> torch.nn.Module:
+    # GPT-2's default: each block returns its key and value (transformers 4.46: tuples, two views of one projection).
+    return t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=64,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=True,
+                                          bos_token_id=1, eos_token_id=2))
+
+
+def _dinov2(t: Any) -> torch.nn.Module:
+    # Dinov2Model's pooler_output is sequence_output[:, 0]: a view of its last_hidden_state.
+    return t.Dinov2ForImageClassification(t.Dinov2Config(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                                                         num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+                                                         num_labels=4, hidden_dropout_prob=0.0,
+                                                         attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+
+
+def _clip_config(t: Any, **init: float) -> Any:
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, attention_dropout=0.0, eos_token_id=2, **init)
+    vision = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.0, **init)
+    return t.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16, **init)
+
+
+def _clip(t: Any) -> torch.nn.Module:
+    # CLIPModel's logits_per_image is logits_per_text.t(): its root returns two views of one tensor.
+    return t.CLIPModel(_clip_config(t))
+
+
+def _clip_tiny_init(t: Any) -> torch.nn.Module:
+    # Weights 100x smaller than CLIP's default: the attention scores are nearly uniform and their gradient nearly
+    # cancels, so the q/k projections' gradients are tiny beside the gradient entering the attention.
+    return t.CLIPModel(_clip_config(t, initializer_factor=0.01))
+
+
+def _bloom(t: Any) -> torch.nn.Module:
+    return t.BloomForCausalLM(t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                            hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _mpt(t: Any) -> torch.nn.Module:
+    return t.MptForCausalLM(t.MptConfig(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64,
+                                        vocab_size=VOCAB, resid_pdrop=0.0, emb_pdrop=0.0))
+
+
+def _vit_mae(t: Any) -> torch.nn.Module:
+    # Masked autoencoding: random patch masking (torch.rand, argsort) in the forward, and dropout on.
+    return t.ViTMAEForPreTraining(t.ViTMAEConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                                                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                                 decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                                                 decoder_num_attention_heads=4, decoder_intermediate_size=64,
+                                                 mask_ratio=0.75, hidden_dropout_prob=0.1,
+                                                 attention_probs_dropout_prob=0.1))
+
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     Architecture(name="gpt2", family="decoder, learned positions, tied embeddings", make=_gpt2),
     Architecture(name="llama", family="decoder, rotary, grouped-query attention", make=_llama),
@@ -237,6 +300,17 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
                  inputs="seq2seq"),
     Architecture(name="swin", family="vision, shifted windows; modules return sizes beside tensors", make=_swin,
                  inputs="image"),
+    Architecture(name="gpt2_cache", family="decoder returning its key/value cache (use_cache=True)", make=_gpt2_cache),
+    Architecture(name="dinov2", family="vision, pooled output a view of the hidden states", make=_dinov2,
+                 inputs="image"),
+    Architecture(name="clip", family="image-text contrastive; transposed logits (views)", make=_clip,
+                 inputs="image-text"),
+    Architecture(name="clip_tiny_init", family="image-text, tiny init: attention gradients cancel",
+                 make=_clip_tiny_init, inputs="image-text"),
+    Architecture(name="bloom", family="decoder, ALiBi, key/value cache tuples", make=_bloom),
+    Architecture(name="mpt", family="decoder, ALiBi, key/value cache tuples", make=_mpt, eager_attention=True),
+    Architecture(name="vit_mae", family="masked autoencoder: random masking and dropout in the forward", make=_vit_mae,
+                 inputs="pixels", draws=True),
 )}
 
 # Trained long enough for rounding noise to grow (tests/test_zoo_noise.py): a loss of about 200 and SGD at 1e-2.
