@@ -14,7 +14,8 @@ compared.
 And the coverage test: for each (architecture, backend), every module that returns a floating-point tensor in a plain
 eager run (forward hooks, its outputs flattened with torch's pytree) has a forward record of each such tensor in the
 probed run's first step (``<module>.output.<k>``, ``#<call>`` after the name from a module's second call in a step),
-and a backward record of each that gets a gradient in that eager run (tensor hooks); a missing record fails the test
+and a backward record of each that a gradient reaches after the module returned it (an identity Function on each in
+that eager run; views of one another get a forward record only, on every backend); a missing record fails the test
 with its name.
 
 With ``PROBES_ZOO_MATRIX=<file>`` each outcome is appended as a JSON line; ``tests/support_matrix.py``
@@ -241,34 +242,69 @@ def _check(arch_name: str, backend: str, zoo_root: Path) -> None:
 
 @dataclass
 class Output:
-    """One floating-point tensor a module returned in the plain eager run, and whether it got a gradient."""
+    """One floating-point tensor a module returned in the plain eager run, and whether a gradient reached it after the
+    module returned it."""
 
     name: str  # its record's name: <module>[#<call>].output.<k>
     gradient: bool = False
 
 
+class _Witness(torch.autograd.Function):
+    """An identity on one returned tensor whose backward says that a gradient reached it: what a module's caller
+    differentiates, as a probe sees it (a gradient a module's own code takes from its output before returning it,
+    as a loss computed inside the forward, reaches the tensor but not what the module returned)."""
+
+    @staticmethod
+    def forward(ctx, output: Output, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.output = output
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None) -> tuple[None, torch.Tensor | None]:
+        if grad is not None:
+            ctx.output.gradient = True
+        return None, grad
+
+
+def _views_of_one_another(leaves: list[torch.Tensor]) -> set[int]:
+    """The places of floating-point tensors that are views of one another (distinct tensors, one memory): probes give
+    them a forward record only (probes/core/aliases.py), so the reference differentiates none of them."""
+    roots = [leaf if leaf._base is None else leaf._base for leaf in leaves]
+    places: set[int] = set()
+    for k, leaf in enumerate(leaves):
+        if leaf.is_floating_point() and any(roots[j] is roots[k] and leaves[j] is not leaf for j in range(len(leaves))):
+            places.add(k)
+    return places
+
+
 def module_outputs(arch: Architecture) -> list[Output]:
     """Every floating-point tensor each module (the root too) returns in the first step of a plain eager run, in the
-    probes' naming, with whether it got a gradient (tensor hooks; one tensor at several places of one call: at its
-    first place, where probes record its gradient)."""
+    probes' naming, with whether a gradient reached it after the module returned it (a witness Function on each,
+    at the first place of a tensor returned at several; none on views of one another)."""
     model = arch.build(seed=0, attention=ATTENTION)
     names = {module: name or "<root>" for name, module in model.named_modules()}
     calls: collections.Counter = collections.Counter()
     outputs: list[Output] = []
 
-    def hook(module: torch.nn.Module, args: object, result: object) -> None:
+    def hook(module: torch.nn.Module, args: object, result: object) -> object:
         name, call = names[module], calls[module]
         calls[module] += 1
         base = name if call == 0 else f"{name}#{call}"
-        leaves = [leaf for leaf in pytree.tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+        flat, spec = pytree.tree_flatten(result)
+        leaves = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+        views = _views_of_one_another(leaves)
+        witnessed: dict[int, torch.Tensor] = {}
         for k, tensor in enumerate(leaves):
             if not tensor.is_floating_point():
                 continue
             output = Output(f"{base}.output.{k}")
             outputs.append(output)
-            first = next(i for i, other in enumerate(leaves) if other is tensor)
-            if tensor.requires_grad and first == k:
-                tensor.register_hook(lambda grad, output=output: setattr(output, "gradient", True))
+            if tensor.requires_grad and k not in views and id(tensor) not in witnessed:
+                witnessed[id(tensor)] = _Witness.apply(output, tensor)
+        if not witnessed:
+            return None
+        return pytree.tree_unflatten([witnessed.get(id(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf
+                                      for leaf in flat], spec)
 
     handles = [module.register_forward_hook(hook) for module in model.modules()]
     try:
