@@ -20,6 +20,7 @@ The stages:
    (never at import); the tensors pass through ``CompiledProbe``, whose forward calls ``probes::observe``
    with the subscription's key, the site's module index and kind, and a fresh slot (one per probe call
    in the traced program), all constants of the graph; its backward calls ``probes::observe_grad`` with them.
+   Only the tensors that need a gradient come out of it; the others are observed and go on as they were.
 2. *Forward* (every step, inside the compiled forward): ``observe`` finds the subscription's owner by its
    key and asks its tracker whether a subscriber records the step (``StepTracker.compiled_left_out``, the
    active subscribers worked out once per step): if none does, it stops there and makes no event, as eager
