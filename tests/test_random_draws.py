@@ -25,7 +25,6 @@ from probes import StatisticsSubscriber, SubscriberManager
 LANE = os.environ.get("PROBES_LANE", "unknown")
 STEPS = 3
 DRAWS = ("rand", "randn", "randperm", "bernoulli", "dropout")
-TORCH_24 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
 
 
 class Drawing(torch.nn.Module):
@@ -109,10 +108,6 @@ def test_random_draws_are_untouched_by_probes(draw, backend, tmp_path, request):
                                               "node count: probes move it (exporters/_ort_compat.py warns)"))
     if backend == "inductor" and draw != "dropout" and draw != "rand":
         pytest.skip("inductor: two draws stand for all (each compiles for about 10 s)")
-    if (draw, backend) == ("rand", "inductor") and TORCH_24:
-        # Not about random draws: the model's root returns a float tensor without gradient (what it drew).
-        request.applymarker(pytest.mark.xfail(strict=True, reason="torch 2.4 + inductor: with probes, a root output "
-                                              "without gradient fails AOT's backward (incorrect subclass metadata)"))
     try:
         plain_losses, plain_drawn, plain_grads, _ = _train(draw, backend, False, None)
     except Exception as error:  # the backend cannot run this draw at all: not ours to prove

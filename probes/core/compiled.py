@@ -20,6 +20,7 @@ The stages:
    (never at import); the tensors pass through ``CompiledProbe``, whose forward calls ``probes::observe``
    with the subscription's key, the site's module index and kind, and a fresh slot (one per probe call
    in the traced program), all constants of the graph; its backward calls ``probes::observe_grad`` with them.
+   Only the tensors that need a gradient come out of it; the others are observed and go on as they were.
 2. *Forward* (every step, inside the compiled forward): ``observe`` finds the subscription's owner by its
    key and asks its tracker whether a subscriber records the step (``StepTracker.compiled_left_out``, the
    active subscribers worked out once per step): if none does, it stops there and makes no event, as eager
@@ -64,7 +65,6 @@ import torch
 
 from exporters import _torch_compat
 
-from .functions import differentiated, mark_frozen
 
 if TYPE_CHECKING:
     from .sites import ProbeEvent, ProbeSite
@@ -274,34 +274,41 @@ def _nothing(*args: Any) -> None:
 
 
 class CompiledProbe(torch.autograd.Function):
-    """Identity whose forward and backward call the probe ops (the compiled counterpart of TensorProbe)."""
+    """Identity whose forward and backward call the probe ops (the compiled counterpart of TensorProbe).
+
+    Every tensor is observed; only those that need a gradient (``graded``, one flag per tensor) come out of it:
+    the others go on as they were, outside the Function. A traced Function's outputs are no place for them:
+    torch 2.4's dynamo keeps no ``mark_non_differentiable``, so AOT autograd would take each for a tensor that
+    needs a gradient, and when inductor returns one buffer for it and for the tensor it passed (both outputs of
+    the graph, the root's), the compiled backward fails ("incorrect subclass metadata"), which training without
+    probes never meets. Eager autograd computes no gradient for them either: their gradients are reported as None.
+    """
 
     @staticmethod
-    def forward(ctx: Any, key: int, module: int, slot: int, what: int, name: str,
+    def forward(ctx: Any, key: int, module: int, slot: int, what: int, name: str, graded: tuple[bool, ...],
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         torch.ops.probes.observe(OPS.forward_token, OPS.backward_token, list(tensors), key, module, slot, what, name)
-        ctx.key, ctx.module, ctx.slot, ctx.what, ctx.name = key, module, slot, what, name
-        outputs = tuple(_torch_compat.compiled_alias(tensor) for tensor in tensors)
-        mark_frozen(ctx, outputs, tensors)
-        return outputs
+        ctx.key, ctx.module, ctx.slot, ctx.what, ctx.name, ctx.graded = key, module, slot, what, name, graded
+        return tuple(_torch_compat.compiled_alias(tensor) for tensor, grad in zip(tensors, graded) if grad)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        # torch 2.4's traced Function (``autograd_function_apply``) keeps no ``mark_non_differentiable``: AOT autograd
-        # differentiates a tensor that needed no gradient, which eager never does; it is reported as None.
-        torch.ops.probes.observe_grad(OPS.backward_token, list(differentiated(ctx, grads)), ctx.key, ctx.module,
-                                      ctx.slot, ctx.what, ctx.name)
-        return (None, None, None, None, None, *grads)
+        arriving = iter(grads)
+        every = [next(arriving) if grad else None for grad in ctx.graded]
+        torch.ops.probes.observe_grad(OPS.backward_token, every, ctx.key, ctx.module, ctx.slot, ctx.what, ctx.name)
+        return (None, None, None, None, None, None, *every)
 
 
 def _pass(key: int, module: int, what: int, tensors: Sequence[torch.Tensor], name: str = "") -> tuple[torch.Tensor, ...]:
     _defined()
-    if not (torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)):
+    graded = tuple(tensor.requires_grad for tensor in tensors)
+    if not (torch.is_grad_enabled() and any(graded)):
         # No backward will come: the forward op alone, no autograd Function. (Dynamo also binds a Function's
         # arguments wrongly when it inlines one under no_grad, as around a rotary embedding's (cos, sin).)
         torch.ops.probes.observe(OPS.forward_token, None, list(tensors), key, module, 0, what, name)
         return tuple(tensors)
-    return CompiledProbe.apply(key, module, _new_slot(), what, name, *tensors)
+    passed = iter(CompiledProbe.apply(key, module, _new_slot(), what, name, graded, *tensors))
+    return tuple(next(passed) if grad else tensor for tensor, grad in zip(tensors, graded))
 
 
 def probe(key: int, site: "ProbeSite", tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

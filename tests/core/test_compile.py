@@ -544,3 +544,98 @@ def test_the_events_of_a_compiled_call_whose_graph_is_freed_are_forgotten():
     # Step 0's forward, differentiated in step 19: a second call of each module there, as in eager.
     assert recorder.names(19, "backward") == ["<root>#1.output.0", "b#1.output.0", "a#1.output.0"]
     assert recorder.step_ends == list(range(20))
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        # A float tensor that needs no gradient, returned beside one that does (drawn from x, not from a random
+        # generator, which inductor has of its own: the values are compared with eager's).
+        noise = torch.sigmoid(x * 3)
+        return torch.tanh(self.lin(x)) * noise, noise
+
+
+class _Aux(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(h), h.square()  # the second needs a gradient and never gets one (nothing uses it)
+
+
+class Ungraded(torch.nn.Module):
+    """Outputs that get no gradient, at the root and below it: ``noise`` needs none, ``aux`` is never used, the
+    root returns (loss, logits, noise), logits used by the loss in some steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.noisy, self.aux, self.head = _Noisy(), _Aux(), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h, noise = self.noisy(x)
+        h, _ = self.aux(h)
+        logits = self.head(h)
+        return logits.square().mean(), logits, noise
+
+
+def _ungraded_run(out, backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Ungraded()
+    counter = CompileCounterWithBackend(backend) if backend else None
+    runner = torch.compile(model, backend=counter, fullgraph=True) if backend else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = SubscriberManager()
+    if out is not None:
+        manager.subscribe(model, [StatisticsSubscriber(out)])
+    losses = []
+    for index in range(3):
+        optimizer.zero_grad()
+        loss, logits, _ = runner(torch.randn(6, 8, generator=torch.Generator().manual_seed(index)))
+        (loss + logits.sum() * 0.01 if index == 1 else loss).backward()  # logits get a gradient in step 1 only
+        losses.append(loss.item())
+        optimizer.step()
+    manager.unsubscribe()
+    assert counter is None or counter.frame_count == 1  # one graph, no break
+    return losses, [p.grad.clone() for p in model.parameters()], (load_dump(out) if out is not None else None)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_outputs_that_get_no_gradient_train_and_record_as_in_eager_mode(tmp_path, backend):
+    """A module output that needs no gradient (as a drawn noise) or gets none (unused; the root's logits in some
+    steps): torch 2.4 + inductor failed the compiled backward with probes ("incorrect subclass metadata") where
+    the root returned a tensor that needs no gradient. Training is the same as without probes; the records are
+    eager's, and, where a tensor that needs a gradient gets none in a step, one zero gradient record more
+    (a traced autograd Function materialises the gradients that never arrive: docs/compile.md)."""
+    plain_losses, plain_grads, _ = _ungraded_run(None, backend)
+    losses, grads, compiled = _ungraded_run(tmp_path / "compiled", backend)
+    if backend == "aot_eager":
+        assert losses == plain_losses
+        assert all(torch.equal(probed, plain) for probed, plain in zip(grads, plain_grads))
+    else:  # as test_probes_do_not_change_compiled_training: inductor may fuse around what a probe reads
+        assert losses == pytest.approx(plain_losses, rel=1e-6, abs=0)
+        for probed, plain in zip(grads, plain_grads):
+            torch.testing.assert_close(probed, plain, rtol=1e-5, atol=1e-7)
+    *_, eager = _ungraded_run(tmp_path / "eager", None)
+    keys = {(r["step"], r["phase"], r["name"]) for r in eager}
+    assert {(step, "forward", name) for step in range(3)
+            for name in ("noisy.output.1", "<root>.output.1", "<root>.output.2")} <= keys
+    assert not any(phase == "backward" and name.endswith(("noisy.output.1", "<root>.output.2", "aux.output.1"))
+                   for _, phase, name in keys)  # noise needs no gradient, aux gets none
+    assert {step for step, phase, name in keys if (phase, name) == ("backward", "<root>.output.1")} == {1}
+    ungraded = {(step, "backward", "aux.output.1") for step in range(3)} | {
+        (step, "backward", "<root>.output.1") for step in (0, 2)}
+    by_key = {(r["step"], r["phase"], r["name"]): r for r in compiled}
+    assert set(by_key) == keys | ungraded
+    assert all(by_key[key]["norm"] == 0 for key in ungraded)
+    for record in eager:
+        other = by_key[(record["step"], record["phase"], record["name"])]
+        if backend == "aot_eager":
+            assert same_values(other["norm"], record["norm"]), record["name"]
+        else:
+            assert other["norm"] == pytest.approx(record["norm"], rel=1e-5, abs=1e-7), record["name"]
