@@ -26,7 +26,7 @@ from .options import (AGGREGATES, COUNTS, EXACT, MOMENT_PASSES, MOMENTS, OPTIONA
                       precision_of)
 from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, distance, exact_distance,
                     from_columns, numbers, same)
-from .reading import LoadedDump, rms
+from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
 __all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_levels",
@@ -36,12 +36,12 @@ __all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "ev
 NOISED = (*MOMENTS, "samples")
 
 
-def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
-            floor: np.ndarray, phase: np.ndarray) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, own: np.ndarray, floor: np.ndarray,
+            phase: np.ndarray) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
     """The (rtol, atol, scale) per pair of single values and of moments (``_tolerance``'s ``rule``):
     ``config.fixed``'s (rtol, atol, 0) when given; else of each pair's ``precision``: rtol, for moments
     max(passes * mtol, rtol / sqrt(numel)) (passes of its ``phase``, ``MOMENT_PASSES``), no atol, and the scale
-    max(rms of the base tensor, ``floor``, tiny)."""
+    max(``own``: the base tensor's rms without mask fills, ``floor``, tiny)."""
     if config.fixed is not None:
         rtol, atol = config.fixed
         return (rtol, atol, 0.0), (rtol, atol, 0.0)
@@ -50,7 +50,7 @@ def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mea
         which = precision == name
         found = EXACT if name == EXACT.name else precision_of(name)
         rtol[which], mtol[which], tiny[which] = found.rtol, found.mtol, found.tiny
-    scale = np.maximum(np.maximum(rms(numel, mean, std), tiny), np.nan_to_num(floor, nan=0.0))
+    scale = np.maximum(np.maximum(np.nan_to_num(own, nan=0.0), tiny), np.nan_to_num(floor, nan=0.0))
     for name in set(phase.tolist()):
         mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
     count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
@@ -147,9 +147,8 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     shows, are left at their defaults (None, 0, 0, 1); the verdicts (``verdicts``) do not read them.
     """
     unequal = np.logical_or.reduce(list(pairs.unequal.values()))
-    statistics = (np.where(numbers(pairs.base[name]), pairs.base[name].floats, np.nan)
-                  for name in ("numel", "mean", "std"))
-    single, aggregate = _bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
+    numel = np.where(numbers(pairs.base["numel"]), pairs.base["numel"].floats, np.nan)
+    single, aggregate = _bounds(config, pairs.precision, numel, pairs.scale, pairs.floor, pairs.phase)
     moments = {}
     for name in MOMENTS:
         base, other = pairs.base[name], pairs.other[name]

@@ -386,9 +386,15 @@ class NoiseFloor:
 #   (``inputs``: the forward records of the same names);
 #   ``propagated`` when one of these differs, ``local`` (the backward of the operations that used it) when none
 #   does and a gradient it is computed from agrees, ``unknown`` otherwise.
+# Differs is weighed, not counted: a record it is computed from carries the difference when its |diff| / tolerance
+# is at least 1 / ``JUMP`` of the operation's own (an operation amplifies what its inputs carry; a bug jumps by
+# orders of magnitude), whether or not it is beyond its own tolerance; ``local`` needs every recorded one below.
 # ``operations`` computes the findings of a window.
 
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
+# How much larger an operation's |diff| / tolerance must be than that of every record it is computed from for the
+# operation itself to be the cause (docs/compare.md, Operations inside a module): an order of magnitude.
+JUMP = 10.0
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
 _EXPLAINED = {  # OpFinding.explained of a cause other than propagated, by (cause, backward)
@@ -512,8 +518,16 @@ class OpFinding:
 
     @property
     def differing(self) -> list[Check]:
-        """The records it is computed from that already differ."""
-        return [check for check in (*self.inputs, *self.gradients) if check.status == DIFFERS]
+        """The records it is computed from that already carry its difference: beyond their tolerance, or within it
+        by less than ``JUMP`` times less than this operation's ratio (an amplified difference, not a jump)."""
+        return [check for check in (*self.inputs, *self.gradients) if self._carries(check)]
+
+    def _carries(self, check: Check) -> bool:
+        if check.status == NO_RECORD or check.ratio is None:
+            return False
+        if check.status == DIFFERS and not (math.isfinite(self.ratio) and math.isfinite(check.ratio)):
+            return True
+        return check.ratio * JUMP >= self.ratio
 
     def sources(self) -> list[tuple[str, Check]]:
         """The records it is computed from, labelled as the reports list them ("input 0", "gradient from")."""
@@ -526,7 +540,7 @@ class OpFinding:
         if self.differing:
             return PROPAGATED
         sources = self.gradients if self.phase in GRADIENT_PHASES else self.inputs
-        return LOCAL if any(check.status == AGREES for check in sources) else UNKNOWN
+        return LOCAL if any(check.status != NO_RECORD for check in sources) else UNKNOWN
 
     def explained(self) -> str:
         """The cause in words, e.g. ``"propagated: an input already differs: linear:0.output.0"``."""
@@ -537,13 +551,27 @@ class OpFinding:
             for checks, what in ((self.inputs, ("an input's forward value", "inputs' forward values") if backward
                                   else ("an input", "inputs")),
                                  (self.gradients, ("a gradient it is computed from", "gradients it is computed from"))):
-                names = [relative_name(check.name, self.parsed.module) for check in checks if check.status == DIFFERS]
+                carried = [check for check in checks if self._carries(check)]
+                names = [relative_name(check.name, self.parsed.module) for check in carried
+                         if check.status == DIFFERS]
                 if names:
                     one = len(names) == 1
                     said.append(f"{what[not one]} already {'differs' if one else 'differ'}: {', '.join(names)}")
+                names = [f"{relative_name(check.name, self.parsed.module)} (ratio {check.ratio:.3g})"
+                         for check in carried if check.status != DIFFERS]
+                if names:
+                    one = len(names) == 1
+                    said.append(f"{what[not one]} within tolerance already {'carries' if one else 'carry'} a "
+                                f"difference within {JUMP:g}x of its ratio {self.ratio:.3g}: {', '.join(names)}")
             return "propagated: " + "; ".join(said)
         unrecorded = sum(check.status == NO_RECORD for check in self.inputs)
         without = f"; {unrecorded} {'input has' if unrecorded == 1 else 'inputs have'} no record" if unrecorded else ""
+        beyond = [check.ratio for check in (*self.inputs, *self.gradients) if check.status == DIFFERS]
+        if cause == LOCAL and beyond:  # sources beyond their tolerance, but far below this operation's jump
+            what = ("the backward of the operations that used it (the records it is computed from differ"
+                    if backward else "the operation itself (its recorded inputs differ")
+            return (f"local: {what} by at most ratio {max(beyond):.3g}, over {JUMP:g}x below its {self.ratio:.3g}"
+                    f"{without})")
         return _EXPLAINED[cause, backward].format(without=without)
 
     def to_json(self) -> dict[str, Any]:
