@@ -5,6 +5,7 @@
     measured = measure(base, other, rows, CompareConfig(exact=True))   # the verdicts of the hashes instead
     levels = noise_levels(base, noise_run, rows)        # per pair and statistic: the noise level (nan: none)
     diffs = record_diffs(base, other, rows, config, noise=levels)      # one RecordDiff per pair
+    carried = drift(rank, step, measured, before)       # per pair: the step before's ratio where it is drift (nan: not)
 
 One path: pairs are read from their columns (``pairs.from_columns``), ``evaluate`` computes every metric once,
 ``verdicts`` reduces it to per-pair verdicts and ``record_diffs`` reads the RecordDiffs of a few pairs from the
@@ -16,21 +17,22 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..dump.hashes import HASH, hex_hash
-from .options import (AGGREGATES, COUNTS, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
+from .options import (AGGREGATES, COUNTS, DRIFT_GROWTH, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
                       precision_of)
 from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, distance, exact_distance,
                     from_columns, numbers, same)
 from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
-__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_levels",
-           "record_diffs"]
+__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "drift", "evaluate", "measure",
+           "noise_levels", "record_diffs", "step_maxima"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
 NOISED = (*MOMENTS, "samples")
@@ -465,6 +467,51 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
         exact = Measured.broken(changed)  # a RecordDiff shows the hash
         exact.rel_error, exact.moments = found.rel_error, found.moments  # they stay for the plots
         return exact
+    return found
+
+
+def step_maxima(rank: np.ndarray, step: np.ndarray, ratio: np.ndarray) -> dict[tuple[int, int], float]:
+    """(rank, step) -> the largest ratio of its matched records (nan ratios left out): what the step carries on."""
+    if not len(ratio):
+        return {}
+    keys, inverse = np.unique(np.stack([rank, step], axis=1).astype(np.int64), axis=0, return_inverse=True)
+    largest = np.zeros(len(keys))
+    np.fmax.at(largest, inverse.reshape(-1), np.nan_to_num(ratio, nan=0.0))
+    return {(int(r), int(s)): float(value) for (r, s), value in zip(keys.tolist(), largest.tolist())}
+
+
+def drift(rank: np.ndarray, step: np.ndarray, measured: Measured, before: Mapping[tuple[int, int], float]
+          ) -> np.ndarray:
+    """Per pair (in execution order) the difference it was computed from where the pair is drift, nan where it is
+    not (docs/compare.md, Drift). A pair is drift when it diverged by a value (a moment or samples; finite ratio) at
+    most DRIFT_GROWTH times what was carried when it was computed: the largest ratio of its rank's step before
+    (``before`` and the pairs' own steps: (rank, step) -> the largest ratio), or of a record of its rank computed
+    before it in its own step that did not diverge. A rank's first step carries nothing: never drift there."""
+    found = np.full(len(measured.ratio), np.nan)
+    candidates = np.flatnonzero(measured.diverged & np.isfinite(measured.ratio) & (measured.worst > 1))
+    if not len(candidates):
+        return found
+    largest = {**before, **step_maxima(rank, step, measured.ratio)}
+    previous: dict[tuple[int, int], float] = {}  # (rank, step) -> the largest ratio of its rank's step before
+    last: dict[int, tuple[int, int]] = {}
+    for key in sorted(largest):
+        if key[0] in last:
+            previous[key] = largest[last[key[0]]]
+        last[key[0]] = key
+    within = np.where(measured.diverged, 0.0, np.nan_to_num(measured.ratio, nan=0.0))
+    for group in {(int(rank[row]), int(step[row])) for row in candidates.tolist()}:
+        if group not in previous:
+            continue
+        rows = np.flatnonzero((rank == group[0]) & (step == group[1]))  # in execution order
+        # what was carried when each record was computed: the step before, and the agreeing records before it
+        carried = np.maximum(previous[group], np.concatenate([[0.0], np.maximum.accumulate(within[rows])[:-1]]))
+        grown = 0.0  # the largest drift before, in this step
+        for position in np.flatnonzero(np.isin(rows, candidates)).tolist():
+            row = int(rows[position])
+            was = max(float(carried[position]), grown)
+            if measured.ratio[row] <= DRIFT_GROWTH * was:
+                found[row] = was
+                grown = max(grown, float(measured.ratio[row]))
     return found
 
 

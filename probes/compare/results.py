@@ -170,6 +170,9 @@ class RecordDiff:
     # this record's noise level per statistic (metrics.NOISED; None: no calibration run, or no counterpart in it)
     noise: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
+    # drift (docs/compare.md, Drift): the largest ratio of its rank's step before, which its difference grew from;
+    # None: not drift (within tolerance, or diverged)
+    drift: float | None = None
 
     @property
     def key(self) -> RecordKey:
@@ -177,7 +180,8 @@ class RecordDiff:
 
     @property
     def diverged(self) -> bool:
-        return any(not metric.ok for metric in self.metrics)
+        """A metric is beyond its tolerance, and the record is not drift."""
+        return self.drift is None and any(not metric.ok for metric in self.metrics)
 
     @property
     def worst(self) -> MetricDiff | None:
@@ -259,7 +263,14 @@ class RecordDiff:
             "noise_ratio": json_value(self.noise_ratio),
             "noise_floor": None if (beyond := self.beyond_noise) is None else "beyond" if beyond else "within",
             "notes": self.notes,
+            "drift": None if self.drift is None else {"carried": json_value(self.drift)},
         }
+
+    def drift_json(self) -> dict[str, Any]:
+        """What the report's ``drift`` list says of a drift record: its key, its worst metric and both ratios."""
+        worst = self.worst
+        return {**key_json(self.key), "seq": self.seq, "metric": worst.metric if worst else None,
+                "ratio": json_value(self.ratio), "carried": json_value(self.drift)}
 
 
 @dataclass(frozen=True)
@@ -298,6 +309,7 @@ class StepSummary:
     only_in_other: int
     worst: RecordDiff | None  # the matched record with the largest ratio in this step
     grad_norm: GradNorm | None = None  # None: neither run has grad records in this step
+    drift: int = 0  # records beyond their tolerance that are drift (docs/compare.md, Drift)
 
     @property
     def differs(self) -> bool:
@@ -307,7 +319,7 @@ class StepSummary:
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
         return {
-            "step": self.step, "matched": self.matched, "diverged": self.diverged,
+            "step": self.step, "matched": self.matched, "diverged": self.diverged, "drift": self.drift,
             "only_in_base": self.only_in_base, "only_in_other": self.only_in_other,
             "worst": None if worst is None else {
                 "rank": worst.rank, "phase": worst.phase, "name": worst.name,
@@ -747,6 +759,11 @@ class Report:
         return len(self.records.diverged_rows())
 
     @property
+    def drift_count(self) -> int:
+        """How many matched records are drift (beyond their tolerance, grown from the step before: not diverged)."""
+        return len(self.records.drift_rows())
+
+    @property
     def divergences(self) -> list[Divergence]:
         """Every diverged matched record, in execution order."""
         return [record.divergence() for record in self.records.at(self.records.diverged_rows())]
@@ -798,13 +815,16 @@ class Report:
     def _per_step(self) -> list[StepSummary]:
         matched: Counter[int] = Counter()
         diverged: Counter[int] = Counter()
+        drift: Counter[int] = Counter()
         worst: dict[int, tuple[float, int]] = {}  # step -> (ratio, row) of its worst record so far
         for offset, chunk in self.records.chunks():  # a part's counts and worst, merged in execution order
             part = chunk.summary()
-            for key, count, bad, row, ratio in zip(part.steps.tolist(), part.matched.tolist(), part.diverged.tolist(),
-                                                   part.worst_rows.tolist(), part.worst_ratios.tolist()):
+            for key, count, bad, grown, row, ratio in zip(part.steps.tolist(), part.matched.tolist(),
+                                                          part.diverged.tolist(), part.drifted.tolist(),
+                                                          part.worst_rows.tolist(), part.worst_ratios.tolist()):
                 matched[key] += count
                 diverged[key] += bad
+                drift[key] += grown
                 if key not in worst or ratio > worst[key][0] or (math.isnan(worst[key][0]) and not math.isnan(ratio)):
                     worst[key] = (ratio, offset + row)
         steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(matched))
@@ -814,7 +834,7 @@ class Report:
         only_other = Counter(key[1] for key in self.only_in_other)
         norms = self._grad_norms()
         return [StepSummary(step, matched[step], diverged[step], only_base[step], only_other[step], records.get(step),
-                            norms.get(step))
+                            norms.get(step), drift[step])
                 for step in steps]
 
     def _grad_norms(self) -> dict[int, GradNorm]:
@@ -865,7 +885,8 @@ class Report:
             "tolerance": tolerance_json(config),
             "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
                         "names": list(config.names)},
-            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy, "exact": config.exact,
+            "options": {"strict_zero_grads": config.strict_zero_grads, "strict_drift": config.strict_drift,
+                        "drift": config.drifts, "fuzzy": config.fuzzy, "exact": config.exact,
                         "ranks": config.ranks, "phases": None if config.phases is None else list(config.phases)},
             "verdict": "agree" if self.agrees else "diverged",
             "first_divergence": json_value(self.first_divergence),
@@ -873,7 +894,7 @@ class Report:
             **({"bytes": BIT_IDENTICAL if self.agrees else BYTES_DIFFER} if config.exact else {}),
             **({"per_rank": json_value(self.per_rank())} if config.ranks else {}),
             "noise_floor": json_value(self.noise_floor),
-            "counts": {"matched": self.matched, "diverged": self.diverged_count,
+            "counts": {"matched": self.matched, "diverged": self.diverged_count, "drift": self.drift_count,
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
                        "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},
             "steps": {"base": json_value(self.base_steps), "other": json_value(self.other_steps),
@@ -889,6 +910,7 @@ class Report:
                         for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
             "per_step": json_value(self.per_step()),
             "divergences": json_value(self.records.at(self.records.diverged_rows())),
+            "drift": [record.drift_json() for record in self.records.at(self.records.drift_rows())],
             **({"operations": json_value(self.operations)} if self.operations is not None else {}),
         }
 
