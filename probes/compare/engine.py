@@ -41,7 +41,7 @@ from ..dump.statistics import global_norms
 from ..utils.flags import OptionError, check_keywords, option, positive, positive_int, positive_or_none, takes_options
 from ..utils.phases import GRAD, GRADIENT_PHASES, PARAMETER_PHASES
 from ..utils.progress import progress_meter
-from .evaluation import NOISED, WORST, drift, measure, noise_levels, record_diffs, step_maxima
+from .evaluation import NOISED, WORST, Carried, carried, drift, measure, noise_levels, record_diffs
 from .operations import align_operations, apply_renames, find_operations, fuzzy_renames, reference_step
 from .options import DEFAULT_WINDOW, CompareConfig, NameMap, NameMapLike, as_name_map
 from .pairs import match
@@ -64,11 +64,11 @@ def compare_records(base: Record, other: Record, config: CompareConfig = Compare
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, runs: Sequence[LoadedDump] = (), *,
                    progress: bool | TextIO = False, fuzzy: Sequence[Rename] | None = None,
-                   before: Mapping[tuple[int, int], float] | None = None) -> Report:
+                   before: Mapping[tuple[int, int], Carried] | None = None) -> Report:
     """Compares two loaded dumps (see ``compare_dumps``); ``runs``: the calibration runs; with ``config.fuzzy``,
     renames ``other``'s records (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them);
-    ``before``: (rank, step) -> the largest ratio of the step before the dumps' first (when they are a window), which
-    drift is grown from (``evaluation.drift``).
+    ``before``: (rank, step) -> what the step before the dumps' first carried on (when they are a window), which
+    drift grows from (``evaluation.carried``, ``evaluation.drift``).
     Only the records a report shows become RecordDiff objects. With ``config.exact`` the verdict of a pair is whether
     its hashes are equal; MissingHashes when a record of either dump has none."""
     if config.exact:
@@ -104,8 +104,8 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, r
     def build(rows: np.ndarray) -> list[RecordDiff]:
         found = record_diffs(base, other, (pairs[0][rows], pairs[1][rows]), config,
                              None if levels is None else levels[rows])
-        for record, carried in zip(found, drifted[rows].tolist()):
-            record.drift = None if math.isnan(carried) else carried
+        for record, grown in zip(found, drifted[rows].tolist()):
+            record.drift = None if math.isnan(grown) else grown
         return found
 
     phase_codes, phases = base.codes("phase")
@@ -273,8 +273,8 @@ class _Window:
     steps: frozenset[int] | None  # this window's steps (None: every step the config wants)
     name_map: NameMap | None
     fuzzy: tuple[Rename, ...] | None  # the pairs found on the whole dumps (None: find them here)
-    previous: int | None = None  # the last step of the window before (None: this window is the first)
-    before: tuple[DumpReader, ...] | None = None  # the readers narrowed to that step (drift is grown from it)
+    previous: tuple[int, ...] = ()  # the (at most) two steps before the window's first: drift grows from them
+    before: tuple[DumpReader, ...] | None = None  # the readers narrowed to those steps
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
@@ -291,16 +291,19 @@ def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     return report
 
 
-def _carried(window: _Window) -> dict[tuple[int, int], float]:
-    """(rank, step) -> the largest ratio of the step before the window's first, compared again here: what drift in
-    the window's first step is grown from, whatever the windows (empty: the window starts the comparison)."""
-    if window.before is None or window.previous is None:
+def _carried(window: _Window) -> dict[tuple[int, int], Carried]:
+    """(rank, step) -> what the step before the window's first carried on (``evaluation.carried``), from the two steps
+    before the window compared again here: what drift grows from, whatever the windows (empty: the first window)."""
+    if window.before is None or not window.previous:
         return {}
-    config = {**window.config, "steps": frozenset({window.previous})}
-    base, other, noise = _read(window.before, CompareConfig(**config), window.name_map, False)  # type: ignore[arg-type]
-    records = compare_loaded(base, other, CompareConfig(**window.config), noise,  # type: ignore[arg-type]
-                             fuzzy=window.fuzzy).records
-    return step_maxima(records.rank, records.step, records.ratio)
+    config = CompareConfig(**{**window.config, "steps": frozenset(window.previous)})  # type: ignore[arg-type]
+    base, other, noise = _read(window.before, config, window.name_map, False)
+    raw = CompareConfig(**{**window.config, "strict_drift": True})  # type: ignore[arg-type]  # verdicts, no drift
+    records = compare_loaded(base, other, raw, noise, fuzzy=window.fuzzy).records
+    worst = records.worst_metric
+    found = carried(records.rank, records.step, records.ratio, records.diverged,
+                    np.ones(len(records), np.int8) if worst is None else worst.code)
+    return {key: value for key, value in found.items() if key[1] == max(window.previous)}
 
 
 def _read(readers: Sequence[DumpReader], config: CompareConfig, name_map: NameMap | None, progress: bool | TextIO
@@ -370,6 +373,16 @@ def _records_at(files: Sequence[StepFile], step: int) -> int:
             root = f.path.parent.parent
             by_root[root] = by_root.get(root, 0) + (listed_records(f) or 1)
     return max(by_root.values(), default=1)
+
+
+def _before(windows: Sequence[frozenset[int] | None]) -> list[tuple[int, ...]]:
+    """Per window the (at most) two steps before its first, of the windows before it (drift grows from them)."""
+    steps = sorted(step for window in windows if window is not None for step in window)
+    found = []
+    for window in windows:
+        first = steps.index(min(window)) if window else 0
+        found.append(tuple(steps[max(0, first - 2):first]))
+    return found
 
 
 def _compare_windows(windows: Sequence[_Window], jobs: int, progress: bool | TextIO) -> Report:
@@ -579,9 +592,8 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, **options: 
     report = _compare_windows([_Window(
         paths, readers if steps is None else tuple(reader.with_finished_steps(steps) for reader in readers),
         config.fields(), steps, mapping, pairs, previous,
-        None if previous is None else tuple(reader.with_finished_steps({previous}) for reader in readers))
-        for steps, previous in zip(windows, [None, *(max(steps or {0}) for steps in windows[:-1])])],
-        chosen.jobs, chosen.progress)
+        tuple(reader.with_finished_steps(set(previous)) for reader in readers) if previous else None)
+        for steps, previous in zip(windows, _before(windows))], chosen.jobs, chosen.progress)
     if not chosen.skip_damaged and any(report.damaged.values()):
         raise DamagedSteps([(StepFile(Path(item.path), item.rank, item.step, True),
                              DumpFormatError(item.path, item.line, item.problem))

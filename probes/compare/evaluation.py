@@ -5,7 +5,7 @@
     measured = measure(base, other, rows, CompareConfig(exact=True))   # the verdicts of the hashes instead
     levels = noise_levels(base, noise_run, rows)        # per pair and statistic: the noise level (nan: none)
     diffs = record_diffs(base, other, rows, config, noise=levels)      # one RecordDiff per pair
-    carried = drift(rank, step, measured, before)       # per pair: the step before's ratio where it is drift (nan: not)
+    grown = drift(rank, step, measured, before)         # per pair: what it grew from where it is drift (nan: not)
 
 One path: pairs are read from their columns (``pairs.from_columns``), ``evaluate`` computes every metric once,
 ``verdicts`` reduces it to per-pair verdicts and ``record_diffs`` reads the RecordDiffs of a few pairs from the
@@ -31,8 +31,8 @@ from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, 
 from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
-__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "drift", "evaluate", "measure",
-           "noise_levels", "record_diffs", "step_maxima"]
+__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "carried", "drift", "evaluate",
+           "measure", "noise_levels", "record_diffs"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
 NOISED = (*MOMENTS, "samples")
@@ -470,48 +470,87 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
     return found
 
 
-def step_maxima(rank: np.ndarray, step: np.ndarray, ratio: np.ndarray) -> dict[tuple[int, int], float]:
-    """(rank, step) -> the largest ratio of its matched records (nan ratios left out): what the step carries on."""
-    if not len(ratio):
+def _grown(ratio: np.ndarray, diverged: np.ndarray, value: np.ndarray, start: float) -> tuple[np.ndarray, float]:
+    """One rank's records of one step, in execution order: (per record what it grew from where it is drift, nan
+    where it is not; the largest ratio it carries on). ``start``: what the step before carried. A record within its
+    tolerance carries its ratio on; one beyond it (by a value: ``value``) at most DRIFT_GROWTH times what was carried
+    when it was computed is drift and carries its ratio on too; any other is a jump and carries nothing."""
+    found = np.full(len(ratio), np.nan)
+    within = np.where(diverged, 0.0, np.nan_to_num(ratio, nan=0.0))
+    before = np.maximum(start, np.concatenate([[0.0], np.maximum.accumulate(within)[:-1]]))  # agreeing ones before
+    grown = 0.0  # the largest drift before
+    for position in np.flatnonzero(diverged).tolist():
+        was = max(float(before[position]), grown)
+        if value[position] and ratio[position] <= DRIFT_GROWTH * was:
+            found[position] = was
+            grown = max(grown, float(ratio[position]))
+    return found, max(float(within.max(initial=0.0)), grown)
+
+
+Carried = tuple[float, float]  # of a step: (its largest ratio, what it carries on into the next: ``carried``)
+
+
+def carried(rank: np.ndarray, step: np.ndarray, ratio: np.ndarray, diverged: np.ndarray, worst: np.ndarray,
+            before: Mapping[tuple[int, int], Carried] | None = None) -> dict[tuple[int, int], Carried]:
+    """(rank, step) -> (its largest ratio, what it carries on into the next step) of the pairs given in execution
+    order (their ratio, raw verdict and worst metric code; ``before``: the same of steps before them). A step carries
+    on the largest ratio of its records but the jumps, a jump judged against the largest ratio of the step before:
+    two steps decide it, never a chain of them, so that a window reading the two steps before it judges as a
+    comparison of every step does."""
+    value = _by_value(ratio, diverged, worst)
+    found: dict[tuple[int, int], Carried] = dict(before or {})
+    groups = _groups(rank, step)
+    for key, previous in _previous([*found, *groups]):
+        if key in groups:
+            rows = groups[key]
+            start = found[previous][0] if previous is not None else 0.0
+            found[key] = (float(np.nan_to_num(ratio[rows], nan=0.0).max(initial=0.0)),
+                          _grown(ratio[rows], diverged[rows], value[rows], start)[1])
+    return found
+
+
+def _previous(keys: list[tuple[int, int]]) -> list[tuple[tuple[int, int], tuple[int, int] | None]]:
+    """Each (rank, step) in order with its rank's step before among ``keys`` (None: its rank's first)."""
+    last: dict[int, tuple[int, int]] = {}
+    found = []
+    for key in sorted(set(keys)):
+        found.append((key, last.get(key[0])))
+        last[key[0]] = key
+    return found
+
+
+def _by_value(ratio: np.ndarray, diverged: np.ndarray, worst: np.ndarray) -> np.ndarray:
+    """The pairs that diverged by a value (a moment or the samples, a finite ratio): only these can be drift."""
+    return diverged & np.isfinite(ratio) & (worst > 1)
+
+
+def _groups(rank: np.ndarray, step: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """(rank, step) -> its rows, in order."""
+    if not len(rank):
         return {}
     keys, inverse = np.unique(np.stack([rank, step], axis=1).astype(np.int64), axis=0, return_inverse=True)
-    largest = np.zeros(len(keys))
-    np.fmax.at(largest, inverse.reshape(-1), np.nan_to_num(ratio, nan=0.0))
-    return {(int(r), int(s)): float(value) for (r, s), value in zip(keys.tolist(), largest.tolist())}
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[order], np.arange(len(keys) + 1))
+    return {(int(r), int(s)): order[bounds[i]:bounds[i + 1]] for i, (r, s) in enumerate(keys.tolist())}
 
 
-def drift(rank: np.ndarray, step: np.ndarray, measured: Measured, before: Mapping[tuple[int, int], float]
+def drift(rank: np.ndarray, step: np.ndarray, measured: Measured, before: Mapping[tuple[int, int], Carried]
           ) -> np.ndarray:
-    """Per pair (in execution order) the difference it was computed from where the pair is drift, nan where it is
-    not (docs/compare.md, Drift). A pair is drift when it diverged by a value (a moment or samples; finite ratio) at
-    most DRIFT_GROWTH times what was carried when it was computed: the largest ratio of its rank's step before
-    (``before`` and the pairs' own steps: (rank, step) -> the largest ratio), or of a record of its rank computed
-    before it in its own step that did not diverge. A rank's first step carries nothing: never drift there."""
+    """Per pair (in execution order) what it grew from where the pair is drift, nan where it is not (docs/compare.md,
+    Drift): it diverged by a value at most DRIFT_GROWTH times what was carried when it was computed: what its rank's
+    step before carried on (``carried``; ``before``: that of the steps before the pairs' first), or the ratio of a
+    record of its own step and rank before it that is not a jump. A rank's first step carries nothing in."""
     found = np.full(len(measured.ratio), np.nan)
-    candidates = np.flatnonzero(measured.diverged & np.isfinite(measured.ratio) & (measured.worst > 1))
-    if not len(candidates):
+    value = _by_value(measured.ratio, measured.diverged, measured.worst)
+    if not value.any():
         return found
-    largest = {**before, **step_maxima(rank, step, measured.ratio)}
-    previous: dict[tuple[int, int], float] = {}  # (rank, step) -> the largest ratio of its rank's step before
-    last: dict[int, tuple[int, int]] = {}
-    for key in sorted(largest):
-        if key[0] in last:
-            previous[key] = largest[last[key[0]]]
-        last[key[0]] = key
-    within = np.where(measured.diverged, 0.0, np.nan_to_num(measured.ratio, nan=0.0))
-    for group in {(int(rank[row]), int(step[row])) for row in candidates.tolist()}:
-        if group not in previous:
-            continue
-        rows = np.flatnonzero((rank == group[0]) & (step == group[1]))  # in execution order
-        # what was carried when each record was computed: the step before, and the agreeing records before it
-        carried = np.maximum(previous[group], np.concatenate([[0.0], np.maximum.accumulate(within[rows])[:-1]]))
-        grown = 0.0  # the largest drift before, in this step
-        for position in np.flatnonzero(np.isin(rows, candidates)).tolist():
-            row = int(rows[position])
-            was = max(float(carried[position]), grown)
-            if measured.ratio[row] <= DRIFT_GROWTH * was:
-                found[row] = was
-                grown = max(grown, float(measured.ratio[row]))
+    groups = _groups(rank, step)
+    into = carried(rank, step, measured.ratio, measured.diverged, measured.worst, before)
+    for key, previous in _previous(list(into)):
+        rows = groups.get(key)
+        if previous is not None and rows is not None and value[rows].any():
+            found[rows] = _grown(measured.ratio[rows], measured.diverged[rows], value[rows], into[previous][1])[0]
     return found
 
 
