@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..dump.hashes import HASH, hex_hash
-from .options import (AGGREGATES, COUNTS, DRIFT_GROWTH, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
-                      precision_of)
+from .options import (AGGREGATES, COUNTS, DRIFT_GROWTH, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE,
+                      CompareConfig, precision_of)
 from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, distance, exact_distance,
                     from_columns, numbers, same)
 from .reading import LoadedDump
@@ -474,16 +474,18 @@ def _grown(ratio: np.ndarray, diverged: np.ndarray, value: np.ndarray, start: fl
     """One rank's records of one step, in execution order: (per record what it grew from where it is drift, nan
     where it is not; the largest ratio it carries on). ``start``: what the step before carried. A record within its
     tolerance carries its ratio on; one beyond it (by a value: ``value``) at most DRIFT_GROWTH times what was carried
-    when it was computed is drift and carries its ratio on too; any other is a jump and carries nothing."""
+    when it was computed is drift and carries its ratio on too; any other is a jump and carries nothing, and no
+    record of the step after a jump is drift."""
     found = np.full(len(ratio), np.nan)
     within = np.where(diverged, 0.0, np.nan_to_num(ratio, nan=0.0))
     before = np.maximum(start, np.concatenate([[0.0], np.maximum.accumulate(within)[:-1]]))  # agreeing ones before
     grown = 0.0  # the largest drift before
     for position in np.flatnonzero(diverged).tolist():
         was = max(float(before[position]), grown)
-        if value[position] and ratio[position] <= DRIFT_GROWTH * was:
-            found[position] = was
-            grown = max(grown, float(ratio[position]))
+        if not (value[position] and ratio[position] <= DRIFT_GROWTH * was):
+            break  # a jump: what the step computes after it is propagated from a divergence, not drift
+        found[position] = was
+        grown = max(grown, float(ratio[position]))
     return found, max(float(within.max(initial=0.0)), grown)
 
 

@@ -603,7 +603,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                          "floor.</p>")
         parts += [f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>',
                   _first_operation_section(report)]
-    parts += [_operations_section(report, config.max_rows), _drift_section(report), "<h2>Relative error, step &times; layer</h2>"]
+    parts += [_operations_section(report, config.max_rows), _drift_section(report),
+              "<h2>Relative error, step &times; layer</h2>"]
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')
     parts += [heatmap(grid, phase, report, config) for phase in sorted({row[1] for row in grid.rows}, key=phase_rank)]

@@ -33,8 +33,8 @@ from ..utils.phases import PHASES
 
 __all__ = ["AGGREGATES", "COUNTS", "DEFAULT_ATOL", "DEFAULT_NOISE_FACTOR", "DEFAULT_RTOL", "DEFAULT_WINDOW",
            "DRIFT_GROWTH", "EXACT", "MOMENT_PASSES", "MOMENTS", "OPTIONAL_MOMENTS", "PRECISIONS", "STRUCTURE",
-           "CompareConfig", "NameMap", "NameMapError", "NameMapLike", "NameRules", "Precision", "as_name_map", "coarseness", "load_name_map",
-           "parse_steps", "precision_of"]
+           "CompareConfig", "NameMap", "NameMapError", "NameMapLike", "NameRules", "Precision", "as_name_map",
+           "coarseness", "load_name_map", "parse_steps", "precision_of"]
 
 STRUCTURE = ("shape", "dtype", "numel")
 COUNTS = names(compared="count")  # ("nan", "inf"): exact

@@ -18,9 +18,9 @@ from ..utils.tables import text_table
 from .options import DRIFT_GROWTH, PRECISIONS, CompareConfig
 from .results import ZERO_GRAD_NOTE, RecordDiff, Report, StepSummary, format_value, op_name, relative_name
 
-__all__ = ["GRAD_NORM_HEADER", "clip", "counts_line", "damaged_lines", "drift_lines", "format_report", "grad_norm_cells", "kind_line",
-           "largest_drift", "noise_floor_line", "nonfinite_lines", "plural", "precision_table", "rank_lines", "ranges", "renamed_lines",
-           "rule_line", "tolerance_name", "tolerance_rule", "verdict"]
+__all__ = ["GRAD_NORM_HEADER", "clip", "counts_line", "damaged_lines", "drift_lines", "format_report", "grad_norm_cells",
+           "kind_line", "largest_drift", "noise_floor_line", "nonfinite_lines", "plural", "precision_table", "rank_lines",
+           "ranges", "renamed_lines", "rule_line", "tolerance_name", "tolerance_rule", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
