@@ -31,7 +31,7 @@ from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, 
 from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
-__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "carried", "drift", "evaluate",
+__all__ = ["NOISED", "WORST", "Carried", "Evaluation", "Measured", "Moment", "Samples", "carried", "drift", "evaluate",
            "measure", "noise_levels", "record_diffs"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
