@@ -41,7 +41,7 @@ from ..dump.statistics import global_norms
 from ..utils.flags import OptionError, check_keywords, option, positive, positive_int, positive_or_none, takes_options
 from ..utils.phases import GRAD, GRADIENT_PHASES, PARAMETER_PHASES
 from ..utils.progress import progress_meter
-from .evaluation import NOISED, WORST, measure, noise_levels, record_diffs
+from .evaluation import NOISED, WORST, Carried, carried, drift, measure, noise_levels, record_diffs
 from .operations import align_operations, apply_renames, find_operations, fuzzy_renames, reference_step
 from .options import DEFAULT_WINDOW, CompareConfig, NameMap, NameMapLike, as_name_map
 from .pairs import match
@@ -63,9 +63,12 @@ def compare_records(base: Record, other: Record, config: CompareConfig = Compare
 
 
 def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, runs: Sequence[LoadedDump] = (), *,
-                   progress: bool | TextIO = False, fuzzy: Sequence[Rename] | None = None) -> Report:
+                   progress: bool | TextIO = False, fuzzy: Sequence[Rename] | None = None,
+                   before: Mapping[tuple[int, int], Carried] | None = None) -> Report:
     """Compares two loaded dumps (see ``compare_dumps``); ``runs``: the calibration runs; with ``config.fuzzy``,
-    renames ``other``'s records (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them).
+    renames ``other``'s records (by ``fuzzy``, the pairs found on the whole dumps, when the dumps are windows of them);
+    ``before``: (rank, step) -> what the step before the dumps' first carried on (when they are a window), which
+    drift grows from (``evaluation.carried``, ``evaluation.drift``).
     Only the records a report shows become RecordDiff objects. With ``config.exact`` the verdict of a pair is whether
     its hashes are equal; MissingHashes when a record of either dump has none."""
     if config.exact:
@@ -90,20 +93,27 @@ def compare_loaded(base: LoadedDump, other: LoadedDump, config: CompareConfig, r
     pairs = (natural[0][in_order], natural[1][in_order])
     measured = measured.reordered(in_order)
     levels = None if levels is None else levels[in_order]
+    drifted = np.full(len(in_order), np.nan)
+    if config.drifts:  # drift is no divergence: every verdict below reads measured.diverged
+        drifted = drift(base.rank[pairs[0]], base.step[pairs[0]], measured, before or {})
+        measured.diverged &= np.isnan(drifted)
     noise_floor = None if levels is None or measured.noise_ratio is None else \
         _noise_floor(levels, measured.noise_ratio, lambda row: base.key(int(pairs[0][row])))
     tick(2)
 
     def build(rows: np.ndarray) -> list[RecordDiff]:
-        return record_diffs(base, other, (pairs[0][rows], pairs[1][rows]), config,
-                            None if levels is None else levels[rows])
+        found = record_diffs(base, other, (pairs[0][rows], pairs[1][rows]), config,
+                             None if levels is None else levels[rows])
+        for record, grown in zip(found, drifted[rows].tolist()):
+            record.drift = None if math.isnan(grown) else grown
+        return found
 
     phase_codes, phases = base.codes("phase")
     name_codes, names = base.codes("name")
     records = RecordDiffs(rank=base.rank[pairs[0]], step=base.step[pairs[0]], seq=base.seq[pairs[0]],
                           phase=phase_codes[pairs[0]], name=name_codes[pairs[0]],
                           labels=(phases.to_pylist(), names.to_pylist()), ratio=measured.ratio,
-                          diverged=measured.diverged, rel_error=measured.rel_error, build=build,
+                          diverged=measured.diverged, rel_error=measured.rel_error, build=build, drift=drifted,
                           worst_metric=WorstMetric(WORST, measured.worst, measured.worst_base, measured.worst_other,
                                                    measured.worst_null),
                           moments=measured.moments)
@@ -263,6 +273,8 @@ class _Window:
     steps: frozenset[int] | None  # this window's steps (None: every step the config wants)
     name_map: NameMap | None
     fuzzy: tuple[Rename, ...] | None  # the pairs found on the whole dumps (None: find them here)
+    previous: tuple[int, ...] = ()  # the (at most) two steps before the window's first: drift grows from them
+    before: tuple[DumpReader, ...] | None = None  # the readers narrowed to those steps
 
 
 def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
@@ -271,11 +283,27 @@ def _compare(window: _Window, progress: bool | TextIO = False) -> Report:
     steps = {} if window.steps is None else {"steps": window.steps}
     base, other, noise = _read(window.readers, CompareConfig(**{**window.config, **steps}),  # type: ignore[arg-type]
                                window.name_map, progress)
-    report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy)
+    report = compare_loaded(base, other, config, noise, progress=progress, fuzzy=window.fuzzy,
+                            before=_carried(window) if config.drifts else None)
     report.damaged = {side: damaged for side, damaged in (("base", base.damaged), ("other", other.damaged),
                                                          ("noise", [item for run in noise for item in run.damaged]))
                       if damaged}
     return report
+
+
+def _carried(window: _Window) -> dict[tuple[int, int], Carried]:
+    """(rank, step) -> what the step before the window's first carried on (``evaluation.carried``), from the two steps
+    before the window compared again here: what drift grows from, whatever the windows (empty: the first window)."""
+    if window.before is None or not window.previous:
+        return {}
+    config = CompareConfig(**{**window.config, "steps": frozenset(window.previous)})  # type: ignore[arg-type]
+    base, other, noise = _read(window.before, config, window.name_map, False)
+    raw = CompareConfig(**{**window.config, "strict_drift": True})  # type: ignore[arg-type]  # verdicts, no drift
+    records = compare_loaded(base, other, raw, noise, fuzzy=window.fuzzy).records
+    worst = records.worst_metric
+    found = carried(records.rank, records.step, records.ratio, records.diverged,
+                    np.ones(len(records), np.int8) if worst is None else worst.code)
+    return {key: value for key, value in found.items() if key[1] == max(window.previous)}
 
 
 def _read(readers: Sequence[DumpReader], config: CompareConfig, name_map: NameMap | None, progress: bool | TextIO
@@ -345,6 +373,16 @@ def _records_at(files: Sequence[StepFile], step: int) -> int:
             root = f.path.parent.parent
             by_root[root] = by_root.get(root, 0) + (listed_records(f) or 1)
     return max(by_root.values(), default=1)
+
+
+def _before(windows: Sequence[frozenset[int] | None]) -> list[tuple[int, ...]]:
+    """Per window the (at most) two steps before its first, of the windows before it (drift grows from them)."""
+    steps = sorted(step for window in windows if window is not None for step in window)
+    found = []
+    for window in windows:
+        first = steps.index(min(window)) if window else 0
+        found.append(tuple(steps[max(0, first - 2):first]))
+    return found
 
 
 def _compare_windows(windows: Sequence[_Window], jobs: int, progress: bool | TextIO) -> Report:
@@ -551,9 +589,11 @@ def compare_dumps(base: str | Path, other: str | Path | None = None, **options: 
     readers = tuple(opened[path] for path in paths)
     windows = windows_of(readers[0], readers[1], readers[2:], config, chosen.window)
     pairs = _fuzzy_pairs(readers, config, mapping) if config.fuzzy and len(windows) > 1 else None
-    report = _compare_windows([_Window(paths, readers if steps is None else tuple(
-        reader.with_finished_steps(steps) for reader in readers), config.fields(), steps, mapping, pairs)
-        for steps in windows], chosen.jobs, chosen.progress)
+    report = _compare_windows([_Window(
+        paths, readers if steps is None else tuple(reader.with_finished_steps(steps) for reader in readers),
+        config.fields(), steps, mapping, pairs, previous,
+        tuple(reader.with_finished_steps(set(previous)) for reader in readers) if previous else None)
+        for steps, previous in zip(windows, _before(windows))], chosen.jobs, chosen.progress)
     if not chosen.skip_damaged and any(report.damaged.values()):
         raise DamagedSteps([(StepFile(Path(item.path), item.rank, item.step, True),
                              DumpFormatError(item.path, item.line, item.problem))

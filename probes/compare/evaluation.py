@@ -5,6 +5,7 @@
     measured = measure(base, other, rows, CompareConfig(exact=True))   # the verdicts of the hashes instead
     levels = noise_levels(base, noise_run, rows)        # per pair and statistic: the noise level (nan: none)
     diffs = record_diffs(base, other, rows, config, noise=levels)      # one RecordDiff per pair
+    grown = drift(rank, step, measured, before)         # per pair: what it grew from where it is drift (nan: not)
 
 One path: pairs are read from their columns (``pairs.from_columns``), ``evaluate`` computes every metric once,
 ``verdicts`` reduces it to per-pair verdicts and ``record_diffs`` reads the RecordDiffs of a few pairs from the
@@ -16,32 +17,33 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..dump.hashes import HASH, hex_hash
-from .options import (AGGREGATES, COUNTS, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE, CompareConfig,
-                      precision_of)
+from .options import (AGGREGATES, COUNTS, DRIFT_GROWTH, EXACT, MOMENT_PASSES, MOMENTS, OPTIONAL_MOMENTS, STRUCTURE,
+                      CompareConfig, precision_of)
 from .pairs import (Pairs, SampleBlock, Values, both_ints, difference, differs, distance, exact_distance,
                     from_columns, numbers, same)
-from .reading import LoadedDump, rms
+from .reading import LoadedDump
 from .results import BIT_IDENTICAL, BYTES_DIFFER, MetricDiff, RecordDiff
 
-__all__ = ["NOISED", "WORST", "Evaluation", "Measured", "Moment", "Samples", "evaluate", "measure", "noise_levels",
-           "record_diffs"]
+__all__ = ["NOISED", "WORST", "Carried", "Evaluation", "Measured", "Moment", "Samples", "carried", "drift", "evaluate",
+           "measure", "noise_levels", "record_diffs"]
 
 # The statistics that have a noise level of their own: the columns of ``noise_level``'s array.
 NOISED = (*MOMENTS, "samples")
 
 
-def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mean: np.ndarray, std: np.ndarray,
-            floor: np.ndarray, phase: np.ndarray) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
+def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, own: np.ndarray, floor: np.ndarray,
+            phase: np.ndarray) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
     """The (rtol, atol, scale) per pair of single values and of moments (``_tolerance``'s ``rule``):
     ``config.fixed``'s (rtol, atol, 0) when given; else of each pair's ``precision``: rtol, for moments
     max(passes * mtol, rtol / sqrt(numel)) (passes of its ``phase``, ``MOMENT_PASSES``), no atol, and the scale
-    max(rms of the base tensor, ``floor``, tiny)."""
+    max(``own``: the base tensor's rms without mask fills, ``floor``, tiny)."""
     if config.fixed is not None:
         rtol, atol = config.fixed
         return (rtol, atol, 0.0), (rtol, atol, 0.0)
@@ -50,7 +52,7 @@ def _bounds(config: CompareConfig, precision: np.ndarray, numel: np.ndarray, mea
         which = precision == name
         found = EXACT if name == EXACT.name else precision_of(name)
         rtol[which], mtol[which], tiny[which] = found.rtol, found.mtol, found.tiny
-    scale = np.maximum(np.maximum(rms(numel, mean, std), tiny), np.nan_to_num(floor, nan=0.0))
+    scale = np.maximum(np.maximum(np.nan_to_num(own, nan=0.0), tiny), np.nan_to_num(floor, nan=0.0))
     for name in set(phase.tolist()):
         mtol[phase == name] *= MOMENT_PASSES.get(name, 1.0)
     count = np.where(np.isfinite(numel) & (numel > 0), numel, 1.0)
@@ -147,9 +149,8 @@ def evaluate(pairs: Pairs, config: CompareConfig, noise: np.ndarray | None = Non
     shows, are left at their defaults (None, 0, 0, 1); the verdicts (``verdicts``) do not read them.
     """
     unequal = np.logical_or.reduce(list(pairs.unequal.values()))
-    statistics = (np.where(numbers(pairs.base[name]), pairs.base[name].floats, np.nan)
-                  for name in ("numel", "mean", "std"))
-    single, aggregate = _bounds(config, pairs.precision, *statistics, pairs.floor, pairs.phase)
+    numel = np.where(numbers(pairs.base["numel"]), pairs.base["numel"].floats, np.nan)
+    single, aggregate = _bounds(config, pairs.precision, numel, pairs.scale, pairs.floor, pairs.phase)
     moments = {}
     for name in MOMENTS:
         base, other = pairs.base[name], pairs.other[name]
@@ -466,6 +467,92 @@ def measure(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np.ndar
         exact = Measured.broken(changed)  # a RecordDiff shows the hash
         exact.rel_error, exact.moments = found.rel_error, found.moments  # they stay for the plots
         return exact
+    return found
+
+
+def _grown(ratio: np.ndarray, diverged: np.ndarray, value: np.ndarray, start: float) -> tuple[np.ndarray, float]:
+    """One rank's records of one step, in execution order: (per record what it grew from where it is drift, nan
+    where it is not; the largest ratio it carries on). ``start``: what the step before carried. A record within its
+    tolerance carries its ratio on; one beyond it (by a value: ``value``) at most DRIFT_GROWTH times what was carried
+    when it was computed is drift and carries its ratio on too; any other is a jump and carries nothing, and no
+    record of the step after a jump is drift."""
+    found = np.full(len(ratio), np.nan)
+    within = np.where(diverged, 0.0, np.nan_to_num(ratio, nan=0.0))
+    before = np.maximum(start, np.concatenate([[0.0], np.maximum.accumulate(within)[:-1]]))  # agreeing ones before
+    grown = 0.0  # the largest drift before
+    for position in np.flatnonzero(diverged).tolist():
+        was = max(float(before[position]), grown)
+        if not (value[position] and ratio[position] <= DRIFT_GROWTH * was):
+            break  # a jump: what the step computes after it is propagated from a divergence, not drift
+        found[position] = was
+        grown = max(grown, float(ratio[position]))
+    return found, max(float(within.max(initial=0.0)), grown)
+
+
+Carried = tuple[float, float]  # of a step: (its largest ratio, what it carries on into the next: ``carried``)
+
+
+def carried(rank: np.ndarray, step: np.ndarray, ratio: np.ndarray, diverged: np.ndarray, worst: np.ndarray,
+            before: Mapping[tuple[int, int], Carried] | None = None) -> dict[tuple[int, int], Carried]:
+    """(rank, step) -> (its largest ratio, what it carries on into the next step) of the pairs given in execution
+    order (their ratio, raw verdict and worst metric code; ``before``: the same of steps before them). A step carries
+    on the largest ratio of its records but the jumps, a jump judged against the largest ratio of the step before:
+    two steps decide it, never a chain of them, so that a window reading the two steps before it judges as a
+    comparison of every step does."""
+    value = _by_value(ratio, diverged, worst)
+    found: dict[tuple[int, int], Carried] = dict(before or {})
+    groups = _groups(rank, step)
+    for key, previous in _previous([*found, *groups]):
+        if key in groups:
+            rows = groups[key]
+            start = found[previous][0] if previous is not None else 0.0
+            found[key] = (float(np.nan_to_num(ratio[rows], nan=0.0).max(initial=0.0)),
+                          _grown(ratio[rows], diverged[rows], value[rows], start)[1])
+    return found
+
+
+def _previous(keys: list[tuple[int, int]]) -> list[tuple[tuple[int, int], tuple[int, int] | None]]:
+    """Each (rank, step) in order with its rank's step before among ``keys`` (None: its rank's first)."""
+    last: dict[int, tuple[int, int]] = {}
+    found = []
+    for key in sorted(set(keys)):
+        found.append((key, last.get(key[0])))
+        last[key[0]] = key
+    return found
+
+
+def _by_value(ratio: np.ndarray, diverged: np.ndarray, worst: np.ndarray) -> np.ndarray:
+    """The pairs that diverged by a value (a moment or the samples, a finite ratio): only these can be drift."""
+    return diverged & np.isfinite(ratio) & (worst > 1)
+
+
+def _groups(rank: np.ndarray, step: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """(rank, step) -> its rows, in order."""
+    if not len(rank):
+        return {}
+    keys, inverse = np.unique(np.stack([rank, step], axis=1).astype(np.int64), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[order], np.arange(len(keys) + 1))
+    return {(int(r), int(s)): order[bounds[i]:bounds[i + 1]] for i, (r, s) in enumerate(keys.tolist())}
+
+
+def drift(rank: np.ndarray, step: np.ndarray, measured: Measured, before: Mapping[tuple[int, int], Carried]
+          ) -> np.ndarray:
+    """Per pair (in execution order) what it grew from where the pair is drift, nan where it is not (docs/compare.md,
+    Drift): it diverged by a value at most DRIFT_GROWTH times what was carried when it was computed: what its rank's
+    step before carried on (``carried``; ``before``: that of the steps before the pairs' first), or the ratio of a
+    record of its own step and rank before it that is not a jump. A rank's first step carries nothing in."""
+    found = np.full(len(measured.ratio), np.nan)
+    value = _by_value(measured.ratio, measured.diverged, measured.worst)
+    if not value.any():
+        return found
+    groups = _groups(rank, step)
+    into = carried(rank, step, measured.ratio, measured.diverged, measured.worst, before)
+    for key, previous in _previous(list(into)):
+        rows = groups.get(key)
+        if previous is not None and rows is not None and value[rows].any():
+            found[rows] = _grown(measured.ratio[rows], measured.diverged[rows], value[rows], into[previous][1])[0]
     return found
 
 

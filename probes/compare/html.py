@@ -22,7 +22,7 @@ from typing import Any, Collection, Iterable, Sequence
 import numpy as np
 
 from ..utils.phases import phase_rank
-from .options import MOMENTS
+from .options import DRIFT_GROWTH, MOMENTS
 from .recorddiffs import RecordDiffs, Row
 from .results import ZERO_GRAD_NOTE, CellView, Divergence, Report, StepSummary, format_value, relative_name
 from .terminal import (GRAD_NORM_HEADER, clip, damaged_lines, grad_norm_cells, kind_line, noise_floor_line,
@@ -227,7 +227,8 @@ def _cell_title(row: Row, step: str, cell: CellView | str | None) -> str:
     text = f"{where}: relative error {cell.rel_error:.3g}"
     if cell.metric is not None:
         text += f"; worst {cell.metric} {format_value(cell.base)} vs {format_value(cell.other)}, ratio {cell.ratio:.3g}"
-    return text + ("; DIVERGED" if cell.diverged else "")
+    # beyond its tolerance and not diverged: drift (docs/compare.md, Drift)
+    return text + ("; DIVERGED" if cell.diverged else "; drift" if cell.ratio > 1 else "")
 
 
 def heatmap(grid: Grid, phase: str, report: Report, config: HtmlConfig) -> str:
@@ -467,6 +468,23 @@ def _zero_grad_section(report: Report) -> str:
                     *_first_rows(["rank", "step", "phase", "name", "zero in", "absent in"], rows, {0, 1})])
 
 
+def _drift_section(report: Report) -> str:
+    """The drift records (docs/compare.md, Drift), each with its ratio and the largest of its step before."""
+    rows = report.records.drift_rows()
+    if not len(rows):
+        return ""
+    shown = [(r.rank, r.step, r.phase, r.name, r.worst.metric if r.worst else None, r.ratio, r.drift)
+             for r in report.records.at(rows[:500])]
+    return "".join([f'<h2 id="drift">Drift ({len(rows)})</h2>',
+                    f'<p class="note">Beyond tolerance, at most {DRIFT_GROWTH:g}x the largest ratio of the step '
+                    "before: the difference that step already carried, grown by training, not a divergence (a bug "
+                    "is a jump). Compare with <code>--strict-drift</code> (<code>strict_drift=True</code>) to count "
+                    "it as one, or measure the noise floor with <code>--noise</code>.</p>",
+                    _table(["rank", "step", "phase", "name", "metric", "ratio", "largest ratio, step before"], shown,
+                           {0, 1, 5, 6}),
+                    *([f'<p class="note">{len(rows) - 500} more in the JSON report.</p>'] if len(rows) > 500 else [])])
+
+
 def _first_operation_section(report: Report) -> str:
     """The first diverging operation and what each record it is computed from says."""
     operations, first = report.operations, report.first_divergence
@@ -549,7 +567,7 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
         *((("noise floor", floor),) if floor is not None else ()),
         ("tolerance", rule_line(report)),
         *((("per-dtype defaults", precision_table()),) if cfg.fixed is None and not cfg.exact else ()),
-        ("records matched / diverged", f"{report.matched} / {report.diverged_count}"),
+        ("records matched / diverged / drift", f"{report.matched} / {report.diverged_count} / {report.drift_count}"),
         ("only in base / only in other", f"{len(report.only_in_base)} / {len(report.only_in_other)}"),
         ("steps only in base / other", f"{report.steps_only_in_base or '-'} / {report.steps_only_in_other or '-'}"),
         ("materialised zero gradients (notes)", len(report.zero_grads)),
@@ -585,7 +603,8 @@ def render_html(report: Report, config: HtmlConfig = HtmlConfig()) -> str:
                          "floor.</p>")
         parts += [f'<p class="kind">What differs: {escape(kind_line(report) or "")}</p>',
                   _first_operation_section(report)]
-    parts += [_operations_section(report, config.max_rows), "<h2>Relative error, step &times; layer</h2>"]
+    parts += [_operations_section(report, config.max_rows), _drift_section(report),
+              "<h2>Relative error, step &times; layer</h2>"]
     if not grid.rows:
         parts.append('<p class="note">No records to show.</p>')
     parts += [heatmap(grid, phase, report, config) for phase in sorted({row[1] for row in grid.rows}, key=phase_rank)]

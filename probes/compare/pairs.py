@@ -28,7 +28,7 @@ __all__ = ["SCALARS", "Pairs", "SampleBlock", "Values", "both_ints", "difference
 SCALARS = ("numel", *COUNTS, *MOMENTS)  # compared as single values (shape and dtype only for equality)
 _TWINS = {"min": "min_int", "max": "max_int", "numel": "numel", **{name: name for name in COUNTS}}  # exact ints
 _COMPARED = ("shape", "dtype", *SCALARS, "samples", "sample_indices", "extra", "min_int", "max_int", "samples_int",
-             "phase", "precision", "scale_floor")
+             "phase", "precision", "scale", "scale_floor")
 _DECODED = frozenset(("shape", "dtype", *SCALARS, "samples", "sample_indices"))  # read from ``extra`` too
 
 
@@ -175,6 +175,7 @@ class Pairs:
     samples: list[SampleBlock]
     shifted: np.ndarray  # the index lists differ: only the common indices were paired (a note)
     precision: np.ndarray  # the precision each pair is compared at (names: config.PRECISIONS, "exact")
+    scale: np.ndarray  # the base tensor's scale: its rms, without mask fills (reading._unfilled)
     floor: np.ndarray  # the scale floor of each pair's default tolerance (0: none)
     phase: np.ndarray  # each pair's phase (its moments' tolerance depends on it)
     integer: np.ndarray  # an integer in an *_int column on either side: its RecordDiff shows it
@@ -442,7 +443,7 @@ def from_columns(base: LoadedDump, other: LoadedDump, rows: tuple[np.ndarray, np
                                                       for first in objects]) if objects else None
     pairs = Pairs(count, unequal, {name: pair[0] for name, pair in values.items()},
                   {name: pair[1] for name, pair in values.items()}, blocks, shifted, b.labels("precision"),
-                  b.floats("scale_floor")[0], b.labels("phase"), integer, objects, equal, (b, o))
+                  b.floats("scale")[0], b.floats("scale_floor")[0], b.labels("phase"), integer, objects, equal, (b, o))
     return pairs, shown
 
 

@@ -32,6 +32,8 @@ from .options import (COUNTS, EXACT, MOMENTS, PRECISIONS, CompareConfig, NameMap
                       precision_of)
 from .results import Damaged
 
+_ROOT = "<root>"  # the root module's name in records (probes.core.manager.ROOT_NAME)
+
 __all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "rank_steps", "read_dump", "rms"]
 
 
@@ -328,10 +330,84 @@ def _add_context(loaded: LoadedDump) -> None:
         state = np.where(phase_codes[rows] == optim, state + 1, 0)
         parameter_groups[rows] = _groups([loaded.rank[rows], loaded.step[rows], phase_codes[rows],
                                           modules.indices.fill_null(-1).to_numpy(zero_copy_only=False) + 1, state])
-    floors = _scale_floors(rms(*floats), parameter_groups)
+    scales = _unfilled(table, rms(*floats), floats[0])
+    floors = np.where(of_parameters, _scale_floors(scales, parameter_groups), 0.0)
+    backward = phase_codes == (phase_names.index("backward") if "backward" in phase_names else -1)
+    floors = np.maximum(floors, _entering(loaded, scales, backward))
     column = pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()), pa.array(names, pa.string()))
     loaded.table = table.append_column("precision", column).append_column(
-        "scale_floor", pa.array(np.where(of_parameters, floors, 0.0), pa.float64()))
+        "scale", pa.array(scales, pa.float64())).append_column("scale_floor", pa.array(floors, pa.float64()))
+
+
+# The share of the samples' squares that repeated extremes must hold to be mask fills (docs/compare.md, Scale).
+FILL_SHARE = 0.99
+
+
+def _unfilled(table: pa.Table, scales: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Per row the scale of its tensor without its mask fills: ``scales`` (the rms), or where the record's samples
+    hold its min or max exactly at two positions or more and those values hold ``FILL_SHARE`` of the samples'
+    squares (``torch.finfo(dtype).min``, -1e4, -1e9 written by ``masked_fill``/``where``), the rms of the other
+    finite samples when that is smaller. A nan or inf sample counts as a fill (the moments leave them out)."""
+    samples = table.column("samples").combine_chunks()
+    if not len(samples) or samples.null_count == len(samples):
+        return scales
+    samples = samples.fill_null([])  # type: ignore[arg-type]
+    lengths = pc.list_value_length(samples).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(samples).cast(pa.float64()).to_numpy(zero_copy_only=False)
+    if not len(values):
+        return scales
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    count = len(lengths)
+    finite = np.isfinite(values)
+    fills = ~finite
+    for name in ("min", "max"):
+        extreme = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)[row]
+        at = finite & (values == extreme)
+        fills |= at & (np.bincount(row, at, minlength=count)[row] >= 2)
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = np.where(finite, np.square(values), 0.0)
+        filled = np.bincount(row, np.where(fills, squares, 0.0), minlength=count)
+        rest = np.bincount(row, np.where(fills, 0.0, squares), minlength=count)
+        kept = np.bincount(row, ~fills, minlength=count)
+        dominated = (kept > 0) & (filled > 0) & (rest <= (1 - FILL_SHARE) / FILL_SHARE * filled)
+        unfilled = np.sqrt(rest / np.maximum(kept, 1))
+    return np.where(dominated & (unfilled < scales), unfilled, scales)
+
+
+def _entering(loaded: LoadedDump, scales: np.ndarray, backward: np.ndarray) -> np.ndarray:
+    """Per row the scale of the gradient entering its module call, for the backward records (0 elsewhere): the
+    largest scale among the output backward records of the same shape of the modules around it (its module's own
+    for an op record), same rank and step: a gradient that cancels to almost nothing in exact arithmetic (an
+    attention's scores under tiny weights) rounds on the scale of the terms it is computed from."""
+    floors = np.zeros(len(loaded))
+    rows = np.flatnonzero(backward)
+    if not len(rows):
+        return floors
+    taken = pa.array(rows, pa.int64())
+    part = loaded.table.select(["module", "kind", "shape"]).take(taken)
+    modules, kinds = part.column("module").to_pylist(), part.column("kind").to_pylist()
+    shapes = [None if shape is None else tuple(shape) for shape in part.column("shape").to_pylist()]
+    ranks, steps = loaded.rank[rows].tolist(), loaded.step[rows].tolist()
+    entering: dict[tuple, float] = {}
+    for at, rank, step, module, kind, shape in zip(rows.tolist(), ranks, steps, modules, kinds, shapes):
+        if kind == "output" and module is not None:
+            key = (rank, step, module, shape)
+            entering[key] = max(entering.get(key, 0.0), float(scales[at]))
+    for at, rank, step, module, kind, shape in zip(rows.tolist(), ranks, steps, modules, kinds, shapes):
+        if module is None or kind not in ("output", "input", "op"):
+            continue
+        around = _around(module, own=kind == "op")
+        floors[at] = max((entering.get((rank, step, outer, shape), 0.0) for outer in around), default=0.0)
+    return floors
+
+
+def _around(module: str, own: bool) -> list[str]:
+    """The modules around ``module`` (the root's records name it ``<root>``), and ``module`` itself with ``own``."""
+    found = [module] if own else []
+    if module == _ROOT:
+        return found
+    parts = module.split(".")
+    return found + [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)] + [_ROOT]
 
 
 def _precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) -> tuple[list[str], np.ndarray]:

@@ -41,6 +41,7 @@ class Summary:
     steps: np.ndarray  # distinct steps, sorted
     matched: np.ndarray  # per step: records
     diverged: np.ndarray  # per step: diverged records
+    drifted: np.ndarray  # per step: drift records (beyond their tolerance, not diverged: docs/compare.md, Drift)
     worst_rows: np.ndarray  # per step: the first record (execution order) of the largest ratio
     worst_ratios: np.ndarray
     top_rows: np.ndarray  # the TOP records of the largest ratio above 0, largest first (ties: execution order)
@@ -49,6 +50,7 @@ class Summary:
     rows: list[Row]
     row_first: np.ndarray  # per row: (step, seq) of its first record
     row_max: np.ndarray  # per row: its largest ratio (nan when one is nan, as np.maximum keeps it)
+    drift_rows: np.ndarray  # the drift records
 
 
 def _summarised(records: "RecordDiffs") -> tuple[Summary, np.ndarray]:
@@ -59,6 +61,8 @@ def _summarised(records: "RecordDiffs") -> tuple[Summary, np.ndarray]:
     by_step = np.lexsort((np.arange(len(step)), -ratio, step))
     worst = by_step[np.unique(step[by_step], return_index=True)[1]]
     bad = np.bincount(np.searchsorted(steps, step), weights=diverged, minlength=len(steps)).astype(np.int64)
+    grown = ~np.isnan(np.asarray(records.drift, np.float64))
+    drifted = np.bincount(np.searchsorted(steps, step), weights=grown, minlength=len(steps)).astype(np.int64)
     positive = np.flatnonzero(ratio > 0)
     top = positive[np.argsort(-ratio[positive], kind="stable")][:TOP]
     first, row_of = _rows_of(records)
@@ -68,8 +72,8 @@ def _summarised(records: "RecordDiffs") -> tuple[Summary, np.ndarray]:
     rows = [(int(records.rank[index]), phases[records.phase[index]], names[records.name[index]])
             for index in first.tolist()]
     row_first = np.stack([step[first], np.asarray(records.seq)[first]], axis=1).astype(np.int64)
-    return Summary(steps, counts, bad, worst, ratio[worst], top, ratio[top], np.flatnonzero(diverged), rows,
-                   row_first, row_max), row_of.astype(np.int32)
+    return Summary(steps, counts, bad, drifted, worst, ratio[worst], top, ratio[top], np.flatnonzero(diverged), rows,
+                   row_first, row_max, np.flatnonzero(grown)), row_of.astype(np.int32)
 
 
 def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +97,7 @@ def _rows_of(records: RecordDiffs) -> tuple[np.ndarray, np.ndarray]:
     return first_at[present], index_of[key]
 
 
-_ARRAYS = ("rank", "step", "seq", "ratio", "diverged", "rel_error")  # what every RecordDiffs holds per record
+_ARRAYS = ("rank", "step", "seq", "ratio", "diverged", "rel_error", "drift")  # what every RecordDiffs holds per record
 
 
 class WorstMetric(NamedTuple):
@@ -116,13 +120,15 @@ class RecordDiffs(Sequence[RecordDiff]):
                  rel_error: np.ndarray, build: Callable[[np.ndarray], list[RecordDiff]],
                  worst_metric: WorstMetric | None = None,
                  moments: Mapping[tuple[str, str], np.ndarray] | None = None,
-                 summary: tuple[Summary, np.ndarray] | None = None) -> None:
+                 summary: tuple[Summary, np.ndarray] | None = None, drift: np.ndarray | None = None) -> None:
         self.rank, self.step, self.seq = rank, step, seq
         self.worst_metric = worst_metric  # None: only the RecordDiffs know
         self.moments = moments  # ("base" | "other", moment) -> per record the value, nan where absent
         self.phase, self.name = phase, name  # codes into labels[0] (phases) and labels[1] (names)
         self.labels = labels
         self.ratio, self.diverged, self.rel_error = ratio, diverged, rel_error
+        # per record the largest ratio of the step before where it is drift, nan where not (RecordDiff.drift)
+        self.drift = np.full(len(ratio), np.nan) if drift is None else drift
         self._build = build
         self._built: dict[int, RecordDiff] = {}
         self._summary = summary  # (the Summary, per record its row), computed when first asked for
@@ -219,6 +225,11 @@ class RecordDiffs(Sequence[RecordDiff]):
     def diverged_rows(self) -> np.ndarray:
         """The rows of the diverged records, in execution order."""
         return np.concatenate([offset + chunk.summary().diverged_rows for offset, chunk in self.chunks()] or
+                              [np.zeros(0, np.int64)]).astype(np.int64)
+
+    def drift_rows(self) -> np.ndarray:
+        """The rows of the drift records, in execution order."""
+        return np.concatenate([offset + chunk.summary().drift_rows for offset, chunk in self.chunks()] or
                               [np.zeros(0, np.int64)]).astype(np.int64)
 
     def rows_where(self, *, rank: int, step: int, phase: str) -> np.ndarray:
@@ -366,6 +377,7 @@ class SpilledRecordDiffs(RecordDiffs):
     ratio = property(lambda self: self._joined("ratio"))
     diverged = property(lambda self: self._joined("diverged"))
     rel_error = property(lambda self: self._joined("rel_error"))
+    drift = property(lambda self: self._joined("drift"))
 
 
 class _SpilledWindow(RecordDiffs):
@@ -388,6 +400,7 @@ class _SpilledWindow(RecordDiffs):
     ratio = functools.cached_property(lambda self: self._column("ratio"))
     diverged = functools.cached_property(lambda self: self._column("diverged"))
     rel_error = functools.cached_property(lambda self: self._column("rel_error"))
+    drift = functools.cached_property(lambda self: self._column("drift"))
     phase = functools.cached_property(lambda self: self._lookups[0][_codes(self._table, "phase")])
     name = functools.cached_property(lambda self: self._lookups[1][_codes(self._table, "name")])
 

@@ -170,6 +170,9 @@ class RecordDiff:
     # this record's noise level per statistic (metrics.NOISED; None: no calibration run, or no counterpart in it)
     noise: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
+    # drift (docs/compare.md, Drift): the largest ratio of its rank's step before, which its difference grew from;
+    # None: not drift (within tolerance, or diverged)
+    drift: float | None = None
 
     @property
     def key(self) -> RecordKey:
@@ -177,7 +180,8 @@ class RecordDiff:
 
     @property
     def diverged(self) -> bool:
-        return any(not metric.ok for metric in self.metrics)
+        """A metric is beyond its tolerance, and the record is not drift."""
+        return self.drift is None and any(not metric.ok for metric in self.metrics)
 
     @property
     def worst(self) -> MetricDiff | None:
@@ -259,7 +263,14 @@ class RecordDiff:
             "noise_ratio": json_value(self.noise_ratio),
             "noise_floor": None if (beyond := self.beyond_noise) is None else "beyond" if beyond else "within",
             "notes": self.notes,
+            "drift": None if self.drift is None else {"carried": json_value(self.drift)},
         }
+
+    def drift_json(self) -> dict[str, Any]:
+        """What the report's ``drift`` list says of a drift record: its key, its worst metric and both ratios."""
+        worst = self.worst
+        return {**key_json(self.key), "seq": self.seq, "metric": worst.metric if worst else None,
+                "ratio": json_value(self.ratio), "carried": json_value(self.drift)}
 
 
 @dataclass(frozen=True)
@@ -298,6 +309,7 @@ class StepSummary:
     only_in_other: int
     worst: RecordDiff | None  # the matched record with the largest ratio in this step
     grad_norm: GradNorm | None = None  # None: neither run has grad records in this step
+    drift: int = 0  # records beyond their tolerance that are drift (docs/compare.md, Drift)
 
     @property
     def differs(self) -> bool:
@@ -307,7 +319,7 @@ class StepSummary:
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
         return {
-            "step": self.step, "matched": self.matched, "diverged": self.diverged,
+            "step": self.step, "matched": self.matched, "diverged": self.diverged, "drift": self.drift,
             "only_in_base": self.only_in_base, "only_in_other": self.only_in_other,
             "worst": None if worst is None else {
                 "rank": worst.rank, "phase": worst.phase, "name": worst.name,
@@ -386,9 +398,15 @@ class NoiseFloor:
 #   (``inputs``: the forward records of the same names);
 #   ``propagated`` when one of these differs, ``local`` (the backward of the operations that used it) when none
 #   does and a gradient it is computed from agrees, ``unknown`` otherwise.
+# Differs is weighed, not counted: a record it is computed from carries the difference when its |diff| / tolerance
+# is at least 1 / ``JUMP`` of the operation's own (an operation amplifies what its inputs carry; a bug jumps by
+# orders of magnitude), whether or not it is beyond its own tolerance; ``local`` needs every recorded one below.
 # ``operations`` computes the findings of a window.
 
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
+# How much larger an operation's |diff| / tolerance must be than that of every record it is computed from for the
+# operation itself to be the cause (docs/compare.md, Operations inside a module): an order of magnitude.
+JUMP = 10.0
 LOCAL, PROPAGATED, UNKNOWN = "local", "propagated", "unknown"  # the cause of an operation's divergence
 
 _EXPLAINED = {  # OpFinding.explained of a cause other than propagated, by (cause, backward)
@@ -512,8 +530,16 @@ class OpFinding:
 
     @property
     def differing(self) -> list[Check]:
-        """The records it is computed from that already differ."""
-        return [check for check in (*self.inputs, *self.gradients) if check.status == DIFFERS]
+        """The records it is computed from that already carry its difference: beyond their tolerance, or within it
+        by less than ``JUMP`` times less than this operation's ratio (an amplified difference, not a jump)."""
+        return [check for check in (*self.inputs, *self.gradients) if self._carries(check)]
+
+    def _carries(self, check: Check) -> bool:
+        if check.status == NO_RECORD or check.ratio is None:
+            return False
+        if check.status == DIFFERS and not (math.isfinite(self.ratio) and math.isfinite(check.ratio)):
+            return True
+        return check.ratio * JUMP >= self.ratio
 
     def sources(self) -> list[tuple[str, Check]]:
         """The records it is computed from, labelled as the reports list them ("input 0", "gradient from")."""
@@ -526,7 +552,7 @@ class OpFinding:
         if self.differing:
             return PROPAGATED
         sources = self.gradients if self.phase in GRADIENT_PHASES else self.inputs
-        return LOCAL if any(check.status == AGREES for check in sources) else UNKNOWN
+        return LOCAL if any(check.status != NO_RECORD for check in sources) else UNKNOWN
 
     def explained(self) -> str:
         """The cause in words, e.g. ``"propagated: an input already differs: linear:0.output.0"``."""
@@ -537,13 +563,27 @@ class OpFinding:
             for checks, what in ((self.inputs, ("an input's forward value", "inputs' forward values") if backward
                                   else ("an input", "inputs")),
                                  (self.gradients, ("a gradient it is computed from", "gradients it is computed from"))):
-                names = [relative_name(check.name, self.parsed.module) for check in checks if check.status == DIFFERS]
+                carried = [check for check in checks if self._carries(check)]
+                names = [relative_name(check.name, self.parsed.module) for check in carried
+                         if check.status == DIFFERS]
                 if names:
                     one = len(names) == 1
                     said.append(f"{what[not one]} already {'differs' if one else 'differ'}: {', '.join(names)}")
+                names = [f"{relative_name(check.name, self.parsed.module)} (ratio {check.ratio:.3g})"
+                         for check in carried if check.status != DIFFERS]
+                if names:
+                    one = len(names) == 1
+                    said.append(f"{what[not one]} within tolerance already {'carries' if one else 'carry'} a "
+                                f"difference within {JUMP:g}x of its ratio {self.ratio:.3g}: {', '.join(names)}")
             return "propagated: " + "; ".join(said)
         unrecorded = sum(check.status == NO_RECORD for check in self.inputs)
         without = f"; {unrecorded} {'input has' if unrecorded == 1 else 'inputs have'} no record" if unrecorded else ""
+        beyond = [check.ratio for check in (*self.inputs, *self.gradients) if check.status == DIFFERS]
+        if cause == LOCAL and beyond:  # sources beyond their tolerance, but far below this operation's jump
+            what = ("the backward of the operations that used it (the records it is computed from differ"
+                    if backward else "the operation itself (its recorded inputs differ")
+            return (f"local: {what} by at most ratio {max(beyond):.3g}, over {JUMP:g}x below its {self.ratio:.3g}"
+                    f"{without})")
         return _EXPLAINED[cause, backward].format(without=without)
 
     def to_json(self) -> dict[str, Any]:
@@ -719,6 +759,11 @@ class Report:
         return len(self.records.diverged_rows())
 
     @property
+    def drift_count(self) -> int:
+        """How many matched records are drift (beyond their tolerance, grown from the step before: not diverged)."""
+        return len(self.records.drift_rows())
+
+    @property
     def divergences(self) -> list[Divergence]:
         """Every diverged matched record, in execution order."""
         return [record.divergence() for record in self.records.at(self.records.diverged_rows())]
@@ -770,13 +815,16 @@ class Report:
     def _per_step(self) -> list[StepSummary]:
         matched: Counter[int] = Counter()
         diverged: Counter[int] = Counter()
+        drift: Counter[int] = Counter()
         worst: dict[int, tuple[float, int]] = {}  # step -> (ratio, row) of its worst record so far
         for offset, chunk in self.records.chunks():  # a part's counts and worst, merged in execution order
             part = chunk.summary()
-            for key, count, bad, row, ratio in zip(part.steps.tolist(), part.matched.tolist(), part.diverged.tolist(),
-                                                   part.worst_rows.tolist(), part.worst_ratios.tolist()):
+            for key, count, bad, grown, row, ratio in zip(part.steps.tolist(), part.matched.tolist(),
+                                                          part.diverged.tolist(), part.drifted.tolist(),
+                                                          part.worst_rows.tolist(), part.worst_ratios.tolist()):
                 matched[key] += count
                 diverged[key] += bad
+                drift[key] += grown
                 if key not in worst or ratio > worst[key][0] or (math.isnan(worst[key][0]) and not math.isnan(ratio)):
                     worst[key] = (ratio, offset + row)
         steps = sorted(_all_steps(self.base_steps) | _all_steps(self.other_steps) | set(matched))
@@ -786,7 +834,7 @@ class Report:
         only_other = Counter(key[1] for key in self.only_in_other)
         norms = self._grad_norms()
         return [StepSummary(step, matched[step], diverged[step], only_base[step], only_other[step], records.get(step),
-                            norms.get(step))
+                            norms.get(step), drift[step])
                 for step in steps]
 
     def _grad_norms(self) -> dict[int, GradNorm]:
@@ -837,7 +885,8 @@ class Report:
             "tolerance": tolerance_json(config),
             "filters": {"steps": sorted(config.steps) if config.steps is not None else None,
                         "names": list(config.names)},
-            "options": {"strict_zero_grads": config.strict_zero_grads, "fuzzy": config.fuzzy, "exact": config.exact,
+            "options": {"strict_zero_grads": config.strict_zero_grads, "strict_drift": config.strict_drift,
+                        "drift": config.drifts, "fuzzy": config.fuzzy, "exact": config.exact,
                         "ranks": config.ranks, "phases": None if config.phases is None else list(config.phases)},
             "verdict": "agree" if self.agrees else "diverged",
             "first_divergence": json_value(self.first_divergence),
@@ -845,7 +894,7 @@ class Report:
             **({"bytes": BIT_IDENTICAL if self.agrees else BYTES_DIFFER} if config.exact else {}),
             **({"per_rank": json_value(self.per_rank())} if config.ranks else {}),
             "noise_floor": json_value(self.noise_floor),
-            "counts": {"matched": self.matched, "diverged": self.diverged_count,
+            "counts": {"matched": self.matched, "diverged": self.diverged_count, "drift": self.drift_count,
                        "only_in_base": len(self.only_in_base), "only_in_other": len(self.only_in_other),
                        "noise_unmatched": self.noise_unmatched, "zero_grads": len(self.zero_grads)},
             "steps": {"base": json_value(self.base_steps), "other": json_value(self.other_steps),
@@ -861,6 +910,7 @@ class Report:
                         for side in ("base", "other", *(("noise",) if self.noise is not None else ()))},
             "per_step": json_value(self.per_step()),
             "divergences": json_value(self.records.at(self.records.diverged_rows())),
+            "drift": [record.drift_json() for record in self.records.at(self.records.drift_rows())],
             **({"operations": json_value(self.operations)} if self.operations is not None else {}),
         }
 

@@ -7,17 +7,20 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from ..dump.record import RecordKey
 from ..utils.tables import text_table
-from .options import PRECISIONS, CompareConfig
+from .options import DRIFT_GROWTH, PRECISIONS, CompareConfig
 from .results import ZERO_GRAD_NOTE, RecordDiff, Report, StepSummary, format_value, op_name, relative_name
 
-__all__ = ["GRAD_NORM_HEADER", "clip", "counts_line", "damaged_lines", "format_report", "grad_norm_cells", "kind_line",
-           "noise_floor_line", "nonfinite_lines", "plural", "precision_table", "rank_lines", "ranges", "renamed_lines",
-           "rule_line", "tolerance_name", "tolerance_rule", "verdict"]
+__all__ = ["GRAD_NORM_HEADER", "clip", "counts_line", "damaged_lines", "drift_lines", "format_report", "grad_norm_cells",
+           "kind_line", "largest_drift", "noise_floor_line", "nonfinite_lines", "plural", "precision_table", "rank_lines",
+           "ranges", "renamed_lines", "rule_line", "tolerance_name", "tolerance_rule", "verdict"]
 
 
 # --------------------------------------------------------------------------------------------- shared sentences
@@ -32,6 +35,9 @@ def verdict(report: Report) -> str:
         ops = len(report.ops_in_one_run)
         noted += f"; {ops} op {plural(ops, 'record')} of one run only listed" if ops else ""
         within = "bit-identical" if report.config.exact else "within tolerance"
+        drift = report.drift_count
+        if drift:
+            within += f" or drift ({drift} {plural(drift, 'record')} grown from the step before, not divergences)"
         return f"AGREE ({report.matched} records {within}{_floor_clause(report)}{noted})"
     if first is not None:
         what = "differs in its bytes" if first.metric == "hash" else first.metric
@@ -42,6 +48,33 @@ def verdict(report: Report) -> str:
                 f"({what})" + (f"; {operations}" if operations else ""))
     return (f"DIFFERENT RECORDS ({len(report.only_in_base)} only in base, "
             f"{len(report.only_in_other)} only in other; matched records agree)")
+
+
+def largest_drift(report: Report) -> int:
+    """The row of the drift record of the largest ratio (the first on ties); -1 when there is none."""
+    best, found = -math.inf, -1
+    for offset, chunk in report.records.chunks():
+        rows = chunk.summary().drift_rows
+        if len(rows) and chunk.ratio[rows].max() > best:
+            top = int(np.argmax(chunk.ratio[rows]))
+            best, found = float(chunk.ratio[rows][top]), offset + int(rows[top])
+    return found
+
+
+def drift_lines(report: Report, limit: int = 10) -> list[str]:
+    """The drift records (docs/compare.md, Drift): the first ``limit`` and the largest, each with both ratios."""
+    rows = report.records.drift_rows()
+    if not len(rows):
+        return []
+    records = report.records.at(rows[:limit])
+    largest = report.records[largest_drift(report)] if len(rows) > limit else None
+    lines = ["", f"Drift: {len(rows)} {plural(len(rows), 'record')} beyond tolerance, each at most "
+                 f"{DRIFT_GROWTH:g}x the largest ratio of its step before (the difference that step carried, grown "
+                 "by training); not divergences (--strict-drift counts them):"]
+    for record in [*records, *([largest] if largest is not None and all(r is not largest for r in records) else [])]:
+        lines.append(f"  {_key_text(record.key, False, 48)}: ratio {_short(record.ratio)}, "
+                     f"the step before {_short(record.drift)}")
+    return lines + _more(len(rows), limit + (largest is not None))
 
 
 def _floor_clause(report: Report) -> str:
@@ -359,7 +392,8 @@ def format_report(report: Report, top: int = 10) -> str:
         lines += ["", f"Notes ({ZERO_GRAD_NOTE}):"]
         lines += [f"  {_key_text(key, with_rank, 60)}: zero in {side}, absent in {_OTHER_RUN[side]}"
                   for key, side in report.zero_grads[:10]] + _more(len(report.zero_grads), 10)
-    lines += [*_operation_lines(report), *renamed_lines(report), *_per_step(report), *rank_lines(report),
+    lines += [*_operation_lines(report), *renamed_lines(report), *drift_lines(report), *_per_step(report),
+              *rank_lines(report),
               *nonfinite_lines(report), "", f"verdict: {verdict(report)}"]
     return "\n".join(lines)
 

@@ -18,7 +18,8 @@ import torch
 from probes.cli import main
 from probes.compare import compare_dumps, format_report
 from probes.compare.html import HtmlConfig, render_html
-from probes.compare.results import AGREES, DIFFERS, NO_RECORD, UNPAIRED, module_record, op_name, relative_name
+from probes.compare.results import (AGREES, DIFFERS, NO_RECORD, UNPAIRED, Check, OpFinding, module_record, op_name,
+                                    relative_name)
 from probes.compare.terminal import verdict
 from probes.dump.writer import DumpWriter
 from dump_records import write_record
@@ -354,3 +355,30 @@ def test_the_page_counts_the_operation_rows_it_leaves_out(tmp_path):
         rows = section.count('<tr class="module">') + section.count('<tr class="op">')
         more = re.search(r"(\d+) more rows in the JSON report \(operations\)", section)
         assert rows + (int(more.group(1)) if more else 0) == total, limit
+
+
+def test_the_cause_weighs_how_much_each_input_already_differs():
+    """Issue 47: an input a little below its tolerance and the output a little above is an amplified difference
+    (propagated); only a jump of over ``JUMP`` (10) times every input's ratio is the operation's own (local)."""
+    def finding(ratio: float, *inputs: Check, phase: str = "forward", gradients: tuple[Check, ...] = ()) -> OpFinding:
+        return OpFinding(0, 1, phase, f"{M}/addmm:0.output.0", 5, "norm", ratio, inputs, gradients)
+
+    below = Check("h.0.output.0", "forward", AGREES, ratio=0.9)
+    amplified = finding(1.75, below, Check("", "forward", NO_RECORD))
+    assert amplified.cause == "propagated", amplified.explained()
+    assert amplified.explained() == ("propagated: an input within tolerance already carries a difference within 10x "
+                                     "of its ratio 1.75: h.0.output.0 (ratio 0.9)")
+    assert finding(9.0, below).cause == "propagated"
+    assert finding(9.1, below).cause == "local"  # a jump: over ten times what any input carried
+    beyond = Check("h.0.output.0", "forward", DIFFERS, "std", 1.2)
+    jump = finding(1e4, beyond)
+    assert jump.cause == "local"
+    assert jump.explained() == ("local: the operation itself (its recorded inputs differ by at most ratio 1.2, over "
+                                "10x below its 1e+04)")
+    assert finding(11.0, beyond).cause == "propagated"
+    assert finding(11.0, Check("x", "forward", DIFFERS, "record", math.inf)).cause == "propagated"
+    backward = finding(50.0, Check("x", "forward", AGREES, ratio=0.01), phase="backward",
+                       gradients=(Check("y", "backward", AGREES, ratio=6.0),))
+    assert backward.cause == "propagated"
+    assert backward.explained() == ("propagated: a gradient it is computed from within tolerance already carries a "
+                                    "difference within 10x of its ratio 50: y (ratio 6)")

@@ -39,20 +39,20 @@ def test_every_option_is_a_keyword_and_a_flag_with_its_help():
     flags = {flag for action in actions.values() for flag in action.option_strings}
     assert flags == {"--rtol", "--atol", "--noise", "--noise-factor", "--step", "--name", "--map", "--fuzzy", "--json",
                      "--html", "--top", "--window", "--jobs", "--skip-damaged", "--exact", "--ranks", "--phase",
-                     "--strict-zero-grads"}
+                     "--strict-zero-grads", "--strict-drift"}
 
 
 def test_the_command_line_and_python_read_the_same_options(tmp_path):
     argv = ["base", "other", "--rtol", "0", "--atol", "1e-5", "--noise", "n1", "n2", "--noise", "n3", "--noise-factor",
             "3", "--step", "1-2", "--step", "5", "--name", "a*", "--name", "re:b.*", "--map", "m.yaml", "--fuzzy",
             "--window", "1_000", "--jobs", "2", "--skip-damaged", "--exact", "--phase", "grad", "--phase", "param",
-            "--strict-zero-grads"]
+            "--strict-zero-grads", "--strict-drift"]
     command = CompareCommand(**given(CompareCommand, parser().parse_args(argv)))
     in_python = CompareOptions(base="base", other="other", rtol=0.0, atol=1e-5, noise=["n1", "n2", "n3"],
                                noise_factor=3, steps=[1, 2, 5],
                                names=["a*", "re:b.*"], name_map=Path("m.yaml"), fuzzy=True,
                                window=1000, jobs=2, skip_damaged=True, exact=True, phases=["grad", "param"],
-                               strict_zero_grads=True)
+                               strict_zero_grads=True, strict_drift=True)
     assert {f.name: getattr(command, f.name) for f in dataclasses.fields(CompareOptions) if f.init} == \
         {f.name: getattr(in_python, f.name) for f in dataclasses.fields(CompareOptions) if f.init}
     assert in_python.steps == frozenset({1, 2, 5}) and in_python.noise == ("n1", "n2", "n3")

@@ -107,7 +107,7 @@ def test_a_materialised_zero_gradient_is_a_note_not_a_divergence(tmp_path, capsy
     assert "verdict: AGREE" in text and "1 materialised zero gradient noted" in text
 
     document = report.to_json()
-    assert document["verdict"] == "agree" and document["options"] == {"strict_zero_grads": False, "fuzzy": False, "exact": False, "ranks": False, "phases": None}
+    assert document["verdict"] == "agree" and document["options"] == {"strict_zero_grads": False, "strict_drift": False, "drift": True, "fuzzy": False, "exact": False, "ranks": False, "phases": None}
     assert document["counts"]["zero_grads"] == 1
     assert document["zero_grads"] == [{"rank": 0, "step": 0, "phase": "backward", "name": "<root>.output.1",
                                        "present_in": side, "note": ZERO_GRAD_NOTE}]
@@ -130,7 +130,7 @@ def test_strict_zero_grads_makes_it_a_divergence(tmp_path, capsys):
     first = report.first_divergence
     assert (first.step, first.phase, first.name, first.metric, first.base, first.other) == (
         0, "backward", "<root>.output.1", "record", "missing", "present")
-    assert report.to_json()["options"] == {"strict_zero_grads": True, "fuzzy": False, "exact": False, "ranks": False, "phases": None}
+    assert report.to_json()["options"] == {"strict_zero_grads": True, "strict_drift": False, "drift": True, "fuzzy": False, "exact": False, "ranks": False, "phases": None}
 
     assert cli(base, other, "--strict-zero-grads") == 1
     assert "FIRST DIVERGENCE  rank 0  step 0  backward  <root>.output.1" in capsys.readouterr().out
