@@ -467,7 +467,8 @@ def _finding(found: _Steps, row: _Row, consumers: dict[tuple[int, int, str], lis
     if row.phase in GRADIENT_PHASES:
         gradients = tuple(found.check(row.rank, row.step, row.phase, name)
                           for _, name in sorted(consumers.get((row.rank, row.step, row.name), [])))
-    return OpFinding(row.rank, row.step, row.phase, row.name, row.seq, metric, float(ratio), inputs, gradients)
+    return OpFinding(row.rank, row.step, row.phase, row.name, row.seq, metric, float(ratio), inputs, gradients,
+                     reads_nothing=row.inputs is not None and not row.inputs)
 
 
 def _grouped(found: _Steps, findings: Sequence[OpFinding]) -> list[ModuleOps]:

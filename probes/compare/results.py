@@ -505,7 +505,9 @@ class OpFinding:
     ``inputs``: per tensor argument, in order, its forward record (for a backward record too: the forward values
     its gradient is computed at); ``gradients``: backward records only, the backward records of what took this
     output on (its gradient is computed from theirs): the operations that used it, and the output records of the
-    modules that returned it (later records of the same values), in forward order.
+    modules that returned it (later records of the same values), in forward order. ``reads_nothing``: the run
+    recorded that it takes no tensor (a constant or a random draw made in the module; a compiled run records no
+    inputs at all, so it never says this).
     """
 
     rank: int
@@ -517,6 +519,7 @@ class OpFinding:
     ratio: float
     inputs: tuple[Check, ...]
     gradients: tuple[Check, ...] = ()
+    reads_nothing: bool = False
 
     @property
     def parsed(self) -> OpName:
@@ -551,7 +554,10 @@ class OpFinding:
         """``propagated``, ``local`` or ``unknown`` (the comment that opens the operations above)."""
         if self.differing:
             return PROPAGATED
-        sources = self.gradients if self.phase in GRADIENT_PHASES else self.inputs
+        backward = self.phase in GRADIENT_PHASES
+        if self.reads_nothing and not backward:  # made here from no tensor: nothing can have brought the difference
+            return LOCAL
+        sources = self.gradients if backward else self.inputs
         return LOCAL if any(check.status != NO_RECORD for check in sources) else UNKNOWN
 
     def explained(self) -> str:
@@ -584,6 +590,8 @@ class OpFinding:
                     if backward else "the operation itself (its recorded inputs differ")
             return (f"local: {what} by at most ratio {max(beyond):.3g}, over {JUMP:g}x below its {self.ratio:.3g}"
                     f"{without})")
+        if cause == LOCAL and self.reads_nothing and not backward:
+            return "local: the operation itself (it reads no tensor: a constant or a random draw made here)"
         return _EXPLAINED[cause, backward].format(without=without)
 
     def to_json(self) -> dict[str, Any]:

@@ -382,3 +382,14 @@ def test_the_cause_weighs_how_much_each_input_already_differs():
     assert backward.cause == "propagated"
     assert backward.explained() == ("propagated: a gradient it is computed from within tolerance already carries a "
                                     "difference within 10x of its ratio 50: y (ratio 6)")
+
+
+def test_an_operation_that_reads_no_tensor_is_local_only_when_its_run_said_so():
+    """A constant or a random draw made in the module (its run recorded an empty input list) can only differ where
+    it is made: local. A compiled run records no inputs at all: there nothing tells, so the cause stays unknown."""
+    draw = OpFinding(0, 0, "forward", f"{M}/rand:0.output.0", 3, "mean", 40.0, (), reads_nothing=True)
+    assert draw.cause == "local"
+    assert draw.explained() == "local: the operation itself (it reads no tensor: a constant or a random draw made here)"
+    assert OpFinding(0, 0, "forward", f"{M}/rand:0.output.0", 3, "mean", 40.0, ()).cause == "unknown"
+    gradient = OpFinding(0, 0, "backward", f"{M}/rand:0.output.0", 3, "mean", 40.0, (), reads_nothing=True)
+    assert gradient.cause == "unknown"  # a gradient is computed from what took it on, none of them recorded here
