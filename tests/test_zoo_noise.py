@@ -8,7 +8,8 @@ clean. Per backend of the lane, one row of the support matrix (``PROBES_ZOO_MATR
 - eager: ten steps with probes train bit for bit as without them, also as a calibration run;
 - ORTModule: exporting ``ctc_loss`` fails without probes (n/a);
 - compile: the false divergence at a fixed tolerance (``FIXED``, the defaults before issue 34; recorded in the
-  note), none with the noise floor, and bugs still found is tests/test_noise_floor.py's.
+  note), none with the noise floor, none at the per-dtype defaults either (the growth is drift: docs/compare.md,
+  Drift); bugs still found is tests/test_noise_floor.py's and tests/compare/test_compare_drift.py's.
 """
 
 from __future__ import annotations
@@ -135,6 +136,15 @@ def _check(backend: str, eager: dict[str, Path], tmp_path: Path, started: float)
     assert first is not None and first.step > 0, ("at a fixed tolerance, the grown noise should look like a "
                                                   f"divergence after the first step: {first}")
     assert not fixed.only_in_base and not fixed.only_in_other, parity_message(fixed)
+    # At the per-dtype defaults with no noise floor, the grown rounding is drift, not a divergence (docs/compare.md,
+    # Drift): every record beyond the tolerance with strict_drift is drift at the defaults, whatever the windows.
+    strict = compare_dumps(eager["base"], tmp_path / "compiled", names=names, strict_drift=True)
+    assert strict.first_divergence is not None and strict.first_divergence.step > 0, strict.first_divergence
+    drift = compare_dumps(eager["base"], tmp_path / "compiled", names=names)
+    assert drift.agrees, parity_message(drift)
+    assert drift.drift_count == strict.diverged_count > 0
+    windowed = compare_dumps(eager["base"], tmp_path / "compiled", names=names, window=drift.matched // STEPS)
+    assert windowed.agrees and windowed.to_json()["drift"] == drift.to_json()["drift"]
     report = assert_parity(eager["base"], tmp_path / "compiled", noise=noise, names=names, **FIXED)
     # The noise floor over the per-dtype defaults (no rtol/atol given) is clean as well.
     defaults = assert_parity(eager["base"], tmp_path / "compiled", noise=noise, names=names)
@@ -150,7 +160,8 @@ def _check(backend: str, eager: dict[str, Path], tmp_path: Path, started: float)
     assert report.noise_floor.within > 0.9 * report.matched
     note = (f"at rtol {FIXED['rtol']:g} {fixed.diverged_count} of {fixed.matched} records 'diverge' (the first at "
             f"step {first.step} {first.phase}); with the noise floor (2 calibration runs) none (largest |diff| / noise "
-            f"level {max(largest.values()):.2g})")
+            f"level {max(largest.values()):.2g}); at the defaults {drift.drift_count} records grow beyond the "
+            "tolerance step by step: drift, none diverges")
     if TORCH_24:
         note += "; the weight-norm parametrization inside the conv torch 2.4 keeps whole: no record (a warning)"
     assert math.isfinite(max(largest.values()))
