@@ -415,9 +415,13 @@ def keep_random_streams() -> None:
     _PATCHES.install_random_streams(classes)
 
 
+def _unseeded(node: Any) -> bool:
+    """Whether an ONNX node has no ``seed`` attribute (ORT then seeds its generator itself)."""
+    return not any(attribute.name == "seed" for attribute in node.attribute)
+
+
 def _draws_by_index(node: Any) -> bool:
-    return node.op_type in _SEEDED_BY_INDEX and node.domain in ("", "ai.onnx") and \
-        not any(attribute.name == "seed" for attribute in node.attribute)
+    return node.op_type in _SEEDED_BY_INDEX and node.domain in ("", "ai.onnx") and _unseeded(node)
 
 
 def _holds_probes(graph: Any) -> bool:
@@ -585,8 +589,8 @@ class _OrtPatches:
                 raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
             if not _holds_probes(graph):
                 return result
-            unplaced = [node.name or node.op_type for node in graph.node if node.op_type in _SEEDED_WHEN_INLINED
-                        and not any(attribute.name == "seed" for attribute in node.attribute)]
+            unplaced = [node.name or node.op_type for node in graph.node
+                        if node.op_type in _SEEDED_WHEN_INLINED and _unseeded(node)]
             if any(_draws_by_index(node) for node in graph.node):
                 unplaced += _place_random_nodes(graph, self.unprobed_graph(manager, *building_for))
             if unplaced:

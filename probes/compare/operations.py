@@ -34,7 +34,7 @@ from ..dump import Record
 from ..dump.record import RecordKey, execution_order
 from ..utils.phases import GRADIENT_PHASES, phase_rank
 from .recorddiffs import RecordDiffs
-from .reading import LoadedDump
+from .reading import _ROOT, LoadedDump
 from .results import (AGREES, DIFFERS, NO_RECORD, UNPAIRED, Check, Divergence, ModuleOps, OpFinding, OpName,
                       Operations, Rename, module_record, op_name)
 
@@ -300,7 +300,6 @@ def align_operations(base: LoadedDump, other: LoadedDump) -> list[Rename]:
 
 _UNNAMED = "a parameter, a constant or a tensor made outside the recorded modules"  # an input named ""
 _UNRECORDED = "not recorded, or not compared"
-_ROOT = "<root>"  # the root module's name in records (probes.core.manager.ROOT_NAME)
 # What tells that a module's output record is the output of an operation the module returned: the same values.
 _SAME_TENSOR = ("shape", "dtype", "numel", "min", "max", "mean", "std", "norm", "samples")
 _NUMEL = _SAME_TENSOR.index("numel")
