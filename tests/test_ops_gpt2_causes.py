@@ -85,6 +85,10 @@ def test_a_scale_of_the_attention_scores_is_found_at_the_scaling_op_and_carried_
     assert masked.diverged and masked.ratio > 1, masked  # the fills do not hide the 1% of the values beside them
     findings = {(op.phase, op.name): op for group in report.operations.modules for op in group.ops}
     assert report.first_operation.name == first.name and report.first_operation.cause == "local", text
+    # On the ort lane the division reads the divisor that differs: the same 1% relative to their magnitudes (the
+    # scalar divisor's tolerance makes it ratio ~99, the division's ~1000), so the division is propagated.
+    scaling_cause = findings["forward", f"{attn}/{SCALING_OP}.output.0"]
+    assert scaling_cause.cause == ("propagated" if LEGACY else "local"), scaling_cause.explained()
     softmax = findings["forward", f"{attn}/softmax:0.output.0"]
     assert softmax.cause != "local", softmax.explained()
     c_attn = findings["forward", "transformer.h.1.attn.c_attn/addmm:0.output.0"]

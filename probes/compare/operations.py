@@ -388,10 +388,16 @@ class _Steps:
         row = self.rows.get((rank, step, phase, name))
         if row is None:
             return Check(name, phase, NO_RECORD, note=_UNRECORDED)
+        rel_error = self.rel_error(row)
         if not self.diverged(row):
-            return Check(name, phase, AGREES, ratio=float(self.records.ratio[row.pair]))
+            return Check(name, phase, AGREES, ratio=float(self.records.ratio[row.pair]), rel_error=rel_error)
         metric, ratio = self.metric(row)
-        return Check(name, phase, DIFFERS, metric, ratio, "" if row.side == "both" else f"only in {row.side}")
+        return Check(name, phase, DIFFERS, metric, ratio, "" if row.side == "both" else f"only in {row.side}",
+                     rel_error)
+
+    def rel_error(self, row: _Row) -> float | None:
+        """The record's difference relative to its magnitude (None: in one run only)."""
+        return None if row.pair is None else float(self.records.rel_error[row.pair])
 
 
 def _mapped(row: _Row, inputs: list[str] | None, renamed: dict[tuple[int, int, str], str]) -> list[str] | None:
@@ -467,7 +473,7 @@ def _finding(found: _Steps, row: _Row, consumers: dict[tuple[int, int, str], lis
         gradients = tuple(found.check(row.rank, row.step, row.phase, name)
                           for _, name in sorted(consumers.get((row.rank, row.step, row.name), [])))
     return OpFinding(row.rank, row.step, row.phase, row.name, row.seq, metric, float(ratio), inputs, gradients,
-                     reads_nothing=row.inputs is not None and not row.inputs)
+                     reads_nothing=row.inputs is not None and not row.inputs, rel_error=found.rel_error(row))
 
 
 def _grouped(found: _Steps, findings: Sequence[OpFinding]) -> list[ModuleOps]:

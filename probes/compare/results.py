@@ -399,8 +399,9 @@ class NoiseFloor:
 #   ``propagated`` when one of these differs, ``local`` (the backward of the operations that used it) when none
 #   does and a gradient it is computed from agrees, ``unknown`` otherwise.
 # Differs is weighed, not counted: a record it is computed from carries the difference when its |diff| / tolerance
-# is at least 1 / ``JUMP`` of the operation's own (an operation amplifies what its inputs carry; a bug jumps by
-# orders of magnitude), whether or not it is beyond its own tolerance; ``local`` needs every recorded one below.
+# or its difference relative to its magnitude is at least 1 / ``JUMP`` of the operation's own (an operation
+# amplifies what its inputs carry; a bug jumps by orders of magnitude), whether or not it is beyond its own
+# tolerance; ``local`` needs every recorded one below in both.
 # ``operations`` computes the findings of a window.
 
 AGREES, DIFFERS, NO_RECORD = "agrees", "differs", "no record"  # what a record looked up by name says
@@ -475,14 +476,17 @@ def relative_name(name: str, module: str) -> str:
 class Check(JsonFields):
     """What one record, looked up by its name in the same rank and step, says: it agrees, it differs, or there is
     none. ``metric``, ``ratio``: the metric that broke and its |diff| / tolerance (``record``, inf: the record is in
-    one run only); ``note``: why there is no record, or which run has it."""
+    one run only); ``note``: why there is no record, or which run has it; ``rel_error``: its difference relative to
+    its magnitude (``RecordDiff.rel_error``; None: in one run only, or no record)."""
 
+    optional = ("rel_error",)
     name: str
     phase: str
     status: str  # AGREES, DIFFERS or NO_RECORD
     metric: str | None = None
     ratio: float | None = None
     note: str = ""
+    rel_error: float | None = None
 
     def describe(self, module: str = "", own: bool = False) -> str:
         """``"linear:0.output.0 differs (mean, ratio 12)"``; names of ``module``'s operations short, and with ``own``
@@ -507,7 +511,7 @@ class OpFinding:
     output on (its gradient is computed from theirs): the operations that used it, and the output records of the
     modules that returned it (later records of the same values), in forward order. ``reads_nothing``: the run
     recorded that it takes no tensor (a constant or a random draw made in the module; a compiled run records no
-    inputs at all, so it never says this).
+    inputs at all, so it never says this). ``rel_error``: its own ``RecordDiff.rel_error`` (None: in one run only).
     """
 
     rank: int
@@ -520,6 +524,7 @@ class OpFinding:
     inputs: tuple[Check, ...]
     gradients: tuple[Check, ...] = ()
     reads_nothing: bool = False
+    rel_error: float | None = None
 
     @property
     def parsed(self) -> OpName:
@@ -534,7 +539,8 @@ class OpFinding:
     @property
     def differing(self) -> list[Check]:
         """The records it is computed from that already carry its difference: beyond their tolerance, or within it
-        by less than ``JUMP`` times less than this operation's ratio (an amplified difference, not a jump)."""
+        by less than ``JUMP`` times less than this operation, in ratio or in relative difference (an amplified
+        difference, not a jump)."""
         return [check for check in (*self.inputs, *self.gradients) if self._carries(check)]
 
     def _carries(self, check: Check) -> bool:
@@ -542,7 +548,14 @@ class OpFinding:
             return False
         if check.status == DIFFERS and not (math.isfinite(self.ratio) and math.isfinite(check.ratio)):
             return True
-        return check.ratio * JUMP >= self.ratio
+        return check.ratio * JUMP >= self.ratio or self._relatively(check)
+
+    def _relatively(self, check: Check) -> bool:
+        """Whether ``check`` differs, relative to its magnitude, by at least 1 / ``JUMP`` of this operation: ratios
+        alone cannot weigh every pair (a tolerance depends on the metric and on the tensor's size: a scalar divisor's
+        1% is ratio 99, the division's 1% ratio 1000), relative differences can."""
+        return (check.rel_error is not None and self.rel_error is not None and check.rel_error > 0
+                and check.rel_error * JUMP >= self.rel_error)
 
     def sources(self) -> list[tuple[str, Check]]:
         """The records it is computed from, labelled as the reports list them ("input 0", "gradient from")."""
@@ -575,7 +588,7 @@ class OpFinding:
                 if names:
                     one = len(names) == 1
                     said.append(f"{what[not one]} already {'differs' if one else 'differ'}: {', '.join(names)}")
-                names = [f"{relative_name(check.name, self.parsed.module)} (ratio {check.ratio:.3g})"
+                names = [f"{relative_name(check.name, self.parsed.module)} ({self._weighed(check)})"
                          for check in carried if check.status != DIFFERS]
                 if names:
                     one = len(names) == 1
@@ -594,11 +607,19 @@ class OpFinding:
             return "local: the operation itself (it reads no tensor: a constant or a random draw made here)"
         return _EXPLAINED[cause, backward].format(without=without)
 
+    def _weighed(self, check: Check) -> str:
+        """How a source within tolerance carries this operation's difference: ``"ratio 0.9"``, or its relative
+        difference where only that is within ``JUMP`` of this operation's."""
+        if check.ratio is not None and check.ratio * JUMP >= self.ratio:
+            return f"ratio {check.ratio:.3g}"
+        return f"relative difference {check.rel_error:.3g}, its own {self.rel_error:.3g}"
+
     def to_json(self) -> dict[str, Any]:
         parsed = self.parsed
         return {"rank": self.rank, "step": self.step, "phase": self.phase, "name": self.name, "seq": self.seq,
                 "module": parsed.module, "call": parsed.call, "op": parsed.op, "index": parsed.index,
                 "output": parsed.output, "metric": self.metric, "ratio": json_value(self.ratio),
+                "rel_error": json_value(self.rel_error),
                 "cause": self.cause, "explanation": self.explained(),
                 "inputs": json_value(self.inputs), "gradients": json_value(self.gradients)}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -382,6 +383,27 @@ def test_the_cause_weighs_how_much_each_input_already_differs():
     assert backward.cause == "propagated"
     assert backward.explained() == ("propagated: a gradient it is computed from within tolerance already carries a "
                                     "difference within 10x of its ratio 50: y (ratio 6)")
+
+
+def test_the_cause_weighs_relative_differences_where_ratios_are_under_unlike_tolerances():
+    """A tolerance depends on the metric and the tensor's size: a scalar divisor 1% off breaks at ratio 99, the
+    division it makes 1% off at ratio 1000. Relative to their magnitudes both differ by 0.0099: the division
+    carries the divisor's difference (propagated); only a jump of over ``JUMP`` in both measures is local."""
+    def division(rel_error: float | None, *inputs: Check) -> OpFinding:
+        return OpFinding(0, 0, "forward", f"{M}/div:0.output.0", 5, "norm", 1000.0, inputs, rel_error=rel_error)
+
+    divisor = Check(f"{M}/full:0.output.0", "forward", DIFFERS, "min", 99.0, rel_error=0.0099)
+    assert division(0.0099, divisor).cause == "propagated", division(0.0099, divisor).explained()
+    assert division(0.0099, replace(divisor, rel_error=None)).cause == "local"  # by ratio alone: 99 < 1000 / 10
+    assert division(None, divisor).cause == "local"  # in one run only: nothing to weigh against
+    assert division(0.098, divisor).cause == "propagated"  # within 10x: still amplified
+    assert division(0.11, divisor).cause == "local"  # over 10x in both measures: a jump
+    rounding = Check("h.0.output.0", "forward", AGREES, ratio=0.5, rel_error=1e-3)
+    assert division(0.0099, rounding).explained() == (
+        "propagated: an input within tolerance already carries a difference within 10x of its ratio 1e+03: "
+        "h.0.output.0 (relative difference 0.001, its own 0.0099)")
+    assert division(0.0099, replace(rounding, rel_error=0.0)).cause == "local"  # identical carries nothing
+    assert rounding.to_json()["rel_error"] == 1e-3 and "rel_error" not in replace(rounding, rel_error=None).to_json()
 
 
 def test_an_operation_that_reads_no_tensor_is_local_only_when_its_run_said_so():
