@@ -32,9 +32,10 @@ import pyarrow.compute as pc
 
 from ..dump import Record
 from ..dump.record import RecordKey, execution_order
+from ..utils.names import ROOT_NAME
 from ..utils.phases import GRADIENT_PHASES, phase_rank
 from .recorddiffs import RecordDiffs
-from .reading import _ROOT, LoadedDump
+from .reading import LoadedDump
 from .results import (AGREES, DIFFERS, NO_RECORD, UNPAIRED, Check, Divergence, ModuleOps, OpFinding, OpName,
                       Operations, Rename, module_record, op_name)
 
@@ -407,7 +408,7 @@ def _mapped(row: _Row, inputs: list[str] | None, renamed: dict[tuple[int, int, s
 
 def _inside(module: str, outer: str) -> bool:
     """Whether ``module`` is ``outer`` or a module inside it."""
-    return outer == _ROOT or module == outer or module.startswith(outer + ".")
+    return outer == ROOT_NAME or module == outer or module.startswith(outer + ".")
 
 
 def find_operations(base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray, np.ndarray], records: RecordDiffs,

@@ -27,12 +27,12 @@ from ..dump import DumpFormatError, DumpReader, Record
 from ..dump.reader import StepFile
 from ..dump.record import RecordKey
 from ..dump.columns import records_to_table, table_to_records
+from ..utils.names import ROOT_NAME
 from ..utils.phases import PARAMETER_PHASES, phase_rank
 from .options import (COUNTS, EXACT, MOMENTS, PRECISIONS, CompareConfig, NameMap, NameMapError, coarseness,
                       precision_of)
 from .results import Damaged
 
-_ROOT = "<root>"  # the root module's name in records (probes.core.manager.ROOT_NAME)
 
 __all__ = ["COLUMNS", "LoadedDump", "MissingHashes", "check_hashes", "rank_pairs", "rank_steps", "read_dump", "rms"]
 
@@ -404,10 +404,10 @@ def _entering(loaded: LoadedDump, scales: np.ndarray, backward: np.ndarray) -> n
 def _around(module: str, own: bool) -> list[str]:
     """The modules around ``module`` (the root's records name it ``<root>``), and ``module`` itself with ``own``."""
     found = [module] if own else []
-    if module == _ROOT:
+    if module == ROOT_NAME:
         return found
     parts = module.split(".")
-    return found + [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)] + [_ROOT]
+    return found + [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)] + [ROOT_NAME]
 
 
 def _precisions(dtypes: list[str | None], codes: np.ndarray, groups: np.ndarray) -> tuple[list[str], np.ndarray]:

@@ -39,6 +39,7 @@ from exporters import _ort_compat, _torch_compat
 from exporters.handles import Handle
 
 from ..utils.exit import at_exit
+from ..utils.names import ROOT_NAME
 from ..utils.tree import TensorLeaves, lone_tensor
 from . import aliases, compiled, rootcall, wrappers
 from .functions import SiteBinding, apply_boundary, can_probe
@@ -48,7 +49,6 @@ from .steps import StepTracker
 from .interface import SubscriberBase, wanted_events
 from .sites import ProbeEvent, ProbeSite
 
-ROOT_NAME = "<root>"
 
 
 class _BindsGlobalOnClass:

@@ -81,7 +81,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..core.failures import ProbeFailureWarning, failure_reason
-from ..core.manager import ROOT_NAME
+from ..utils.names import ROOT_NAME
 from ..core.selection import Selection
 from ..core.wrappers import user_named_modules
 from ..dump.layout import DumpWriteError

@@ -18,6 +18,7 @@ from exporters.handles import Handle
 
 from ..core import ProbeSite, SubscriberBase, wrappers
 from ..utils.exit import exiting
+from ..utils.names import ROOT_NAME
 from ..utils.tree import TensorLeaves
 from .gathering import ModuleBinding, NoContext, ZeroPostForward, ZeroPreForward
 
@@ -44,7 +45,7 @@ class ZeROOffloadSubscriber(SubscriberBase):
         managed = _deepspeed_compat.prepare_modules(offloader, root)
         # Indexed like the manager's sites (the order of the manager's module walk); None inside a ZeRO-3 leaf module.
         self._bindings: list[ModuleBinding | None] = [
-            ModuleBinding(offloader, module, name or "<root>", module is root) if id(module) in managed else None
+            ModuleBinding(offloader, module, name or ROOT_NAME, module is root) if id(module) in managed else None
             for name, module in wrappers.user_named_modules(root)
         ]
         self.closed = False
