@@ -386,9 +386,10 @@ def exporting_unprobed() -> bool:
 # ORT's random kernels that seed their generator, when the node has no ``seed`` attribute, with the global seed
 # plus the node's index in the graph the session runs (onnxruntime/core/providers/cpu/generator/random.h, 1.19).
 _SEEDED_BY_INDEX = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial"})
-# Random nodes ORT inlines as functions when it builds the session (Bernoulli: a RandomUniformLike appended to the
-# graph, so seeded by the graph's node count then): no place in the probed graph gives them the unprobed index.
-_SEEDED_WHEN_INLINED = frozenset({"Bernoulli"})
+# Random nodes ORT inlines as functions when it builds the session: their function body's nodes are appended to the
+# graph, so the body's RandomUniformLike is seeded by the graph's node count then (Bernoulli: RandomUniformLike,
+# Greater, Cast; onnx/defs/generator/defs.cc).
+_INLINED_BODY = {"Bernoulli": 3}
 
 
 def keep_random_streams() -> None:
@@ -424,6 +425,43 @@ def _draws_by_index(node: Any) -> bool:
     return node.op_type in _SEEDED_BY_INDEX and node.domain in ("", "ai.onnx") and _unseeded(node)
 
 
+def _inlined_by_ort(node: Any) -> bool:
+    return node.op_type in _INLINED_BODY and node.domain in ("", "ai.onnx") and _unseeded(node)
+
+
+def _inline_draws(graph: Any, unprobed: Any) -> dict[str, int]:
+    """Replace each unseeded Bernoulli node of ``graph`` by the nodes of its ONNX function body, in place (a
+    RandomUniformLike, then Greater and CastLike: what ORT inlines, the cast written against the input's type),
+    and say where each new RandomUniformLike must stand: where ORT puts the one it inlines into ``unprobed`` (its
+    node count, plus the bodies inlined before it, in node order)."""
+    import onnx
+    from onnx import helper
+
+    at = len(unprobed.node)
+    wanted: dict[str, int] = {}
+    for node in unprobed.node:
+        if _inlined_by_ort(node):
+            wanted[f"{node.name}/draw"] = at
+            at += _INLINED_BODY[node.op_type]
+    nodes = []
+    for node in graph.node:
+        if not _inlined_by_ort(node):
+            nodes.append(onnx.NodeProto())
+            nodes[-1].CopyFrom(node)
+            continue
+        (probability,), (drawn,) = node.input, node.output
+        uniform, greater = f"{node.name}/uniform", f"{node.name}/greater"
+        dtype = [attribute.i for attribute in node.attribute if attribute.name == "dtype"]
+        nodes += [helper.make_node("RandomUniformLike", [probability], [uniform], name=f"{node.name}/draw",
+                                   low=0.0, high=1.0),
+                  helper.make_node("Greater", [uniform, probability], [greater], name=f"{node.name}/greater"),
+                  helper.make_node("Cast", [greater], [drawn], name=f"{node.name}/cast", to=dtype[0]) if dtype else
+                  helper.make_node("CastLike", [greater, probability], [drawn], name=f"{node.name}/cast")]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return wanted
+
+
 def _holds_probes(graph: Any) -> bool:
     """Whether an ONNX graph holds probe nodes (PythonOps of probes' Functions, or probes' ATen operators)."""
     for node in graph.node:
@@ -435,15 +473,18 @@ def _holds_probes(graph: Any) -> bool:
 
 
 def _place_random_nodes(graph: Any, unprobed: Any) -> list[str]:
-    """Move each random node of ``graph`` to its namesake's index in ``unprobed`` (by swapping); the names of
-    those that cannot move (no namesake, or an index past ``graph``'s end)."""
+    """Move each random node of ``graph`` to its namesake's index in ``unprobed`` (by swapping), a Bernoulli's
+    draw to where ORT's inlining puts it there (``_inline_draws``); the names of those that cannot move (no
+    namesake, or an index past ``graph``'s end)."""
     import onnx
 
+    inlined = _inline_draws(graph, unprobed)
     nodes = []
     for node in graph.node:
         nodes.append(onnx.NodeProto())
         nodes[-1].CopyFrom(node)
     wanted = {node.name: index for index, node in enumerate(unprobed.node) if _draws_by_index(node)}
+    wanted.update(inlined)
     unplaced = [node.name for node in nodes
                 if _draws_by_index(node) and (node.name not in wanted or wanted[node.name] >= len(nodes))]
     for name, target in sorted(wanted.items(), key=lambda item: item[1]):
@@ -589,10 +630,9 @@ class _OrtPatches:
                 raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
             if not _holds_probes(graph):
                 return result
-            unplaced = [node.name or node.op_type for node in graph.node
-                        if node.op_type in _SEEDED_WHEN_INLINED and _unseeded(node)]
-            if any(_draws_by_index(node) for node in graph.node):
-                unplaced += _place_random_nodes(graph, self.unprobed_graph(manager, *building_for))
+            unplaced = []
+            if any(_draws_by_index(node) or _inlined_by_ort(node) for node in graph.node):
+                unplaced = _place_random_nodes(graph, self.unprobed_graph(manager, *building_for))
             if unplaced:
                 warnings.warn(f"probes: ORTModule seeds the random nodes {unplaced} by their place in the graph, which "
                               "the probes change: their random numbers differ from training without probes",
