@@ -7,7 +7,7 @@ The 4-layer transformer of the step benchmark (d_model 256, seq 128, batch 8; CP
 Cases, each its own copy of the same model, timed round-robin after their first step:
 
 - eager / compiled without probes: the baselines;
-- compiled + a null observer (a subscriber whose ``on_forward``/``on_backward`` do nothing): what the probes
+- compiled + a null observer (a subscriber whose ``on_event`` does nothing): what the probes
   cost the compiler alone (each observed tensor materialised, no fusion across a probe, one opaque op call
   per site and pass);
 - eager / compiled + StatisticsSubscriber: the real thing;

@@ -36,10 +36,9 @@ QUICK_COUNTS = (10, 100)
 class NoOp(SubscriberBase):
     """Observes every tensor and does nothing with it: the manager's own cost."""
 
-    def on_forward(self, event, tensors):
-        pass
+    event_kinds = {"forward", "backward"}
 
-    def on_backward(self, event, grads):
+    def on_event(self, event):
         pass
 
 

@@ -13,7 +13,7 @@ rounds, per module and step (forward and backward), with the quartiles of the pe
   tracker, no backward callback;
 - the tracker's forward (``StepTracker.probe_forward``: the step, the event) with delivery switched off;
 - the backward callback (``probe_backward``), delivery still off;
-- delivery to one no-op subscriber (its ``on_forward``/``on_backward``): probes as they run;
+- delivery to one no-op subscriber (its ``on_event``): probes as they run;
 - the same with the garbage collector off (``gc.disable()`` while it runs): the collector's share.
 
 The variants swap the manager's probe call (``_apply_observed``) and the tracker's receivers on their own instances:

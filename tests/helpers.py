@@ -41,10 +41,9 @@ class OrtWitness(SubscriberBase):
         super().__init__()
         self.by_ort = 0
 
-    def on_forward(self, event, tensors) -> None:
-        self.by_ort += called_by_ort_runtime()
+    event_kinds = {"forward", "backward"}
 
-    def on_backward(self, event, grads) -> None:
+    def on_event(self, event) -> None:
         self.by_ort += called_by_ort_runtime()
 
 
@@ -102,14 +101,13 @@ class Recorder(SubscriberBase):
         self.calls.append(Call(event.step, event.phase, event.record_name(0), event.seq, shapes, called_by_ort_runtime(),
                                records))
 
-    def on_forward(self, event, tensors):
-        self._record(event, tensors)
+    event_kinds = {"forward", "backward", "step_end"}
 
-    def on_backward(self, event, grads):
-        self._record(event, grads)
-
-    def on_step_end(self, step):
-        self.step_ends.append(step)
+    def on_event(self, event):
+        if event.kind == "step_end":
+            self.step_ends.append(event.step)
+        else:
+            self._record(event, event.tensors)
 
     def close(self):
         self.closed = True

@@ -33,15 +33,12 @@ the phase ended (out of the model's forward, out of ``backward()``). Any other e
 
 Which events a subscriber gets is declared, never guessed: ``event_kinds`` (a set of kinds; probes are inserted
 only when one wants ``"forward"`` or ``"backward"``). Left at None, a class that overrides ``on_event`` gets
-every kind.
+every kind, and one that does not gets none (it only builds the graph). A subclass extends its parent as any
+Python class does: its ``on_event`` handles the kinds it cares about and calls ``super().on_event(event)``.
 
-The seed's named methods keep working: ``on_forward(event, tensors)``, ``on_backward(event, grads)``,
-``on_forward_end(step)``, ``on_step_end(step)``, ``on_site_failed(event, reason)``, ``on_subscribe(model)``,
-``on_step_start(step)``. A class that overrides one gets that event through it, with its old arguments (and,
-left at None, ``event_kinds`` is the set of those it overrides). Where a class overrides a named method below a
-parent that overrides ``on_event`` (a subclass of ``StatisticsSubscriber`` overriding ``on_step_end``), the
-named method wins for its event, and its ``super().on_step_end(step)`` reaches the parent's ``on_event``; a
-class's own ``on_event`` calling ``super().on_event(event)`` reaches the named methods of its parents.
+The seed's named methods (``on_forward(event, tensors)``, ``on_step_end(step)``, ...) are gone: a class that
+defines one is a TypeError at its definition that names the ``on_event`` form to write (docs/migration.md), never
+a method that is silently not called.
 
 *Graph-building calls* are no events: they return what the forward continues with. They run inside the
 PyTorch module hooks the manager registers: in eager mode on every forward, under ORTModule only while ORT
@@ -67,122 +64,32 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from .selection import Selection
-from .sites import EVENT_KINDS, EventKind, ProbeEvent, ProbeSite
+from .sites import EVENT_KINDS, ProbeEvent, ProbeSite
 
 __all__ = ["ProbeEvent", "ProbeSite", "SubscriberBase"]
 
 _GRAPH_BUILDING_CALLS = ("pre_forward_module_apply", "post_forward_module_apply", "pre_forward_outmost_module_apply",
                          "post_forward_outmost_module_apply")
 TENSOR_EVENTS = frozenset({"forward", "backward"})  # the kinds that need probes in the model
-
-
-@dataclass(frozen=True)
-class _Named:
-    """The seed's method for one event kind: its name, and its arguments to and from an event."""
-
-    method: str
-    arguments: Callable[[ProbeEvent], tuple]  # the event -> the method's arguments
-    event: Callable[..., ProbeEvent]  # the method's arguments -> the event
-
-
-# The old methods never see tensors inside an event (a subscriber that keeps its events keeps no tensor).
-_NAMED: dict[str, _Named] = {
-    "subscribe": _Named("on_subscribe", lambda e: (e.model,), lambda model: ProbeEvent(None, 0, kind="subscribe",
-                                                                                         model=model)),
-    "step_start": _Named("on_step_start", lambda e: (e.step,), lambda step: ProbeEvent(None, step, kind="step_start")),
-    "forward": _Named("on_forward", lambda e: (e._replace(tensors=()), e.tensors),
-                      lambda event, tensors: event._replace(kind="forward", tensors=tuple(tensors))),
-    "backward": _Named("on_backward", lambda e: (e._replace(tensors=()), e.tensors),
-                       lambda event, grads: event._replace(kind="backward", tensors=tuple(grads))),
-    "forward_end": _Named("on_forward_end", lambda e: (e.step,),
-                          lambda step: ProbeEvent(None, step, kind="forward_end")),
-    "step_end": _Named("on_step_end", lambda e: (e.step,), lambda step: ProbeEvent(None, step, kind="step_end")),
-    "site_failed": _Named("on_site_failed", lambda e: (e, e.reason),
-                          lambda event, reason: event._replace(kind="site_failed", reason=reason, tensors=())),
-}
-
-
-@dataclass(frozen=True)
-class Routes:
-    """How one subscriber class takes each event kind, worked out once per class from what it overrides.
-
-    - ``named[kind]``: the seed's method the class overrides for ``kind``, below no ``on_event`` of its own (the
-      manager calls it with its old arguments); absent where ``on_event`` takes the kind.
-    - ``event_below[kind]``: what a named method's ``super()`` call reaches, the ``on_event`` of a parent below
-      every override of that method.
-    - ``named_below[kind]``: what ``super().on_event(event)`` reaches, the named method of a parent below
-      every ``on_event``.
-    - ``default_events``: the kinds taken when ``event_kinds`` is None.
-
-    Each fallback lies strictly below what falls back to it, so no pair of them calls the other back.
-    """
-
-    named: dict[str, Callable]
-    event_below: dict[str, Callable]
-    named_below: dict[str, Callable]
-    default_events: frozenset[str]
-
-    @classmethod
-    def of(cls, subscriber_class: type) -> "Routes":
-        mro = _above_base(subscriber_class)
-        handlers = [c for c in mro if _writes_on_event(c)]
-        named, event_below, named_below = {}, {}, {}
-        for kind, spec in _NAMED.items():
-            overriders = [c for c in mro if spec.method in c.__dict__]
-            takers = [c for c in mro if c in overriders or c in handlers]
-            if takers and takers[0] not in handlers:
-                named[kind] = takers[0].__dict__[spec.method]
-            below = [c for c in handlers if not overriders or mro.index(c) > mro.index(overriders[-1])]
-            if below:
-                event_below[kind] = below[0].__dict__["on_event"]
-            below = [c for c in overriders if not handlers or mro.index(c) > mro.index(handlers[-1])]
-            if below:
-                named_below[kind] = below[0].__dict__[spec.method]
-        default = frozenset(EVENT_KINDS) if handlers else frozenset(named)
-        return cls(named, event_below, named_below, default)
-
-
-def _above_base(cls: type) -> list[type]:
-    """The classes of ``cls``'s method resolution order that come before ``SubscriberBase`` (the others' methods
-    are hidden behind its defaults)."""
-    mro = cls.__mro__
-    return list(mro[:mro.index(SubscriberBase)])
-
-
-def _writes_on_event(cls: type) -> bool:
-    """Whether ``cls`` itself defines an ``on_event`` (not one made by ``_route_named_methods``)."""
-    method = cls.__dict__.get("on_event")
-    return method is not None and not getattr(method, "routes_named_methods", False)
-
-
-def _route_named_methods(cls: type, routes: Routes) -> None:
-    """A class overriding a named method below a parent's ``on_event`` gets an ``on_event`` that sends that
-    event to the named method, so that ``on_event`` stays the one entry point of every subscriber."""
-    handler = next(c.__dict__["on_event"] for c in _above_base(cls) if _writes_on_event(c))
-
-    def on_event(self: SubscriberBase, event: ProbeEvent) -> None:
-        named = routes.named.get(event.kind)
-        if named is None:
-            return handler(self, event)
-        return named(self, *_NAMED[event.kind].arguments(event))
-
-    on_event.routes_named_methods = True  # type: ignore[attr-defined]
-    cls.on_event = on_event  # type: ignore[method-assign]
+# The seed's named methods, by the event kind that replaced each, and that event's field their arguments were.
+_NAMED_BEFORE = {"on_forward": ("forward", "event.tensors"), "on_backward": ("backward", "event.tensors"),
+                 "on_forward_end": ("forward_end", "event.step"), "on_step_end": ("step_end", "event.step"),
+                 "on_site_failed": ("site_failed", "event.reason"), "on_subscribe": ("subscribe", "event.model"),
+                 "on_step_start": ("step_start", "event.step")}
 
 
 def wanted_events(subscriber: "SubscriberBase") -> frozenset[str]:
-    """The kinds of event ``subscriber`` takes: its ``event_kinds``, or (None) its class's default; and always the
-    named methods it overrides. A kind that does not exist is a ValueError."""
-    routes = type(subscriber)._routes
+    """The kinds of event ``subscriber`` takes: its ``event_kinds``, or (None) every kind where its class overrides
+    ``on_event`` and none where it does not. A kind that does not exist is a ValueError."""
     declared = subscriber.event_kinds
     if declared is None:
-        return routes.default_events
+        overrides = type(subscriber).on_event is not SubscriberBase.on_event
+        return frozenset(EVENT_KINDS) if overrides else frozenset()
     if isinstance(declared, str) or not isinstance(declared, Collection):
         raise ValueError(f"{type(subscriber).__qualname__}.event_kinds must be a set of event kinds (e.g. "
                          f"{{'forward', 'step_end'}}) or None, got {declared!r}")
@@ -190,17 +97,11 @@ def wanted_events(subscriber: "SubscriberBase") -> frozenset[str]:
     if unknown:
         raise ValueError(f"{type(subscriber).__qualname__}.event_kinds names no event kind: {', '.join(map(repr, unknown))}; "
                          f"the kinds are {', '.join(map(repr, EVENT_KINDS))}")
-    return frozenset(declared) | frozenset(routes.named)
-
-
-def named_method(subscriber: "SubscriberBase", kind: EventKind) -> Callable | None:
-    """The seed's method that takes ``kind`` for ``subscriber`` (a function: call it with the subscriber and the
-    old arguments), or None where ``on_event`` takes it."""
-    return type(subscriber)._routes.named.get(kind)
+    return frozenset(declared)
 
 
 class SubscriberBase:
-    """Base class of every subscriber: override ``on_event`` (or the seed's named methods); see the module docstring.
+    """Base class of every subscriber: override ``on_event``; see the module docstring.
 
     Which steps, sites and phases get per-step calls (``probes.core.selection``; all by default):
 
@@ -224,15 +125,17 @@ class SubscriberBase:
     observe_recompute: bool = False  # also get forwards recomputed by activation checkpointing (phase "recompute")
     selection: Selection = Selection()  # subclasses that never call __init__ record everything
     # The kinds of event this subscriber takes (``EventKind``); None: every kind for a class overriding on_event,
-    # else those of the named methods it overrides. Probes go into the model only for "forward" or "backward".
+    # none for one that does not. Probes go into the model only for "forward" or "backward".
     event_kinds: Collection[str] | None = None
-    _routes: ClassVar[Routes]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._routes = Routes.of(cls)
-        if cls._routes.named and any(_writes_on_event(c) for c in _above_base(cls)):
-            _route_named_methods(cls, cls._routes)
+        for method, (kind, field) in _NAMED_BEFORE.items():
+            if method in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__qualname__}.{method}: subscribers take every event through on_event(event); write "
+                    f"`def on_event(self, event)` handling event.kind == {kind!r} (its argument is {field}) and "
+                    "calling super().on_event(event) for the others (docs/migration.md)")
 
     def __init__(self, start_step: int | None = None, end_step: int | None = None, *,
                  every_n_steps: int | None = None, steps: Iterable[int] | None = None,
@@ -274,11 +177,7 @@ class SubscriberBase:
 
     # The one event call (eager and ORT alike; see the module docstring for when each kind comes).
     def on_event(self, event: ProbeEvent) -> None:
-        """What happened (``event.kind``), where, in which step, with which tensors. This default hands the
-        event to the named method a class overrides for it (the seed's form), with its old arguments."""
-        named = type(self)._routes.named_below.get(event.kind)
-        if named is not None:
-            named(self, *_NAMED[event.kind].arguments(event))
+        """What happened (``event.kind``), where, in which step, with which tensors. The base takes nothing."""
 
     # Graph-building calls (eager: every forward; ORT: at export).
     def pre_forward_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -293,40 +192,6 @@ class SubscriberBase:
     def post_forward_outmost_module_apply(self, site: ProbeSite, module: torch.nn.Module, args: tuple, outputs: Any):
         return outputs
 
-    # The seed's named methods: each takes one kind of event, with its old arguments. By default each hands its
-    # event on to a parent's ``on_event`` (so ``super().on_step_end(step)`` below one reaches it).
-    def on_forward(self, event: ProbeEvent, tensors: Sequence[torch.Tensor]) -> None:
-        self._to_on_event("forward", event, tensors)
-
-    def on_backward(self, event: ProbeEvent, grads: Sequence[torch.Tensor | None]) -> None:
-        self._to_on_event("backward", event, grads)
-
-    def on_forward_end(self, step: int) -> None:
-        self._to_on_event("forward_end", step)
-
-    def on_site_failed(self, event: ProbeEvent, reason: str) -> None:
-        """This subscriber's call for ``event`` raised (``reason``); its site gets no more calls from now on
-        (``probes.core.failures``). Record that the site went dark, if you keep records."""
-        self._to_on_event("site_failed", event, reason)
-
-    def on_step_end(self, step: int) -> None:
-        self._to_on_event("step_end", step)
-
-    def on_subscribe(self, model: torch.nn.Module) -> None:
-        """Called once by ``subscribe()`` with the user's module (wrappers removed), before any other call."""
-        self._to_on_event("subscribe", model)
-
-    def on_step_start(self, step: int) -> None:
-        """Step ``step`` opened (every step, whatever the selection); the previous one is over."""
-        self._to_on_event("step_start", step)
-
-    def _to_on_event(self, kind: str, *arguments: Any) -> None:
-        handler = type(self)._routes.event_below.get(kind)
-        if handler is not None:
-            handler(self, _NAMED[kind].event(*arguments))
-
     def close(self) -> None:
         """Release resources (files, threads); called when the subscription is removed."""
 
-
-SubscriberBase._routes = Routes(named={}, event_below={}, named_below={}, default_events=frozenset())

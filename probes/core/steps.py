@@ -40,12 +40,11 @@ from exporters import _torch_compat
 
 from .differentiable import EagerDifferentiable
 from .failures import SiteFailures
-from .interface import TENSOR_EVENTS, SubscriberBase, named_method, wanted_events
+from .interface import TENSOR_EVENTS, SubscriberBase, wanted_events
 from .sites import EVENT_KINDS, ProbeEvent, ProbeSite
 
-# The observers that take one site's calls of one phase, each with the seed's method that takes them, if the
-# subscriber's class is written that way (called as before, with the event and the tensors apart), or None.
-Receivers = tuple[tuple[SubscriberBase, "Callable | None"], ...]
+# The observers that take one site's calls of one phase.
+Receivers = tuple[SubscriberBase, ...]
 
 
 # A probe firing's events are made with tuple's own constructor from all of ``ProbeEvent``'s fields in order: it skips
@@ -374,7 +373,7 @@ class StepTracker:
         _, active, all_active = known if known[0] == step else self._active_observers(step)
         if all_active and not self.failures.any():  # the common case: nothing to filter
             return wanting
-        return tuple(r for r in wanting if r[0] in active and not self.failures.is_off(site, r[0]))
+        return tuple(r for r in wanting if r in active and not self.failures.is_off(site, r))
 
     def _active_observers(self, step: int) -> tuple[int | None, tuple[SubscriberBase, ...], bool]:
         """(step, the observers active in it, whether those are all the observers), worked out once per step."""
@@ -384,22 +383,16 @@ class StepTracker:
         return self._active_in
 
     def _deliver(self, receivers: Receivers, event: ProbeEvent, tensors: Sequence) -> None:
-        """A probe firing to its receivers: ``event`` is its event without its tensors (what the seed's methods get,
-        with the tensors apart); the event with them (for ``on_event``) is made once, where a receiver needs it. A
-        subscriber that raises loses this site, and training goes on."""
-        full = None
-        for subscriber, named in receivers:
+        """A probe firing to its receivers: ``event`` is its event without its tensors (what the step keeps for the
+        backward, holding no tensor); each receiver gets it with them. A subscriber that raises loses this site,
+        and training goes on."""
+        site, step, phase, seq, call, forward_step, kind, reason, model, _ = event
+        full = _new_tuple(ProbeEvent, (site, step, phase, seq, call, forward_step, kind, reason, model, tensors))
+        for subscriber in receivers:
             try:
-                if named is None:
-                    if full is None:
-                        site, step, phase, seq, call, forward_step, kind, reason, model, _ = event
-                        full = _new_tuple(ProbeEvent, (site, step, phase, seq, call, forward_step, kind, reason, model,
-                                                       tensors))
-                    subscriber.on_event(full)
-                else:
-                    named(subscriber, event, tensors)
+                subscriber.on_event(full)
             except Exception as error:
-                self.failures.switch_off(event.site, subscriber, event, error)
+                self.failures.switch_off(site, subscriber, event, error)
 
     def _wanting_at(self, site: ProbeSite) -> dict[str, Receivers]:
         wanting = self._wanting.get(site)
@@ -410,7 +403,7 @@ class StepTracker:
             for phase in ("forward", "backward", "recompute"):
                 kind = "backward" if phase == "backward" else "forward"
                 takers = self._taking.get(kind, ())
-                wanting[phase] = tuple((s, named_method(s, kind)) for s in eligible
+                wanting[phase] = tuple(s for s in eligible
                                        if s in takers and s.selection.wants_phase(phase)
                                        and (phase != "recompute" or s.observe_recompute))
         return wanting

@@ -2,7 +2,7 @@
 
 Proof that the compiled graph ran the probes: dynamo's compile counter counts the frames it compiled,
 and the graph-building calls (``post_forward_module_apply``) run only while dynamo traces, whereas
-``on_forward``/``on_backward`` keep arriving on every step. Runs on both lanes (torch 2.4.1 and 2.13.0).
+``"forward"``/``"backward"`` events keep arriving on every step. Runs on both lanes (torch 2.4.1 and 2.13.0).
 """
 
 from __future__ import annotations

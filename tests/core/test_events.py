@@ -1,4 +1,5 @@
-"""One event signature: ``on_event(event)`` gets every kind, and the seed's named methods keep working unchanged."""
+"""One event signature: ``on_event(event)`` gets every kind; a class written with the seed's named methods is a
+clear error where it is defined, never a method silently not called."""
 
 from __future__ import annotations
 
@@ -20,44 +21,8 @@ def train(model: torch.nn.Module, steps: int) -> None:
         model(batch["tokens"], labels=batch["labels"]).backward()
 
 
-class OldStyle(SubscriberBase):
-    """Written for the seed's interface: seven named methods, each with its old arguments."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple] = []
-        self.events: list[ProbeEvent] = []  # the events it keeps (they must hold no tensor): a name of its own
-
-    def on_subscribe(self, model):
-        self.log.append(("subscribe", type(model).__name__))
-
-    def on_step_start(self, step):
-        self.log.append(("step_start", step))
-
-    def on_forward(self, event, tensors):
-        self.events.append(event)
-        if event.site.name == BROKEN:
-            raise RuntimeError("broken on purpose")
-        self.log.append(("forward", event.step, event.phase, event.seq, event.record_name(0),
-                         tuple(tuple(t.shape) for t in tensors)))
-
-    def on_backward(self, event, grads):
-        self.events.append(event)
-        self.log.append(("backward", event.step, event.phase, event.seq, event.record_name(0),
-                         tuple(None if g is None else tuple(g.shape) for g in grads)))
-
-    def on_forward_end(self, step):
-        self.log.append(("forward_end", step))
-
-    def on_step_end(self, step):
-        self.log.append(("step_end", step))
-
-    def on_site_failed(self, event, reason):
-        self.log.append(("site_failed", event.step, event.site.name, reason))
-
-
 class NewStyle(SubscriberBase):
-    """The one entry point; logs what ``OldStyle`` logs, from the event alone."""
+    """The one entry point: logs every event, from the event alone."""
 
     def __init__(self, **selection) -> None:
         super().__init__(**selection)
@@ -90,10 +55,10 @@ def run(subscribers: list[SubscriberBase], steps: int = 2) -> None:
     assert sum(issubclass(w.category, ProbeFailureWarning) for w in caught) == len(subscribers)
 
 
-def test_an_old_style_subscriber_gets_every_named_call_with_its_old_arguments():
-    old = OldStyle()
-    run([old])
-    log = old.log
+def test_a_subscriber_gets_every_kind_through_on_event_in_order():
+    new = NewStyle()
+    run([new])
+    log = new.log
     assert log[0] == ("subscribe", "TinyTransformer") and log[1] == ("step_start", 0)
     assert [entry for entry in log if entry[0] in ("step_start", "forward_end", "step_end")] == [
         ("step_start", 0), ("forward_end", 0), ("step_end", 0), ("step_start", 1), ("forward_end", 1), ("step_end", 1)]
@@ -103,17 +68,18 @@ def test_an_old_style_subscriber_gets_every_named_call_with_its_old_arguments():
     backwards = [entry for entry in log if entry[0] == "backward" and entry[1] == 0]
     assert forwards[-1][4] == "<root>.output.0" and backwards[0][4] == "<root>.output.0"
     assert BROKEN + ".output.0" not in {entry[4] for entry in log if entry[0] in ("forward", "backward")}
-    # The events it keeps hold no tensor (as before: tensors came beside them), and say what they were.
-    assert all(event.tensors == () for event in old.events)
-    assert {(event.kind, event.phase) for event in old.events} == {("forward", "forward"), ("backward", "backward")}
+    assert {kind for kind, *_ in log} == {"subscribe", "step_start", "forward", "backward", "forward_end",
+                                          "step_end", "site_failed"}
 
 
-def test_an_old_style_and_a_new_style_subscriber_see_the_same_run():
-    old, new = OldStyle(), NewStyle()
-    run([old, new])
-    assert old.log == new.log
-    assert {kind for kind, *_ in new.log} == {"subscribe", "step_start", "forward", "backward", "forward_end",
-                                              "step_end", "site_failed"}
+@pytest.mark.parametrize("method, kind", [("on_forward", "forward"), ("on_backward", "backward"),
+                                          ("on_forward_end", "forward_end"), ("on_step_end", "step_end"),
+                                          ("on_site_failed", "site_failed"), ("on_subscribe", "subscribe"),
+                                          ("on_step_start", "step_start")])
+def test_a_named_method_of_the_seed_is_a_clear_error_where_the_class_is_defined(method, kind):
+    with pytest.raises(TypeError, match=rf"Seed\.{method}: subscribers take every event through on_event\(event\); "
+                                        rf"write `def on_event\(self, event\)` handling event\.kind == '{kind}'"):
+        type("Seed", (StatisticsSubscriber,), {method: lambda self, *args: None})
 
 
 def test_a_new_style_subscriber_gets_the_live_tensors_and_gradients():
@@ -170,21 +136,17 @@ def test_an_event_kind_that_does_not_exist_is_a_clear_error():
         SubscriberManager().subscribe(TinyTransformer(CONFIG), [subscriber])
 
 
-def test_named_methods_and_on_event_reach_each_other_through_super():
+def test_a_subclass_extends_its_parent_through_super():
     calls: list[str] = []
 
     class Parent(SubscriberBase):
         def on_event(self, event):
             calls.append(f"parent {event.kind} {event.step}")
 
-    class Child(Parent):  # a named method below a parent's on_event: it wins for its event, super() reaches the parent
-        def on_step_end(self, step):
-            calls.append(f"child step_end {step}")
-            super().on_step_end(step)
-
-    class Grandchild(Child):  # an on_event below a named method: super().on_event reaches it
+    class Child(Parent):
         def on_event(self, event):
-            calls.append(f"grandchild {event.kind}")
+            if event.kind == "step_end":
+                calls.append(f"child step_end {event.step}")
             super().on_event(event)
 
     Child().on_event(ProbeEvent(None, 3, kind="step_end"))
@@ -192,28 +154,32 @@ def test_named_methods_and_on_event_reach_each_other_through_super():
     calls.clear()
     Child().on_event(ProbeEvent(None, 4, kind="forward_end"))
     assert calls == ["parent forward_end 4"]
-    calls.clear()
-    Grandchild().on_event(ProbeEvent(None, 5, kind="step_end"))
-    assert calls == ["grandchild step_end", "child step_end 5", "parent step_end 5"]
-    calls.clear()
-    Child().on_forward_end(6)  # a named method called directly: to the parent's on_event
-    assert calls == ["parent forward_end 6"]
 
 
-def test_a_subclass_of_statistics_subscriber_overriding_named_methods_keeps_its_dump(tmp_path):
+def test_a_subscriber_that_takes_no_event_gets_no_probe():
+    class GraphOnly(SubscriberBase):  # overrides no on_event and declares no kinds: it only builds the graph
+        def post_forward_module_apply(self, site, module, args, outputs):
+            return outputs
+
+    manager, model = SubscriberManager(), TinyTransformer(CONFIG)
+    with manager.subscribe(model, [GraphOnly()]):
+        assert manager.tracker.observers == ()
+        train(model, 1)
+
+
+def test_a_subclass_of_statistics_subscriber_extending_on_event_keeps_its_dump(tmp_path):
     class Counting(StatisticsSubscriber):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.forwards = 0
             self.ends: list[int] = []
 
-        def on_forward(self, event, tensors):
-            self.forwards += 1
-            super().on_forward(event, tensors)
-
-        def on_step_end(self, step):
-            super().on_step_end(step)
-            self.ends.append(step)
+        def on_event(self, event):
+            if event.kind == "forward":
+                self.forwards += 1
+            super().on_event(event)
+            if event.kind == "step_end":
+                self.ends.append(event.step)
 
     torch.manual_seed(0)
     model = TinyTransformer(CONFIG)

@@ -114,9 +114,10 @@ class SiteRecorder(Recorder):
         super().__init__()
         self.sites: list[ProbeSite] = []
 
-    def on_forward(self, event, tensors):
-        self.sites.append(event.site)
-        super().on_forward(event, tensors)
+    def on_event(self, event):
+        if event.kind == "forward":
+            self.sites.append(event.site)
+        super().on_event(event)
 
 
 def test_a_deep_copy_of_a_probed_model_reports_to_the_same_subscription():
@@ -256,8 +257,10 @@ EXIT_SCRIPT = textwrap.dedent("""
     from probes.utils.exit import at_exit
 
     class Ends(SubscriberBase):
-        def on_step_end(self, step):
-            print("step_end", step, flush=True)
+        event_kinds = {"step_end"}
+
+        def on_event(self, event):
+            print("step_end", event.step, flush=True)
 
         def close(self):
             print("close", flush=True)
@@ -367,11 +370,11 @@ class ValueRecorder(SubscriberBase):
         super().__init__()
         self.values = {}
 
-    def on_forward(self, event, tensors):
-        self.values[event.record_name(0), "forward"] = [t.detach().clone() for t in tensors]
+    event_kinds = {"forward", "backward"}
 
-    def on_backward(self, event, grads):
-        self.values[event.record_name(0), "backward"] = [None if g is None else g.clone() for g in grads]
+    def on_event(self, event):
+        copies = [None if t is None else t.detach().clone() for t in event.tensors]
+        self.values[event.record_name(0), event.kind] = copies
 
 
 def test_a_tuple_of_one_tensor_and_scalars_goes_straight_to_the_probe_with_the_same_records():

@@ -94,7 +94,7 @@ def test_left_out_steps_get_no_call_and_keep_their_numbers():
         train(model, 7)
         assert manager.step == 7
     assert {c.step for c in recorder.calls} == {1, 4}
-    assert recorder.step_ends == [1, 4]  # no on_step_end for a left-out step either
+    assert recorder.step_ends == [1, 4]  # no "step_end" for a left-out step either
 
 
 def test_a_left_out_step_runs_its_modules_without_probes():

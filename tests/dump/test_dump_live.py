@@ -197,9 +197,10 @@ class FinishedSteps(StatisticsSubscriber):
         super().__init__(*args, **kwargs)
         self.finished: list[int] = []
 
-    def on_step_end(self, step: int) -> None:
-        super().on_step_end(step)
-        self.finished.append(step)
+    def on_event(self, event) -> None:
+        super().on_event(event)
+        if event.kind == "step_end":
+            self.finished.append(event.step)
 
 
 def train(model, steps: int) -> None:

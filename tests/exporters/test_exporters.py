@@ -80,9 +80,10 @@ class SessionRecorder(Recorder):
         super().__init__()
         self.by_session: list[bool] = []
 
-    def on_forward(self, event, tensors):
-        super().on_forward(event, tensors)
-        self.by_session.append(called_by_inference_session())
+    def on_event(self, event):
+        super().on_event(event)
+        if event.kind == "forward":
+            self.by_session.append(called_by_inference_session())
 
 
 
@@ -495,11 +496,11 @@ class DataPointers(Recorder):
         super().__init__()
         self.pointers: dict[tuple[int, str, str], tuple[int, ...]] = {}
 
-    def on_forward(self, event, tensors):
-        self.pointers[(event.step, "forward", event.site.name)] = tuple(t.data_ptr() for t in tensors)
-
-    def on_backward(self, event, grads):
-        self.pointers[(event.step, "backward", event.site.name)] = tuple(g.data_ptr() for g in grads)
+    def on_event(self, event):
+        if event.kind in ("forward", "backward"):
+            self.pointers[(event.step, event.kind, event.site.name)] = tuple(t.data_ptr() for t in event.tensors)
+        else:
+            super().on_event(event)
 
 
 class TwoOutputs(torch.nn.Module):

@@ -227,8 +227,8 @@ def probe_directly(out: Path, tensors: list[tuple[str, torch.Tensor]]) -> tuple[
         warnings.simplefilter("always")
         for seq, (name, tensor) in enumerate(tensors):
             site = ProbeSite(name, "output", seq + 1, 1, "Map")
-            subscriber.on_forward(ProbeEvent(site, 0, "forward", seq), [tensor])
-        subscriber.on_step_end(0)
+            subscriber.on_event(ProbeEvent(site, 0, "forward", seq, kind="forward", tensors=(tensor,)))
+        subscriber.on_event(ProbeEvent(None, 0, kind="step_end"))
         subscriber.close()
     records = {r["module"]: r for r in load_dump(out)}
     return records, [str(w.message) for w in caught if issubclass(w.category, UnsupportedTensorWarning)]

@@ -209,9 +209,10 @@ def test_ortmodule_raises_the_anomaly_by_its_own_type(tmp_path, monkeypatch, pha
     by_ort = []
 
     class ProvesOrt(AnomalySentinel):
-        def on_forward(self, event, tensors):
-            by_ort.append(called_by_ort_runtime())
-            super().on_forward(event, tensors)
+        def on_event(self, event):
+            if event.kind == "forward":
+                by_ort.append(called_by_ort_runtime())
+            super().on_event(event)
 
     subscription = SubscriberManager().subscribe(
         model, [StatisticsSubscriber(tmp_path / "run", keep_last=2, on_anomaly="raise"), ProvesOrt(action="warn")])
