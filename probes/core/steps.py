@@ -41,15 +41,10 @@ from exporters import _torch_compat
 from .differentiable import EagerDifferentiable
 from .failures import SiteFailures
 from .interface import TENSOR_EVENTS, SubscriberBase, wanted_events
-from .sites import EVENT_KINDS, ProbeEvent, ProbeSite
+from .sites import EVENT_KINDS, ProbeEvent, ProbeSite, probe_firing, with_tensors
 
 # The observers that take one site's calls of one phase.
 Receivers = tuple[SubscriberBase, ...]
-
-
-# A probe firing's events are made with tuple's own constructor from all of ``ProbeEvent``'s fields in order: it skips
-# the named tuple's argument binding, a third of the cost of an event, made once or twice per probe call.
-_new_tuple = tuple.__new__
 
 
 @dataclass(eq=False)
@@ -232,7 +227,7 @@ class StepTracker:
         calls[key] = call + 1
         seq = state.seq
         state.seq = seq + 1
-        event = _new_tuple(ProbeEvent, (site, step, "forward", seq, call, None, "forward", None, None, ()))
+        event = probe_firing(site, step, "forward", seq, call)
         unmatched = state.unmatched.get(key)
         if unmatched is None:
             state.unmatched[key] = [event]
@@ -271,13 +266,11 @@ class StepTracker:
         state.seq = seq + 1
         if forward.step == step and id(forward) not in state.backward_done:
             state.backward_done.add(id(forward))
-            event = _new_tuple(ProbeEvent, (site, step, "backward", seq, forward.call, None, "backward", None, None,
-                                            ()))
+            event = probe_firing(site, step, "backward", seq, forward.call)
         else:  # another backward of a forward already differentiated: a new call in this step
             call = state.calls.get(id(site), 0)
             state.calls[id(site)] = call + 1
-            event = _new_tuple(ProbeEvent, (site, step, "backward", seq, call, forward.step, "backward", None, None,
-                                            ()))
+            event = probe_firing(site, step, "backward", seq, call, forward.step)
         receivers = self._receivers(site, step, "backward")
         if receivers:
             self._deliver(receivers, event, grads)
@@ -386,13 +379,12 @@ class StepTracker:
         """A probe firing to its receivers: ``event`` is its event without its tensors (what the step keeps for the
         backward, holding no tensor); each receiver gets it with them. A subscriber that raises loses this site,
         and training goes on."""
-        site, step, phase, seq, call, forward_step, kind, reason, model, _ = event
-        full = _new_tuple(ProbeEvent, (site, step, phase, seq, call, forward_step, kind, reason, model, tensors))
+        full = with_tensors(event, tensors)
         for subscriber in receivers:
             try:
                 subscriber.on_event(full)
             except Exception as error:
-                self.failures.switch_off(site, subscriber, event, error)
+                self.failures.switch_off(event.site, subscriber, event, error)
 
     def _wanting_at(self, site: ProbeSite) -> dict[str, Receivers]:
         wanting = self._wanting.get(site)
@@ -418,7 +410,7 @@ class StepTracker:
         if wanted:
             count = state.recomputes.get(id(site), 0)
             state.recomputes[id(site)] = count + 1
-            event = _new_tuple(ProbeEvent, (site, step, "recompute", state.seq, count, None, "forward", None, None, ()))
+            event = probe_firing(site, step, "recompute", state.seq, count)
             state.seq += 1
             self._deliver(wanted, event, tensors)
         return token
