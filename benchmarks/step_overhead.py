@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.common import environment, interleaved, median, ratio_spread, table
 import exporters
-from exporters import _ort_compat
+from exporters.adapters import ort_internals
 from probes.dump.live import flush_writers
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.models import TinyTransformer, TransformerConfig, make_batch
@@ -59,7 +59,7 @@ def _original_subscribe(model: torch.nn.Module, output_dir: Path) -> object | No
 def ortmodule_budget(default_threads: bool = False) -> Iterator[str]:
     """ORTModule sessions built inside get one intra-op thread, not spinning (unless ``default_threads``);
     yields the description for the benchmark's header."""
-    if default_threads or not _ort_compat.is_onnxruntime_installed():
+    if default_threads or not ort_internals.is_onnxruntime_installed():
         yield "ORT intra-op threads: ORT's default (one per core, spinning)"
         return
     with warnings.catch_warnings():

@@ -85,7 +85,7 @@ def _worker(rank: int, world_size: int, port: int, config: TransformerConfig, re
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu", ORTMODULE_FALLBACK_POLICY="FALLBACK_DISABLE")
     import deepspeed
-    from exporters import _deepspeed_compat as _deepspeed
+    from exporters.adapters import deepspeed_internals as _deepspeed
 
     _deepspeed.skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo")

@@ -28,10 +28,10 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _deepspeed_compat, _ort_compat
+from .adapters import deepspeed_internals, ort_internals
 from .handles import Handle
 
-from . import _torch_compat as compat
+from .adapters import torch_internals as compat
 
 ATEN_OP = "org.pytorch.aten::ATen"
 EMBEDDING_SYMBOLIC = "aten::embedding"
@@ -44,7 +44,7 @@ def is_partitioned(weight: torch.Tensor) -> bool:
 
 
 def _embedding_dim(weight: Any, fallback: int | None = None) -> int | None:
-    full_shape = _deepspeed_compat.declared_full_shape(weight)
+    full_shape = deepspeed_internals.declared_full_shape(weight)
     return int(full_shape[-1]) if full_shape else fallback
 
 
@@ -109,7 +109,7 @@ def _embedding_symbolic(previous: compat.Symbolic | None, full_shapes: dict[str,
 
 def _export_time_forward(original: Any, module: torch.nn.Embedding, indices: torch.Tensor) -> torch.Tensor:
     weight = module._parameters.get("weight")  # not module.weight: ZeRO-3's module dict would gather it
-    if weight is None or not is_partitioned(weight) or not _ort_compat.is_exporting():
+    if weight is None or not is_partitioned(weight) or not ort_internals.is_exporting():
         return original(module, indices)
     return PartitionedEmbedding.apply(weight, indices, _embedding_dim(weight, module.embedding_dim),
                                       -1 if module.padding_idx is None else module.padding_idx,
@@ -129,7 +129,7 @@ def partitioned_embedding_export(model: torch.nn.Module | None = None, opsets: t
     """
     original_forward = torch.nn.Embedding.forward
     full_shapes = {name: shape for name, parameter in (model.named_parameters() if model else ())
-                   if is_partitioned(parameter) and (shape := _deepspeed_compat.declared_full_shape(parameter))}
+                   if is_partitioned(parameter) and (shape := deepspeed_internals.declared_full_shape(parameter))}
     overrides = Handle.chain([
         compat.override_symbolic(
             EMBEDDING_SYMBOLIC, opset,

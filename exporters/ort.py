@@ -12,12 +12,12 @@ Without onnxruntime installed this does nothing and imports nothing. If ORT is i
 - ORT's PythonOp kernels get each Function's class, ``infer_shape`` and ``alias_input``, so ORT keeps
   the shapes and returns the probes' outputs in their inputs' buffers instead of copying them;
 - the forwards of steps no subscriber records run on a second graph, exported once per mode without the
-  probes (``_ort_compat.route_left_out_steps``: the probes say which steps, and count them);
+  probes (``ort_internals.route_left_out_steps``: the probes say which steps, and count them);
 - a training graph with probes is exported again when which parameters or inputs require grad changes
   (ORT would only rebuild its gradient graph): its probes learn at export which tensors eager
   differentiates (``probes.core.differentiable``).
 
-All ORT internals used here are behind exporters/_ort_compat.py.
+All ORT internals used here are behind exporters/adapters/ort_internals.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import _ort_compat
+from .adapters import ort_internals
 
 if TYPE_CHECKING:
     from .handles import Handle
@@ -53,9 +53,9 @@ def _ort_handler(spec: ProbeFunctionSpec) -> Callable[..., Any]:
 
 
 def _install_spec(spec: ProbeFunctionSpec) -> None:
-    _ort_compat.add_pythonop_export_handler(spec.name, _ort_handler(spec))
+    ort_internals.add_pythonop_export_handler(spec.name, _ort_handler(spec))
     shape, alias = (identity_infer_shape, identity_alias_input) if spec.identity else (None, None)
-    _ort_compat.register_pythonop_runtime(spec.name, spec.function, shape, alias)
+    ort_internals.register_pythonop_runtime(spec.name, spec.function, shape, alias)
 
 
 class _OrtInstallation:
@@ -73,10 +73,10 @@ class _OrtInstallation:
     def install(self) -> None:
         if self.installed:
             return
-        if _ort_compat.is_ortmodule_imported():
+        if ort_internals.is_ortmodule_imported():
             self.install_now()
             return
-        if self.waiting or not _ort_compat.is_onnxruntime_installed():
+        if self.waiting or not ort_internals.is_onnxruntime_installed():
             return
         sys.meta_path.insert(0, _AfterImport(_ORTMODULE, self.install_after_import))
         self.waiting = True
@@ -86,11 +86,11 @@ class _OrtInstallation:
             _install_spec(spec)
         if not self.installed:
             # The probes learn at each export what eager differentiates: a change of requires_grad re-exports.
-            _ort_compat.reexport_when_requires_grad_changes(lambda: self.exported_probes)
+            ort_internals.reexport_when_requires_grad_changes(lambda: self.exported_probes)
             # Steps no subscriber records run on a graph exported without probes (no PythonOp call).
-            _ort_compat.switch_left_out_steps()
+            ort_internals.switch_left_out_steps()
             # A random node draws from a stream ORT seeds by the node's index: probe nodes must not move it.
-            _ort_compat.keep_random_streams()
+            ort_internals.keep_random_streams()
             self.installed = True
             on_register(_install_spec)
 
@@ -169,7 +169,7 @@ def inference_session(model: Any, **session_options: Any) -> Any:
     """
     import onnxruntime
 
-    _ort_compat.enable_pythonop_runners()
+    ort_internals.enable_pythonop_runners()
     install_for_ort()
     if isinstance(model, (str, os.PathLike)):
         source = os.fspath(model)
@@ -188,4 +188,4 @@ def ortmodule_threads(intra_op_threads: int, *, allow_spinning: bool = False) ->
         handle = exporters.ortmodule_threads(os.cpu_count() // ranks_per_machine)   # before the first step
         handle.remove()   # sessions built afterwards get ORT's defaults again (or: with ...:)
     """
-    return _ort_compat.ortmodule_threads(intra_op_threads, spinning=allow_spinning)
+    return ort_internals.ortmodule_threads(intra_op_threads, spinning=allow_spinning)

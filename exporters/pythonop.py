@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _torch_compat as compat
+from .adapters import torch_internals as compat
 from .registry import ProbeFunctionSpec
 
 PYTHON_OP = "com.microsoft::PythonOp"

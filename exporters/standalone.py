@@ -19,9 +19,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import _ort_compat
+from .adapters import ort_internals
 
-from . import _torch_compat as compat
+from .adapters import torch_internals as compat
 from .pythonop import PYTHON_OP, reuse_map_attributes
 from .registry import registered_specs
 from .symbolic import python_op_symbolic
@@ -42,7 +42,7 @@ def export_onnx(model: torch.nn.Module, args: Any, path: str | os.PathLike | Non
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"export_onnx needs a torch.nn.Module, got {type(model).__qualname__}")
-    if _ort_compat.is_ortmodule(model):
+    if ort_internals.is_ortmodule(model):
         raise TypeError("export_onnx exports the PyTorch module; pass the module an ORTModule wraps, not the ORTModule")
     buffer = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL

@@ -16,7 +16,7 @@ import contextlib
 import functools
 from typing import Any, Iterator
 
-from . import _torch_compat as compat
+from .adapters import torch_internals as compat
 from .pythonop import PythonOpExportError, emit_probe
 from .registry import qualified_name, spec_for
 

@@ -5,7 +5,7 @@
 
 ORTModule exports the model once and then runs the exported graph. Under ZeRO-3 the graph's
 parameter inputs are the empty ``(0,)`` partitions; only the pre-forward PythonOp (``spec.pre_forward_name``)
-sees the full-size parameters, as outputs. ``exporters/_ort_compat.py`` wraps two of ORT's static export
+sees the full-size parameters, as outputs. ``exporters/adapters/ort_internals.py`` wraps two of ORT's static export
 steps and calls this module's rewrite in them, for models ``spec.is_managed`` accepts only:
 
 1. After the export (``GraphTransitionManager._export_model``; ORT exports the model itself, not a deep
@@ -19,9 +19,9 @@ steps and calls this module's rewrite in them, for models ``spec.is_managed`` ac
    a gradient so that ORT builds the backward through them. The gradients of the full-size outputs
    reach the parameters in that PythonOp's backward.
 
-Hooking into those steps is ORT-internal (``_ort_compat.install_export_rewrite``); this module only
+Hooking into those steps is ORT-internal (``ort_internals.install_export_rewrite``); this module only
 rewrites ONNX graphs (protobuf, ORT's PythonOp attribute schema). Anything in ORT that differs from what
-this expects raises ``_ort_compat.OrtInternalsError``.
+this expects raises ``ort_internals.OrtInternalsError``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 
-from . import _ort_compat, _torch_compat
-from ._ort_compat import Zero3ExportError
+from .adapters import ort_internals, torch_internals
+from .adapters.ort_internals import Zero3ExportError
 
 PYTHON_OP = "PythonOp"
 MS_DOMAIN = "com.microsoft"
@@ -61,10 +61,10 @@ def install(spec: Zero3ExportSpec) -> None:
     """Make ORTModule export the models ``spec.is_managed`` accepts with this rewrite (idempotent; the latest
     spec wins). Needs ORTModule imported."""
     # ORT's shape inference would give the full-size outputs the shape of the first input.
-    _ort_compat.register_pythonop_runtime(spec.pre_forward_name, spec.pre_forward,
+    ort_internals.register_pythonop_runtime(spec.pre_forward_name, spec.pre_forward,
                                           functools.partial(_infer_pre_forward_shapes, spec),
                                           functools.partial(_pre_forward_alias_input, spec))
-    _ort_compat.install_export_rewrite(_ort_compat.ExportRewrite(
+    ort_internals.install_export_rewrite(ort_internals.ExportRewrite(
         is_managed=spec.is_managed,
         export_context=spec.export_context,
         rewrite_exported=functools.partial(_rewire_exported, spec),
@@ -121,7 +121,7 @@ def _pointer_argument(node: Any, position: int) -> Any:
     positions = list(_attribute(node, "input_pointer_scalar_positions") or [])
     pointers = _attribute(node, "input_pointer_scalars") or []
     if position not in positions:
-        raise _ort_compat.OrtInternalsError(f"PythonOp {node.name} has no pointer argument at position {position}")
+        raise ort_internals.OrtInternalsError(f"PythonOp {node.name} has no pointer argument at position {position}")
     # The exporter keeps the object alive for the life of the process (so the id stays valid).
     return ctypes.cast(pointers[positions.index(position)], ctypes.py_object).value
 
@@ -132,7 +132,7 @@ def _infer_pre_forward_shapes(spec: Zero3ExportSpec, node: Any, input_shapes: li
     count = _input_count(node, spec.input_count_position)
     params = spec.params_of(_pointer_argument(node, spec.binding_position))
     shapes = [*input_shapes[:count], *(list(spec.full_shape(param)) for param in params)]
-    dtypes = [*input_dtypes[:count], *(_torch_compat.onnx_element_type(param.dtype) for param in params)]
+    dtypes = [*input_dtypes[:count], *(torch_internals.onnx_element_type(param.dtype) for param in params)]
     return shapes, dtypes
 
 
@@ -161,7 +161,7 @@ def _input_count(node: Any, position: int) -> int:
     positions = _attribute(node, "input_int_scalar_positions") or []
     scalars = _attribute(node, "input_int_scalars") or []
     if position not in positions:
-        raise _ort_compat.OrtInternalsError(f"PythonOp {node.name} has no int argument at position {position}")
+        raise ort_internals.OrtInternalsError(f"PythonOp {node.name} has no int argument at position {position}")
     return int(scalars[list(positions).index(position)])
 
 
@@ -170,7 +170,7 @@ def _retype_inputs(node: Any, index_types: dict[int, tuple[int, int]]) -> None:
     ranks = list(_attribute(node, "input_tensor_ranks") or [])
     types = list(_attribute(node, "input_tensor_types") or [])
     if len(ranks) != len(node.input) or len(types) != len(node.input):
-        raise _ort_compat.OrtInternalsError(f"PythonOp {node.name}: input_tensor_ranks/types do not match its inputs")
+        raise ort_internals.OrtInternalsError(f"PythonOp {node.name}: input_tensor_ranks/types do not match its inputs")
     for index, (rank, elem_type) in index_types.items():
         ranks[index], types[index] = rank, elem_type
     _set_ints(node, "input_tensor_ranks", ranks)
@@ -206,7 +206,7 @@ def rewire_consumers(model: Any, spec: Zero3ExportSpec, partitioned: dict[str, t
         if not _is_pre_forward(node, spec):
             continue
         if len(node.output) != len(node.input):
-            raise _ort_compat.OrtInternalsError(f"PythonOp {node.name}: expected one output per input before ORT's processing")
+            raise ort_internals.OrtInternalsError(f"PythonOp {node.name}: expected one output per input before ORT's processing")
         for index in _placeholder_slots(node, spec):
             name = node.input[index]
             placeholder_slots.add((position, index))
@@ -224,7 +224,7 @@ def rewire_consumers(model: Any, spec: Zero3ExportSpec, partitioned: dict[str, t
             if name in full_output and (position, index) not in placeholder_slots:
                 node.input[index] = full_output[name]
                 param = partitioned[name]
-                retype[index] = (len(spec.full_shape(param)), _torch_compat.onnx_element_type(param.dtype))
+                retype[index] = (len(spec.full_shape(param)), torch_internals.onnx_element_type(param.dtype))
         if retype and node.op_type == PYTHON_OP:
             _retype_inputs(node, retype)
     # Types inferred at export from the empty partitions; ORT infers them again.
@@ -240,7 +240,7 @@ def replace_partitioned_inputs(model: Any, spec: Zero3ExportSpec, partitioned: S
 
     graph = model.graph
     names = set(partitioned)
-    trigger, trigger_type, trigger_shape = _ort_compat.pull_weight_trigger()
+    trigger, trigger_type, trigger_shape = ort_internals.pull_weight_trigger()
     for node in _pre_forward_nodes(graph, spec):
         retype = {}
         for index in _placeholder_slots(node, spec):

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from exporters import _torch_compat
+from exporters.adapters import torch_internals
 from exporters.handles import Handle
 
 __all__ = ["EXACT", "PerturbedRounding", "perturbed_rounding"]
@@ -71,9 +71,9 @@ _WIDER.update({dtype: torch.float32 for dtype in (getattr(torch, name, None) for
 
 def perturbs(func: Any) -> bool:
     """Whether an aten operator's fresh outputs are perturbed now (see the module docstring)."""
-    if _torch_compat.writes_or_aliases(func) or _torch_compat.operator_name(func) in EXACT:
+    if torch_internals.writes_or_aliases(func) or torch_internals.operator_name(func) in EXACT:
         return False
-    return torch.is_grad_enabled() or _torch_compat.current_backward() is not None
+    return torch.is_grad_enabled() or torch_internals.current_backward() is not None
 
 
 class PerturbedRounding(Handle):
@@ -85,7 +85,7 @@ class PerturbedRounding(Handle):
         self.ulps = ulps
         self.perturbed = 0
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._entered = _torch_compat.enter_dispatch_mode(_mode_class()(self))
+        self._entered = torch_internals.enter_dispatch_mode(_mode_class()(self))
         super().__init__(self._entered.remove)
 
     def __repr__(self) -> str:
@@ -129,7 +129,7 @@ def _storages(values: Any) -> set[int]:
 
 
 def _mode_class() -> type:
-    base = _torch_compat.dispatch_mode_class()
+    base = torch_internals.dispatch_mode_class()
 
     class _Mode(base):  # type: ignore[misc, valid-type]
         """Runs each operation, then perturbs its fresh floating-point outputs (inside it, the mode is off)."""

@@ -19,9 +19,10 @@ PACKAGES = ("probes", "exporters")
 # The longest matching prefix names a module's room. Kept in step with docs/design.md's diagram.
 FLOORS: dict[str, int] = {
     "exporters.handles": 0,
-    "exporters._torch_compat": 1,
-    "exporters._ort_compat": 1,
-    "exporters._deepspeed_compat": 1,
+    "exporters.adapters": 1,
+    "exporters.adapters.torch_internals": 1,
+    "exporters.adapters.ort_internals": 1,
+    "exporters.adapters.deepspeed_internals": 1,
     "exporters": 2,
     "probes.utils": 3,
     "probes.core": 4,
@@ -149,6 +150,6 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     annotations_only = tmp_path / "a.py"
     annotations_only.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
     assert imports_of("pkg.a", annotations_only, {"pkg.a", "pkg.b"}) == {"pkg.b"}
-    assert room_of("exporters._ort_compat") == "exporters._ort_compat"
+    assert room_of("exporters.adapters.ort_internals") == "exporters.adapters.ort_internals"
     assert room_of("probes.compare.html") == "probes.compare"
     assert FLOORS[room_of("exporters.registry")] < FLOORS[room_of("probes.core.functions")]

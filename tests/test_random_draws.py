@@ -9,7 +9,7 @@ the operation without probes skips with its own error. Under ORTModule the probe
 
 The ORT case is the one probes got wrong (issue 47): ORT seeds each random node with the global seed plus the
 node's index in its graph, and the probe nodes moved the index; a Bernoulli, which ORT inlines as its function body
-at session build, by the graph's node count then (exporters/_ort_compat.keep_random_streams).
+at session build, by the graph's node count then (exporters/ort_internals.keep_random_streams).
 """
 
 from __future__ import annotations

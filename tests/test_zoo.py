@@ -36,7 +36,7 @@ import torch
 import torch._dynamo
 
 from helpers import OrtWitness, counting_backend
-from exporters._torch_compat import pytree
+from exporters.adapters.torch_internals import pytree
 from probes import StatisticsSubscriber, SubscriberManager, load_table
 from probes.testing import assert_parity
 from zoo import ARCHITECTURES, Architecture

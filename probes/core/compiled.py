@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
-from exporters import _torch_compat
+from exporters.adapters import torch_internals
 
 
 if TYPE_CHECKING:
@@ -171,17 +171,17 @@ class CompiledOps:
     def backward_changed_tokens(self) -> None:
         """A probe backward ran, changing its call's token: the taken tokens get their version back when
         this backward pass ends, so that a retained graph finds its token unchanged on its next backward."""
-        task = _torch_compat.current_backward()
+        task = torch_internals.current_backward()
         if task is None or task == self._restoring:
             return
         self._restoring = task
-        _torch_compat.call_when_backward_ends(self._restore_versions)
+        torch_internals.call_when_backward_ends(self._restore_versions)
 
     def _restore_versions(self) -> None:
         self._restoring = None
         for token in list(self._taken.values()):
             if token._version:  # a token is saved at version 0: only the probe backwards change it
-                _torch_compat.set_version(token, 0)
+                torch_internals.set_version(token, 0)
 
     def define(self) -> None:
         """Define ``probes::observe`` and ``probes::observe_grad`` (once)."""
@@ -204,24 +204,24 @@ class CompiledOps:
 OPS = CompiledOps()
 
 
-@_torch_compat.constant_while_tracing
+@torch_internals.constant_while_tracing
 def _new_slot() -> int:
     # Evaluated while dynamo traces, so each probe call in a compiled program gets its own constant.
     return OPS.new_slot()
 
 
-@_torch_compat.constant_while_tracing
+@torch_internals.constant_while_tracing
 def _defined() -> bool:
     # Evaluated while dynamo traces (a registration is no graph node), before the first op is traced.
     OPS.define()
     return True
 
 
-@_torch_compat.constant_while_tracing
+@torch_internals.constant_while_tracing
 def flattening(active: bool) -> bool:
     """Called while dynamo traces, around a hook's flattening of a module's inputs or outputs: dynamo can
-    then type each value in them (``_torch_compat.AbsentFieldTyping``)."""
-    _torch_compat.ABSENT_FIELDS.set(active)
+    then type each value in them (``torch_internals.AbsentFieldTyping``)."""
+    torch_internals.ABSENT_FIELDS.set(active)
     return active
 
 
@@ -289,7 +289,7 @@ class CompiledProbe(torch.autograd.Function):
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         torch.ops.probes.observe(OPS.forward_token, OPS.backward_token, list(tensors), key, module, slot, what, name)
         ctx.key, ctx.module, ctx.slot, ctx.what, ctx.name, ctx.graded = key, module, slot, what, name, graded
-        return tuple(_torch_compat.compiled_alias(tensor) for tensor, grad in zip(tensors, graded) if grad)
+        return tuple(torch_internals.compiled_alias(tensor) for tensor, grad in zip(tensors, graded) if grad)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:

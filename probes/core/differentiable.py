@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from exporters import _ort_compat
+from exporters.adapters import ort_internals
 
 from .sites import ProbeEvent, ProbeSite
 
@@ -85,5 +85,5 @@ class EagerDifferentiable:
     def _runs_inside_ort(self, step: int) -> bool:
         # One stack walk per step: the model runs either in ORT's graph or eagerly for a whole step.
         if self._inside_ort is None or self._inside_ort[0] != step:
-            self._inside_ort = (step, _ort_compat.inside_ort_graph())
+            self._inside_ort = (step, ort_internals.inside_ort_graph())
         return self._inside_ort[1]

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from exporters import _ort_compat, _torch_compat, register_probe_function
+from exporters import register_probe_function
+from exporters.adapters import ort_internals, torch_internals
 
 from .sites import ProbeSite
 
@@ -52,7 +53,7 @@ def grads_for_inputs(ctx: Any, grads: Sequence[torch.Tensor | None]) -> Sequence
     ORT's graph a missing gradient of an input that requires one is returned as zeros.
     """
     shapes = getattr(ctx, "shapes", None)
-    if shapes is None or all(grad is not None for grad in grads) or not _ort_compat.inside_ort_graph():
+    if shapes is None or all(grad is not None for grad in grads) or not ort_internals.inside_ort_graph():
         return grads
     return tuple(torch.zeros(shape[0], dtype=shape[1], device=shape[2]) if grad is None and shape is not None
                  else grad for grad, shape in zip(grads, shapes))
@@ -107,7 +108,7 @@ class TensorProbe(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, probe: SiteBinding, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.event = None
-        if not _ort_compat.is_exporting():
+        if not ort_internals.is_exporting():
             tracker = probe.tracker
             if tracker.observed_now():  # left-out steps record nothing (under ORT: a graph builder keeps this graph)
                 ctx.tracker = tracker
@@ -130,7 +131,7 @@ class StepBoundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tracker: "StepTracker", *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.tracker = None if _ort_compat.is_exporting() else tracker
+        ctx.tracker = None if ort_internals.is_exporting() else tracker
         if ctx.tracker is not None:
             tracker.forward_returned()
         outputs = tuple(passes_through(tensor) for tensor in tensors)
@@ -158,8 +159,8 @@ def _describe_step_boundary(non_tensor_args: Sequence[Any]) -> str:
 
 
 # ``TensorProbe.apply`` and ``StepBoundary.apply``, less the Python wrapper's per-call work (see there).
-apply_probe = _torch_compat.function_applier(TensorProbe)
-apply_boundary = _torch_compat.function_applier(StepBoundary)
+apply_probe = torch_internals.function_applier(TensorProbe)
+apply_boundary = torch_internals.function_applier(StepBoundary)
 
 # The probe Functions tell the exporters how to export them; exporters/ knows nothing of probes.
 register_probe_function(TensorProbe, describe=_describe_site)

@@ -35,7 +35,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 import exporters
-from exporters import _ort_compat, _torch_compat
+from exporters.adapters import ort_internals, torch_internals
 from exporters.handles import Handle
 
 from ..utils.exit import at_exit
@@ -128,7 +128,7 @@ class SubscriberManager:
         self._builders: tuple[SubscriberBase, ...] = ()  # the subscribers overriding a graph-building call
         # True while an eager root forward runs whose step no observer records (and nothing builds the graph):
         # the hooks of its modules have nothing to do. Never set while dynamo traces or a model is exported, but
-        # for ORTModule's export of the graph of left-out steps (``_ort_compat.exporting_unprobed``).
+        # for ORTModule's export of the graph of left-out steps (``ort_internals.exporting_unprobed``).
         self._left_out_forward = False
         self._ops = OpRecorder(self._probe_op, self._read_op)  # the operations inside modules selected by ``ops=`` (probes.core.ops)
         self._op_sites: dict[str, ProbeSite] = {}
@@ -188,12 +188,12 @@ class SubscriberManager:
         self._apply_probe, self._apply_observed = appliers
         self._register_hooks(root)
         # Under ORTModule, a step no subscriber records runs on a graph exported without the probes.
-        self._handles.append(_ort_compat.route_left_out_steps(
-            root, _ort_compat.LeftOutRoute(left_out=self._left_out_now, finish=self._finish_left_out)))
+        self._handles.append(ort_internals.route_left_out_steps(
+            root, ort_internals.LeftOutRoute(left_out=self._left_out_now, finish=self._finish_left_out)))
         REGISTRY.holders[root] = self
         REGISTRY.live.add(self)
         self._wrapper_ref = weakref.ref(model) if model is not root else None
-        _ort_compat.signal_model_changed(model)
+        ort_internals.signal_model_changed(model)
         self._subscription = Subscription(self, root)
         return self._subscription
 
@@ -215,7 +215,7 @@ class SubscriberManager:
             del REGISTRY.holders[root]
         wrapper = self._wrapper_ref() if self._wrapper_ref is not None else None
         if wrapper is not None:
-            _ort_compat.signal_model_changed(wrapper)
+            ort_internals.signal_model_changed(wrapper)
         self._subscription = None
         self._module_sites.clear()
         self._inspect_sites.clear()
@@ -385,7 +385,7 @@ class SubscriberManager:
         in eager PyTorch: dynamo compiles none of their frames (each would be a graph of its own, one
         more per module, recompiled for each site).
         """
-        @_torch_compat.not_compiled_as_frame
+        @torch_internals.not_compiled_as_frame
         def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if torch.compiler.is_compiling():
                 args, kwargs = self._pre_forward_hook(inputs, is_root, probe_inputs, module, args, kwargs)
@@ -394,10 +394,10 @@ class SubscriberManager:
                 return args, kwargs
             if self._left_out_forward and not is_root:  # (read after the check above: dynamo never guards on it)
                 return args, kwargs
-            return _torch_compat.call_uncompiled(self._eager_pre_forward_hook, inputs, is_root, probe_inputs,
+            return torch_internals.call_uncompiled(self._eager_pre_forward_hook, inputs, is_root, probe_inputs,
                                                  module, args, kwargs, outputs if ops else None)
 
-        @_torch_compat.not_compiled_as_frame
+        @torch_internals.not_compiled_as_frame
         def post_forward(module: torch.nn.Module, args: tuple, result: Any) -> Any:
             if torch.compiler.is_compiling():
                 if ops:
@@ -405,7 +405,7 @@ class SubscriberManager:
                 return self._post_forward_hook(outputs, is_root, probe_outputs, module, args, result)
             if self._left_out_forward and not is_root:
                 return result
-            return _torch_compat.call_uncompiled(self._eager_post_forward_hook, outputs, is_root, probe_outputs,
+            return torch_internals.call_uncompiled(self._eager_post_forward_hook, outputs, is_root, probe_outputs,
                                                  module, args, result, ops)
 
         return pre_forward, post_forward
@@ -414,10 +414,10 @@ class SubscriberManager:
                                 args: tuple, kwargs: dict, ops: ProbeSite | None) -> tuple[tuple, dict]:
         if is_root:
             self._carried.clear()  # left by a traced forward that raised
-        if is_root and _ort_compat.exporting_unprobed():  # ORT exports the graph of left-out steps: no probe
+        if is_root and ort_internals.exporting_unprobed():  # ORT exports the graph of left-out steps: no probe
             self._left_out_forward = True
             return args, kwargs
-        if _torch_compat.functorch_transforms_active():
+        if torch_internals.functorch_transforms_active():
             return self._transformed_pre_forward(is_root, args, kwargs)
         if is_root:  # the whole eager forward is left out when its step is: its modules' hooks return at once
             probes_now = self._probes_now()
@@ -425,7 +425,7 @@ class SubscriberManager:
             probe = probe and probes_now
         else:
             probe = probe and self._probes_now()
-        ops = ops if ops is not None and (_ort_compat.is_exporting() or self.tracker.ops_observed_now(ops)) else None
+        ops = ops if ops is not None and (ort_internals.is_exporting() or self.tracker.ops_observed_now(ops)) else None
         if not (probe or is_root or self._builders or ops):  # a left-out step: nothing to do
             return args, kwargs
         # Checked here, where dynamo's frame evaluation is off: traced, the check would break the graph.
@@ -446,9 +446,9 @@ class SubscriberManager:
             recorder.leave(site.module_index)
         if is_root:
             self._left_out_forward = False
-            if _ort_compat.exporting_unprobed():
+            if ort_internals.exporting_unprobed():
                 return outputs
-        if _torch_compat.functorch_transforms_active():
+        if torch_internals.functorch_transforms_active():
             return self._transformed_post_forward(is_root, outputs)
         probe = probe and self._probes_now()
         if not (probe or is_root or self._builders):
@@ -490,13 +490,13 @@ class SubscriberManager:
 
     def _transformed_post_forward(self, is_root: bool, outputs: Any) -> Any:
         """The end of a call under a functorch transform (``_transformed_pre_forward``): the root counts the step."""
-        if is_root and not _ort_compat.is_exporting():
+        if is_root and not ort_internals.is_exporting():
             self.tracker.forward_returned()
         return outputs
 
     def _open_ops(self, site: ProbeSite) -> None:
         """The operations the module of ``site`` calls from now until its forward ends get records."""
-        if torch.compiler.is_compiling() and not _torch_compat.dynamo_traces_function_modes():
+        if torch.compiler.is_compiling() and not torch_internals.dynamo_traces_function_modes():
             _warn_ops_uncompiled()
             return
         self._ops.enter(Scope(site.name, site.module_index))
@@ -523,7 +523,7 @@ class SubscriberManager:
         """Whether an eager call inserts its probe: some observer records the step it belongs to. A left-out
         step's probes would only pass their tensors, so its modules run as without probes. Exports always
         insert them: an exported graph (ORTModule's, a trace) serves every later step."""
-        return self.tracker.observed_now() or _ort_compat.is_exporting()
+        return self.tracker.observed_now() or ort_internals.is_exporting()
 
     def _left_out_now(self) -> bool:
         """Whether an ORTModule forward beginning now runs the graph without probes: nothing would be recorded
@@ -538,10 +538,10 @@ class SubscriberManager:
     def _run_by_compiler(self, site: ProbeSite) -> bool:
         """Whether torch.compile, not the model, runs ``site``'s module now: the module is inside a call the
         compiler keeps whole as one graph node, and runs on its stand-in tensors while the compiler traces
-        (``_torch_compat.compiler_runs_module``). The hook then observes nothing, since that call is no step
+        (``torch_internals.compiler_runs_module``). The hook then observes nothing, since that call is no step
         the model takes, and the compiled graph runs the module's operations without it: the site has no
         record under torch.compile (one warning per module)."""
-        if not _torch_compat.compiler_runs_module():
+        if not torch_internals.compiler_runs_module():
             return False
         if site.name not in self._uncompilable_warned:
             self._uncompilable_warned.add(site.name)
@@ -554,8 +554,8 @@ class SubscriberManager:
     def _schema_run_scope(self, root: torch.nn.Module) -> ContextManager[None] | None:
         """ORTModule's eager run of the model before a training export runs with grad enabled, so the probes
         learn which of their tensors eager differentiates (``probes.core.differentiable``)."""
-        if (torch.compiler.is_compiling() or not root.training or not _ort_compat.is_ort_schema_run()
-                or _ort_compat.exporting_unprobed()):
+        if (torch.compiler.is_compiling() or not root.training or not ort_internals.is_ort_schema_run()
+                or ort_internals.exporting_unprobed()):
             return None
         return self.tracker.differentiable.learning()
 
@@ -669,7 +669,7 @@ class SubscriberManager:
         carried, self._carried = self._carried, []
         if tensors or carried:
             return apply_boundary(self.tracker, *tensors, *carried)[:len(tensors)]
-        if not _ort_compat.is_exporting():
+        if not ort_internals.is_exporting():
             self.tracker.forward_returned()  # no tensor to carry the step boundary: eager-only fallback
         return ()
 
@@ -706,10 +706,10 @@ def _is_probeable(leaf: Any) -> bool:
 
 def _is_probeable_traced(leaf: Any) -> bool:
     """Inside a TorchScript trace: not the tracer's stand-in for a number the code holds as an int in eager."""
-    return _is_probeable(leaf) and not _torch_compat.is_traced_number(leaf)
+    return _is_probeable(leaf) and not torch_internals.is_traced_number(leaf)
 
 
-@_torch_compat.constant_while_tracing  # called by dynamo while it traces: the warning is issued then, once
+@torch_internals.constant_while_tracing  # called by dynamo while it traces: the warning is issued then, once
 def _warn_ops_uncompiled() -> bool:
     warnings.warn(f"probes: op records (ops=) under torch.compile need torch >= 2.6 (this is {torch.__version__}): "
                   "the compiled modules get module records only; eager and ORTModule runs get op records.",

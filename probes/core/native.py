@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from exporters import _ort_compat, _torch_compat
+from exporters.adapters import ort_internals, torch_internals
 
 from ..utils.extensions import BuiltOnce, build_inline
 from .functions import SiteBinding, apply_probe
@@ -118,10 +118,10 @@ def probe_applier() -> ProbeAppliers:
     if probe_backend() == "python":
         return PYTHON_APPLIERS
     native = _NATIVE.load(required=True).probe
-    transforms_active = _torch_compat.functorch_transforms_active
-    exporting = _ort_compat.is_exporting
-    ort_exporting = _ort_compat.is_ort_exporting
-    onnx_exporting = _torch_compat.in_onnx_export
+    transforms_active = torch_internals.functorch_transforms_active
+    exporting = ort_internals.is_exporting
+    ort_exporting = ort_internals.is_ort_exporting
+    onnx_exporting = torch_internals.in_onnx_export
 
     def apply(probe: SiteBinding, *tensors: torch.Tensor) -> Sequence[torch.Tensor]:
         if not (exporting() or transforms_active()):

@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from exporters import _torch_compat
+from exporters.adapters import torch_internals
 
 __all__ = ["OpRecorder", "Scope"]
 
@@ -77,7 +77,7 @@ def _identity_dropout(args: Sequence[Any], kwargs: dict) -> bool:
 _VIEW, _INPLACE = "", "!"
 
 
-@_torch_compat.constant_while_tracing
+@torch_internals.constant_while_tracing
 def op_name(func: Callable) -> str | None:
     """The name an op record gets for calls of ``func``; ``_VIEW`` or ``_INPLACE`` for a view or an in-place call (no
     record); None for any other call left out (see the module docstring)."""
@@ -106,7 +106,7 @@ def _op_name(func: Callable) -> str | None:
         return name
     if name.endswith("_like") or name.startswith("new_"):  # ``empty_like``, ``new_zeros``: constants of a shape
         return None
-    aliasing = _torch_compat.torch_function_aliases(name)
+    aliasing = torch_internals.torch_function_aliases(name)
     return _INPLACE if aliasing == "write" else _VIEW if aliasing else name
 
 
@@ -119,7 +119,7 @@ _RANDOM = frozenset({"rand", "randn", "randint", "randperm", "bernoulli", "multi
 _UNSET = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 
 
-@_torch_compat.constant_while_tracing
+@torch_internals.constant_while_tracing
 def read_name(func: Callable) -> str | None:
     """The name of the read record of what a call of ``func`` that ``op_name`` leaves out made (``getitem``,
     ``transpose``, ``zeros_like``, ``uniform``): a view or indexing, a constant of a shape, an in-place random draw;
@@ -205,13 +205,13 @@ class OpRecorder(TorchFunctionMode):
         the autograd engine restores the mode stack around each backward node."""
         if torch.compiler.is_compiling():
             return self._entered
-        return self._entered and any(mode is self for mode in _torch_compat.function_mode_stack())
+        return self._entered and any(mode is self for mode in torch_internals.function_mode_stack())
 
     def _exit(self) -> None:
         if not self._active():
             self._entered = False
             return
-        if torch.compiler.is_compiling() or _torch_compat.function_mode_stack()[-1] is self:
+        if torch.compiler.is_compiling() or torch_internals.function_mode_stack()[-1] is self:
             self._entered = False
             self.__exit__(None, None, None)
         # else: a mode entered after this one is still open (the user's): this one leaves when that one has
@@ -267,7 +267,7 @@ class OpRecorder(TorchFunctionMode):
         outputs = (result,) if isinstance(result, torch.Tensor) else result if type(result) in (tuple, list) else ()
         drawn = name in _RANDOM
         made = [out for out in outputs if isinstance(out, torch.Tensor) and (drawn or out.is_floating_point())
-                and not _torch_compat.is_traced_number(out)
+                and not torch_internals.is_traced_number(out)
                 and not (view and out.shape == arguments[0].shape and out.stride() == arguments[0].stride())]
         if not made:
             return False
@@ -293,7 +293,7 @@ class OpRecorder(TorchFunctionMode):
         arguments += [item for leaf in args if isinstance(leaf, (list, tuple))
                       for item in leaf if isinstance(item, torch.Tensor)]
         if torch.jit.is_tracing():  # the tracer's stand-ins for sizes are the numbers eager code holds
-            arguments = [tensor for tensor in arguments if not _torch_compat.is_traced_number(tensor)]
+            arguments = [tensor for tensor in arguments if not torch_internals.is_traced_number(tensor)]
         if not arguments:  # a constant or a random draw: read
             if name and name != _INPLACE and name not in _UNSET:
                 self._read_made(name, arguments, result)
@@ -313,7 +313,7 @@ class OpRecorder(TorchFunctionMode):
             return result
         positions = [i for i, out in enumerate(outputs) if isinstance(out, torch.Tensor) and out.is_floating_point()
                      and not any(out is argument for argument in arguments)  # returned as it came: no operation
-                     and not _torch_compat.is_traced_number(out)]
+                     and not torch_internals.is_traced_number(out)]
         if name in _CASTS:  # a cast records what it changed: a cast to the same dtype is no operation
             positions = [i for i in positions if outputs[i].dtype != arguments[0].dtype]
         if not positions:

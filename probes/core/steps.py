@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from exporters import _torch_compat
+from exporters.adapters import torch_internals
 
 from .differentiable import EagerDifferentiable
 from .failures import SiteFailures
@@ -171,7 +171,7 @@ class StepTracker:
     def _step_now(self) -> int:
         state = self.state
         step = state.open_step
-        if step is None or (state.forward_done and _torch_compat.current_backward() is None):
+        if step is None or (state.forward_done and torch_internals.current_backward() is None):
             step = state.step
         return step
 
@@ -206,7 +206,7 @@ class StepTracker:
             return None
 
     def _probe_forward(self, site: ProbeSite, tensors: Sequence[torch.Tensor]) -> ProbeEvent | Recomputed:
-        if _torch_compat.current_backward() is not None:
+        if torch_internals.current_backward() is not None:
             return self._recomputed_forward(site, tensors)
         state = self.state
         step = state.open_step
@@ -290,7 +290,7 @@ class StepTracker:
 
     def forward_returned(self) -> None:
         """The root module's forward returned."""
-        if self.paused or _torch_compat.current_backward() is not None:
+        if self.paused or torch_internals.current_backward() is not None:
             return  # the root itself recomputed by a checkpoint
         step = self._begin_forward_work()
         self.state.forward_done = True
@@ -437,12 +437,12 @@ class StepTracker:
                 token.event = event
 
     def _watch_backward(self) -> None:
-        task = _torch_compat.current_backward()
+        task = torch_internals.current_backward()
         state = self.state
         if task is None or task in state.backward_tasks:
             return
         state.backward_tasks.add(task)
-        _torch_compat.call_when_backward_ends(functools.partial(self._backward_ended, task))
+        torch_internals.call_when_backward_ends(functools.partial(self._backward_ended, task))
 
     def _backward_ended(self, task: int) -> None:
         state = self.state

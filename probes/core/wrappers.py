@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from exporters import _ort_compat
+from exporters.adapters import ort_internals
 
 # Qualified class name -> the attribute holding the wrapped module. Matched along the MRO, so
 # subclasses (CheckpointWrapper and OffloadWrapper of ActivationWrapper) are found too. Names, not
@@ -33,8 +33,8 @@ _WRAPPERS: dict[str, str] = {
 
 def wrapped_module(module: torch.nn.Module) -> torch.nn.Module | None:
     """The module ``module`` delegates to when it is a known wrapper, else None."""
-    if _ort_compat.is_ortmodule(module):
-        return _ort_compat.unwrap(module)
+    if ort_internals.is_ortmodule(module):
+        return ort_internals.unwrap(module)
     for cls in type(module).__mro__:
         attribute = _WRAPPERS.get(f"{cls.__module__}.{cls.__qualname__}")
         if attribute is not None:

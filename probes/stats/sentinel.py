@@ -29,7 +29,7 @@ from typing import Iterable, Literal, Sequence
 
 import numpy as np
 
-from exporters import _ort_compat
+from exporters.adapters import ort_internals
 
 from ..core import ProbeEvent, SubscriberBase
 from ..dump import Record
@@ -135,7 +135,7 @@ class AnomalyWatch:
         anomaly = self._pending
         if anomaly is None:
             return
-        if self.action == "raise" and _ort_compat.inside_ort_graph():
+        if self.action == "raise" and ort_internals.inside_ort_graph():
             return  # ORT would swallow the error's type and message: raised at the next phase end outside ORT
         self._pending = None
         message = f"probes: anomaly at {anomaly}"

@@ -5,7 +5,7 @@
     shards.flush()                                    # one all_gather of every row added; a merged record each in step_rows
 
 Made for DeepSpeed ZeRO-3, where each rank holds a slice of each parameter's fp32 master copy, of its gradient
-and of its optimizer state (``exporters._deepspeed_compat.zero3_stepping``); usable for any tensor whose
+and of its optimizer state (``exporters.adapters.deepspeed_internals.zero3_stepping``); usable for any tensor whose
 flattened elements are split in contiguous ranges, one per rank (``bounds[r] = (start, end)``, empty allowed).
 
 - ``add`` computes the shard's row on its device (``probes.stats.rows``' layout: the accumulated statistics of

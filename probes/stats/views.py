@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from exporters import _torch_compat
+from exporters.adapters import torch_internals
 
 __all__ = ["UnsupportedTensor", "check_readable", "dtype_name", "is_dense", "is_dispatch_subclass", "is_dtensor",
            "layout_name", "or_none", "shape_of", "statistics_view"]
@@ -43,7 +43,7 @@ def is_dispatch_subclass(tensor: torch.Tensor) -> bool:
 
         is_dispatch_subclass(torch.randn(3))   # False
     """
-    return type(tensor) not in _PLAIN_TYPES and _torch_compat.has_python_dispatch(tensor)
+    return type(tensor) not in _PLAIN_TYPES and torch_internals.has_python_dispatch(tensor)
 
 
 def check_readable(tensor: torch.Tensor) -> None:

@@ -8,7 +8,7 @@
 
 A ZeRO-3 engine steps a torch optimizer over flat fp32 partitions, once per sub-group: torch's global step
 hooks (``probes.stats.parameters``) see that inner optimizer, whose parameters name no model parameter.
-``exporters._deepspeed_compat`` finds its ZeRO-3 optimizer and this rank's shard of each model parameter (in the
+``exporters.adapters.deepspeed_internals`` finds its ZeRO-3 optimizer and this rank's shard of each model parameter (in the
 pre-hook the gradient the update uses, after unscaling and clipping; in the post-hook the updated master copy
 and optimizer state); ``add`` computes a shard's row (``probes.stats.shards``). After the engine's last
 sub-group, one ``all_gather`` per process group merges every rank's rows into one record per tensor, on every
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from exporters import _deepspeed_compat
+from exporters.adapters import deepspeed_internals
 
 from .shards import ShardGroups
 
@@ -45,16 +45,16 @@ class Zero3Updates:
         """The ZeRO-3 optimizer whose inner torch optimizer is ``optimizer`` (cached), or None."""
         owner = self._owners.get(optimizer)
         if owner is None:
-            owner = _deepspeed_compat.zero3_optimizer_of(optimizer, parameters()) or _NOT_ZERO3
+            owner = deepspeed_internals.zero3_optimizer_of(optimizer, parameters()) or _NOT_ZERO3
             self._owners[optimizer] = owner
         return None if owner is _NOT_ZERO3 else owner
 
-    def shards(self, owner: Any, optimizer: torch.optim.Optimizer) -> _deepspeed_compat.Zero3Stepping:
+    def shards(self, owner: Any, optimizer: torch.optim.Optimizer) -> deepspeed_internals.Zero3Stepping:
         """This rank's shards of the sub-groups ``optimizer`` steps now."""
-        return _deepspeed_compat.zero3_stepping(owner, optimizer)
+        return deepspeed_internals.zero3_stepping(owner, optimizer)
 
     def add(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor,
-            shard: _deepspeed_compat.Zero3Shard) -> BaseException | None:
+            shard: deepspeed_internals.Zero3Shard) -> BaseException | None:
         """The row of one shard; merged with the other ranks' at the shards' flush. The error of failed statistics."""
         return self._shards.add(names, step, phase, seq, tensor, full_shape=shard.full_shape, bounds=shard.bounds,
                                 rank=shard.rank, group=shard.group)

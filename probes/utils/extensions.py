@@ -17,7 +17,7 @@ import warnings
 from types import ModuleType
 from typing import Callable, Generic, TypeVar
 
-from exporters import _torch_compat
+from exporters.adapters import torch_internals
 
 Built = TypeVar("Built")
 
@@ -37,7 +37,7 @@ def build_inline(name: str, source: str, extra_cflags: list[str]) -> ModuleType:
         import fcntl
     except ImportError:  # no flock (Windows)
         return build()
-    build_dir = _torch_compat.extension_build_directory(name)
+    build_dir = torch_internals.extension_build_directory(name)
     if build_dir is None:
         return build()
     os.makedirs(build_dir, exist_ok=True)

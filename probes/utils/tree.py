@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from exporters._torch_compat import pytree
+from exporters.adapters.torch_internals import pytree
 
 
 def _any_tensor(leaf: Any) -> bool:

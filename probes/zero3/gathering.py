@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from exporters import _deepspeed_compat, _torch_compat
+from exporters.adapters import deepspeed_internals, torch_internals
 
 from ..core.functions import mark_frozen
 
@@ -57,10 +57,10 @@ class ZeroPreForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, binding: ModuleBinding, input_count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _torch_compat.untraced():
+        with torch_internals.untraced():
             if binding.is_root:
-                _deepspeed_compat.start_forward(binding.offload)
-            _deepspeed_compat.fetch_for_forward(binding.offload, binding.module)
+                deepspeed_internals.start_forward(binding.offload)
+            deepspeed_internals.fetch_for_forward(binding.offload, binding.module)
         inputs = tensors[:input_count]
         ctx.binding = binding
         ctx.input_count = input_count
@@ -76,7 +76,7 @@ class ZeroPreForward(torch.autograd.Function):
         _hand_off_gradients(binding.params, grads[count:])
         if binding.backward_fetches > 0:
             binding.backward_fetches -= 1
-            _deepspeed_compat.release_after_backward(binding.offload, binding.module)
+            deepspeed_internals.release_after_backward(binding.offload, binding.module)
         needs = ctx.needs_input_grad[2 + count:]
         placeholder_grads = (torch.zeros(shape, dtype=dtype, device=device) if need else None
                              for need, (shape, dtype, device) in zip(needs, ctx.placeholders))
@@ -93,8 +93,8 @@ class ZeroPostForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, binding: ModuleBinding, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with _torch_compat.untraced():
-            _deepspeed_compat.release_after_forward(binding.offload, binding.module, outputs)
+        with torch_internals.untraced():
+            deepspeed_internals.release_after_forward(binding.offload, binding.module, outputs)
         ctx.binding = binding
         mark_frozen(ctx, outputs, outputs)
         return outputs
@@ -102,7 +102,7 @@ class ZeroPostForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         binding: ModuleBinding = ctx.binding
-        _deepspeed_compat.fetch_for_backward(binding.offload, binding.module)
+        deepspeed_internals.fetch_for_backward(binding.offload, binding.module)
         binding.backward_fetches += 1
         return (None, *grads)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from exporters import _deepspeed_compat, _ort_compat
+from exporters.adapters import deepspeed_internals, ort_internals
 from exporters.handles import Handle
 
 from ..core import ProbeSite, SubscriberBase, wrappers
@@ -37,12 +37,12 @@ class ZeROOffloadSubscriber(SubscriberBase):
 
     def __init__(self, offloader: Any) -> None:
         super().__init__(None, None)
-        _deepspeed_compat.require_deepspeed()
+        deepspeed_internals.require_deepspeed()
         self.offloader = offloader
         # An ORTModule given to deepspeed.initialize reports its wrapped model's children as its own:
         # the wrapped model is the root whose forward the hooks see.
-        root = wrappers.unwrap(_deepspeed_compat.offload_root(offloader))
-        managed = _deepspeed_compat.prepare_modules(offloader, root)
+        root = wrappers.unwrap(deepspeed_internals.offload_root(offloader))
+        managed = deepspeed_internals.prepare_modules(offloader, root)
         # Indexed like the manager's sites (the order of the manager's module walk); None inside a ZeRO-3 leaf module.
         self._bindings: list[ModuleBinding | None] = [
             ModuleBinding(offloader, module, name or ROOT_NAME, module is root) if id(module) in managed else None
@@ -71,7 +71,7 @@ class ZeROOffloadSubscriber(SubscriberBase):
         binding = self.binding(site, module)
         if binding is None:
             return args, kwargs
-        binding.params = tuple(_deepspeed_compat.module_params(binding.module))
+        binding.params = tuple(deepspeed_internals.module_params(binding.module))
         leaves = TensorLeaves.of((args, kwargs))
         # The empty partitions become the Function's inputs so that an exported graph ties each
         # full-size output to its parameter's graph input. Detached: no gradient edge to the
@@ -89,10 +89,10 @@ class ZeROOffloadSubscriber(SubscriberBase):
             return outputs
         leaves = TensorLeaves.of(outputs)
         if not leaves.positions:
-            if _ort_compat.is_exporting():
+            if ort_internals.is_exporting():
                 warnings.warn(f"{site.name!r} returns no tensor: under ORTModule its ZeRO-3 parameters are released "
                               "only at the end of backward", stacklevel=2)
-            _deepspeed_compat.release_after_forward(binding.offload, binding.module, ())
+            deepspeed_internals.release_after_forward(binding.offload, binding.module, ())
             return outputs
         return leaves.rebuild(ZeroPostForward.apply(binding, *leaves.tensors))
 

@@ -12,7 +12,8 @@ import weakref
 
 import torch
 
-from exporters import _deepspeed_compat, _ort_compat, partitioned_embedding_export, register_probe_function
+from exporters import partitioned_embedding_export, register_probe_function
+from exporters.adapters import deepspeed_internals, ort_internals
 from exporters import zero3 as zero3_export
 
 from .gathering import ZeroPostForward, ZeroPreForward, describe_binding
@@ -40,13 +41,13 @@ _MANAGED_ROOTS = _ManagedRoots()
 
 def prepare_ortmodule_export(model: torch.nn.Module) -> None:
     """Let ORTModule export ``model`` (an ORTModule whose ZeRO-3 hooks are probes') and its like."""
-    _MANAGED_ROOTS.add(_ort_compat.unwrap(model))
+    _MANAGED_ROOTS.add(ort_internals.unwrap(model))
     register_probe_function(ZeroPreForward, describe=describe_binding, identity=False)
     register_probe_function(ZeroPostForward, describe=describe_binding)
     zero3_export.install(zero3_export.Zero3ExportSpec(
         is_managed=_MANAGED_ROOTS.__contains__,
-        is_partitioned=_deepspeed_compat.is_partitioned,
-        full_shape=_deepspeed_compat.full_shape,
+        is_partitioned=deepspeed_internals.is_partitioned,
+        full_shape=deepspeed_internals.full_shape,
         pre_forward=ZeroPreForward,
         binding_position=0,
         input_count_position=1,

@@ -9,7 +9,7 @@ After the call, every ZeRO-3 engine DeepSpeed creates installs its parameter hoo
 is replaced; DeepSpeed's code is not modified). ``restore_zero_stage3_hooks()``, the returned
 handle's ``remove()``/``restore()`` or leaving ``with configure_ort_compatible_zero_stage3():`` undoes
 that for engines created afterwards. Everything that touches DeepSpeed's internals is in
-``exporters/_deepspeed_compat.py``.
+``exporters/adapters/deepspeed_internals.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from exporters import _deepspeed_compat, _ort_compat
+from exporters.adapters import deepspeed_internals, ort_internals
 from exporters.handles import Handle
 
 from ..core import SubscriberBase, SubscriberManager
@@ -33,7 +33,7 @@ from .offload import ZeROOffloadSubscriber
 def manager_of(offload: Any) -> SubscriberManager | None:
     """The SubscriberManager holding the ZeRO-3 hooks of ``offload`` (``engine.optimizer.parameter_offload``;
     also its ``probes_manager`` attribute)."""
-    manager = _deepspeed_compat.attached_manager(offload)
+    manager = deepspeed_internals.attached_manager(offload)
     return manager if isinstance(manager, SubscriberManager) else None
 
 
@@ -79,15 +79,15 @@ def _debug_subscribers(settings: Zero3Settings) -> list[SubscriberBase]:
 def _setup_zero_stage3_hooks_with_probes(offload: Any) -> None:
     """Replacement for ``DeepSpeedZeRoOffload.setup_zero_stage3_hooks`` (called by its __init__)."""
     settings = _CONFIGURED.settings or Zero3Settings()
-    model = _deepspeed_compat.offload_root(offload)
+    model = deepspeed_internals.offload_root(offload)
     hooks = ZeROOffloadSubscriber(offload)
     manager = SubscriberManager()
     subscription = manager.subscribe(model, [hooks, *_debug_subscribers(settings)])
     # DeepSpeed removes this handle where it removes its own hooks (engine destroy); removed, it is no
     # longer active while the subscription closes, so the subscriber knows the engine let its hooks go.
     hooks.engine_handle = Handle(subscription.remove)
-    _deepspeed_compat.finish_setup(offload, hooks.engine_handle, manager=manager)
-    if _ort_compat.is_ortmodule(model):
+    deepspeed_internals.finish_setup(offload, hooks.engine_handle, manager=manager)
+    if ort_internals.is_ortmodule(model):
         prepare_ortmodule_export(model)
 
 
@@ -101,7 +101,7 @@ class Zero3Patch(Handle):
 
     @property
     def active(self) -> bool:
-        return _CONFIGURED.settings is self.settings and _deepspeed_compat.setup_hooks_replaced()
+        return _CONFIGURED.settings is self.settings and deepspeed_internals.setup_hooks_replaced()
 
     def restore(self) -> None:
         self.remove()
@@ -122,9 +122,9 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
     Engines created before the call keep their hooks. Calling again replaces the settings.
 
     Raises ImportError when DeepSpeed is not installed, DeepSpeedVersionError when its version is
-    outside ``exporters._deepspeed_compat.SUPPORTED_RANGE``.
+    outside ``exporters.adapters.deepspeed_internals.SUPPORTED_RANGE``.
     """
-    _deepspeed_compat.require_deepspeed()
+    deepspeed_internals.require_deepspeed()
     options = dict(stats_options or {})
     if options and not debug:
         raise ValueError("stats_options are the statistics subscriber's options: give them with debug=True")
@@ -133,7 +133,7 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
         raise ValueError(f"stats_options may not set {', '.join(reserved)}: use stats_output_dir and stats_overwrite")
     inspect.signature(StatisticsSubscriber).bind(stats_output_dir, **options)  # an unknown option fails here, not at the engine
     settings = Zero3Settings(bool(debug), os.fspath(stats_output_dir), bool(stats_overwrite), options)
-    _deepspeed_compat.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
+    deepspeed_internals.replace_setup_hooks(_setup_zero_stage3_hooks_with_probes)
     _CONFIGURED.settings = settings
     return Zero3Patch(settings)
 
@@ -141,9 +141,9 @@ def configure_ort_compatible_zero_stage3(debug: bool = False, stats_output_dir: 
 def restore_zero_stage3_hooks() -> bool:
     """Give DeepSpeed back its own ZeRO-3 hooks for engines created from now on; False if not patched."""
     _CONFIGURED.settings = None
-    return _deepspeed_compat.restore_setup_hooks()
+    return deepspeed_internals.restore_setup_hooks()
 
 
 def is_configured() -> bool:
     """True while DeepSpeed's ZeRO-3 hook setup is replaced by probes'."""
-    return _deepspeed_compat.setup_hooks_replaced()
+    return deepspeed_internals.setup_hooks_replaced()

@@ -55,7 +55,7 @@ def step(model, seed, batch_size=4):
 
 
 def test_the_slot_allocator_is_marked_as_torch_marks_a_constant_function():
-    from exporters import _torch_compat
+    from exporters.adapters import torch_internals
 
     def ours():
         return 1
@@ -64,7 +64,7 @@ def test_the_slot_allocator_is_marked_as_torch_marks_a_constant_function():
         return 1
 
     torch.compiler.assume_constant_result(torchs)
-    _torch_compat.constant_while_tracing(ours)
+    torch_internals.constant_while_tracing(ours)
     assert {k: v for k, v in vars(torchs).items()} == {k: v for k, v in vars(ours).items()} != {}
 
 

@@ -80,7 +80,7 @@ def _worker(rank: int, world_size: int, port: int, case: str, out_dir: str) -> N
     if case == "deepspeed":
         import deepspeed
 
-        from exporters import _deepspeed_compat as _deepspeed
+        from exporters.adapters import deepspeed_internals as _deepspeed
 
         _deepspeed.skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="gloo")

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import exporters
-from exporters import _torch_compat as compat
+from exporters.adapters import torch_internals as compat
 from exporters.pythonop import PythonOpExportError
 from helpers import Recorder, Square, called_by_ort_runtime, called_from
-from exporters import _ort_compat as _ort
+from exporters.adapters import ort_internals as _ort
 from probes import SubscriberManager
 from probes.core.functions import TensorProbe
 from probes.models import TinyTransformer, TransformerConfig, make_batch

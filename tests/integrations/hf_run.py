@@ -16,9 +16,9 @@ if __name__ == "__main__":
     out = sys.argv[1]
     extra = {"gradient_accumulation_steps": 2}
     if sys.argv[2:] == ["deepspeed"]:
-        from exporters import _deepspeed_compat
+        from exporters.adapters import deepspeed_internals
 
-        _deepspeed_compat.skip_shm_comm_build()
+        deepspeed_internals.skip_shm_comm_build()
         extra["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                               "zero_optimization": {"stage": 3}}
         # transformers 4.46 enters DeepSpeed's no_sync() between micro-batches, which ZeRO-3 refuses.

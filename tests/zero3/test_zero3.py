@@ -22,7 +22,7 @@ from helpers import hook_count
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
+from exporters.adapters import deepspeed_internals as _deepspeed  # noqa: E402
 from exporters.handles import Handle  # noqa: E402
 from probes import SubscriberBase, SubscriberManager  # noqa: E402
 from probes.testing import assert_parity  # noqa: E402
@@ -309,10 +309,10 @@ _CLOSE_SCRIPT = """
 import os, sys, warnings
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 import torch, deepspeed
-from exporters import _deepspeed_compat
+from exporters.adapters import deepspeed_internals
 from probes import SubscriberBase, SubscriberManager
 from probes.zero3 import configure_ort_compatible_zero_stage3
-_deepspeed_compat.skip_shm_comm_build()
+deepspeed_internals.skip_shm_comm_build()
 deepspeed.init_distributed(dist_backend="gloo")
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
 with configure_ort_compatible_zero_stage3():

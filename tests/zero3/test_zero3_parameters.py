@@ -22,7 +22,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
+from exporters.adapters import deepspeed_internals as _deepspeed  # noqa: E402
 from probes import StatisticsSubscriber, SubscriberManager, load_dump  # noqa: E402
 from probes.compare import compare_dumps  # noqa: E402
 from probes.zero3 import configure_ort_compatible_zero_stage3  # noqa: E402

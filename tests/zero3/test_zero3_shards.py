@@ -4,7 +4,7 @@ Two ranks (torch.multiprocessing spawn, gloo, CPU) train a model whose parameter
 3 and 1 elements: padding on the last rank, and a parameter rank 1 holds none of) under a DeepSpeed ZeRO-3
 engine with torch's Adam, for 2 steps: without clipping, with clipping, with two param groups split in 4
 sub-groups (4 inner steps a step), and with the optimizer offloaded to host memory. In torch's global optimizer step hooks, which see DeepSpeed's inner
-optimizer over flat fp32 partitions, the building blocks (``exporters._deepspeed_compat.zero3_stepping``,
+optimizer over flat fp32 partitions, the building blocks (``exporters.adapters.deepspeed_internals.zero3_stepping``,
 ``probes.stats.shards.ShardRows``) make a record per parameter of its gradient (pre-hook), master copy and Adam
 state (post-hook). The test then gathers each full tensor itself with DeepSpeed's ``safe_get_full_*`` and checks
 every statistic and sample against numpy float64; and it checks that the blocks gather no parameter (their
@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 deepspeed = pytest.importorskip("deepspeed")
 
 from helpers import assert_moments  # noqa: E402
-from exporters import _deepspeed_compat as _deepspeed  # noqa: E402
+from exporters.adapters import deepspeed_internals as _deepspeed  # noqa: E402
 from probes.dump.columns import table_to_records
 from probes.stats.numerics import sample_indices  # noqa: E402
 from probes.stats.rows import StepRows  # noqa: E402
@@ -293,5 +293,5 @@ def test_a_zero3_optimizer_without_the_expected_internals_is_named_with_what_it_
     model = OddModel()
     optimizer = torch.optim.Adam(model.parameters())
     model.fc1.weight._z3_optimizer = Stage3Elsewhere(optimizer)
-    with pytest.raises(_deepspeed.DeepSpeedInternalsError, match="lacks .*fp32_partitioned_groups_flat.*_deepspeed_compat"):
+    with pytest.raises(_deepspeed.DeepSpeedInternalsError, match="lacks .*fp32_partitioned_groups_flat.*deepspeed_internals"):
         _deepspeed.zero3_optimizer_of(optimizer, model.parameters())

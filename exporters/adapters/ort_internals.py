@@ -3,16 +3,16 @@
 Everything here works without onnxruntime installed: ORT state is looked up only when ORT has
 already been imported by the user's program, so importing probes never imports ORT.
 
-    from . import _ort_compat
-    if _ort_compat.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
-    if _ort_compat.is_ort_schema_run(): ...     # its eager run before the trace (on a deep copy)
-    if _ort_compat.inside_ort_graph(): ...      # a PythonOp run by ORT's runtime: do not raise from here
-    inner = _ort_compat.unwrap(model)           # the user's nn.Module inside an ORTModule
-    _ort_compat.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
-    with _ort_compat.ortmodule_threads(1): ...   # ORTModule sessions built inside: 1 intra-op thread, no spinning
-    _ort_compat.route_left_out_steps(model, LeftOutRoute(left_out=..., finish=...))  # unprobed graph for them
-    if _ort_compat.exporting_unprobed(): ...     # ORTModule exports that graph: hooks insert nothing
-    _ort_compat.keep_random_streams()            # graphs with probes draw the random numbers those without draw
+    from exporters.adapters import ort_internals
+    if ort_internals.is_exporting(): ...          # ORTModule is exporting (schema run, deep copy, trace)
+    if ort_internals.is_ort_schema_run(): ...     # its eager run before the trace (on a deep copy)
+    if ort_internals.inside_ort_graph(): ...      # a PythonOp run by ORT's runtime: do not raise from here
+    inner = ort_internals.unwrap(model)           # the user's nn.Module inside an ORTModule
+    ort_internals.install_export_rewrite(rewrite) # ORTModule's export steps for some models (exporters/zero3.py)
+    with ort_internals.ortmodule_threads(1): ...   # ORTModule sessions built inside: 1 intra-op thread, no spinning
+    ort_internals.route_left_out_steps(model, LeftOutRoute(left_out=..., finish=...))  # unprobed graph for them
+    if ort_internals.exporting_unprobed(): ...     # ORTModule exports that graph: hooks insert nothing
+    ort_internals.keep_random_streams()            # graphs with probes draw the random numbers those without draw
 
 One version check (``SUPPORTED_ORT``) runs before ORT's internals are used or when they are not as expected.
 """
@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .handles import Handle
+from ..handles import Handle
 
 # The versions whose internals this adapter was written against and tested with.
 SUPPORTED_ORT = ((1, 19), (1, 20))
@@ -59,7 +59,7 @@ def _check_version() -> None:
         raise OrtInternalsError(
             f"onnxruntime {'.'.join(map(str, version))} is not supported by probes' ORT adapter "
             f"(supported: >= {SUPPORTED_ORT[0][0]}.{SUPPORTED_ORT[0][1]}, < {SUPPORTED_ORT[1][0]}.{SUPPORTED_ORT[1][1]}). "
-            "Install onnxruntime-training-cpu==1.19.2 or update exporters/_ort_compat.py."
+            "Install onnxruntime-training-cpu==1.19.2 or update exporters/adapters/ort_internals.py."
         )
 
 
@@ -278,7 +278,7 @@ def _gtm_class() -> type:
     if cls is None or not all(isinstance(cls.__dict__.get(name), staticmethod) for name in _EXPORT_STEPS):
         raise OrtInternalsError(
             f"{_GTM_MODULE}.GraphTransitionManager no longer has the static methods {_EXPORT_STEPS}; "
-            "probes cannot run ZeRO-3 models under this ORTModule (see exporters/_ort_compat.py)"
+            "probes cannot run ZeRO-3 models under this ORTModule (see exporters/adapters/ort_internals.py)"
         )
     return cls
 
@@ -291,7 +291,7 @@ def pull_weight_trigger() -> tuple[str, int, list[int]]:
         return (module.MEM_EFFICIENT_PARAM_TRIGGER_INPUT_NAME, int(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_DTYPE),
                 list(module.MEM_EFFICIENT_PARAM_TRIGGER_OUTPUT_SHAPE))
     except AttributeError as error:
-        raise OrtInternalsError(f"{_TRIGGER_MODULE} changed ({error}); exporters/_ort_compat.py must be updated") from error
+        raise OrtInternalsError(f"{_TRIGGER_MODULE} changed ({error}); exporters/adapters/ort_internals.py must be updated") from error
 
 
 def install_export_rewrite(rewrite: ExportRewrite) -> None:
@@ -372,7 +372,7 @@ def switch_left_out_steps() -> None:
         if cls is None or not callable(cls.__dict__.get("forward")):
             raise OrtInternalsError(
                 f"{module_name}.{name}.forward is missing; probes cannot run left-out steps on an unprobed graph "
-                "(see exporters/_ort_compat.py)"
+                "(see exporters/adapters/ort_internals.py)"
             )
         classes.append(cls)
     _PATCHES.install_left_out_switch(classes)
@@ -411,7 +411,7 @@ def keep_random_streams() -> None:
                                   ("_build_graph", "_detect_from_inputs", "_initialize_graph_builder")):
             raise OrtInternalsError(
                 "ORT's TrainingManager or InferenceManager changed; probes cannot keep ORTModule's random streams "
-                "(see exporters/_ort_compat.py)"
+                "(see exporters/adapters/ort_internals.py)"
             )
     _PATCHES.install_random_streams(classes)
 
@@ -514,7 +514,7 @@ def ortmodule_threads(intra_op_threads: int, *, spinning: bool = False) -> Handl
     if cls is None or not callable(getattr(cls, "_get_session_config", None)):
         raise OrtInternalsError(
             f"{_GEM_MODULE}.GraphExecutionManager._get_session_config is missing; probes cannot set ORTModule's "
-            "threads (see exporters/_ort_compat.py)"
+            "threads (see exporters/adapters/ort_internals.py)"
         )
     earlier = _PATCHES.threads
     _PATCHES.install_threads(cls, (intra_op_threads, spinning))
@@ -627,7 +627,7 @@ class _OrtPatches:
             try:
                 graph = manager._onnx_models.optimized_model.graph
             except AttributeError as error:
-                raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
+                raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/adapters/ort_internals.py") from error
             if not _holds_probes(graph):
                 return result
             unplaced = []
@@ -663,7 +663,7 @@ class _OrtPatches:
         try:
             model = manager._flattened_module._original_module
         except AttributeError as error:
-            raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/_ort_compat.py") from error
+            raise OrtInternalsError(f"ORT's execution manager changed ({error}); see exporters/adapters/ort_internals.py") from error
         return self.routes.get(model)
 
     def twin(self, manager: Any) -> Any:
@@ -674,7 +674,7 @@ class _OrtPatches:
         except (AttributeError, TypeError) as error:
             raise OrtInternalsError(
                 f"cannot build a second ORT {type(manager).__name__} for left-out steps ({error}); "
-                "see exporters/_ort_compat.py"
+                "see exporters/adapters/ort_internals.py"
             ) from error
         self.twins.add(twin)
         return twin
@@ -736,7 +736,7 @@ class _OrtPatches:
             transition, module = manager._graph_transition_manager, manager._flattened_module
             exported = transition._exported_model_info
         except AttributeError as error:
-            raise OrtInternalsError(f"ORT's TrainingManager changed ({error}); see exporters/_ort_compat.py") from error
+            raise OrtInternalsError(f"ORT's TrainingManager changed ({error}); see exporters/adapters/ort_internals.py") from error
         watched = self.watched.get(manager)
         if watched is not None and _requires_grad_flags(watched[0], (inputs, kwargs)) != watched[1]:
             _export_again(manager)

@@ -5,12 +5,12 @@ such as ``ds_shape``, ``ds_status``) goes through these functions, so a DeepSpee
 reorganises its private code breaks here, with a clear error, and nowhere else. Importing this module
 does not import DeepSpeed; ``require_deepspeed()`` does, and checks the version.
 
-    from exporters import _deepspeed_compat
-    _deepspeed_compat.require_deepspeed()                    # ImportError / DeepSpeedVersionError
-    _deepspeed_compat.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
-    _deepspeed_compat.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
-    owner = _deepspeed_compat.zero3_optimizer_of(optimizer, model.parameters())   # in a torch optimizer step hook
-    _deepspeed_compat.zero3_stepping(owner, optimizer).shards  # this rank's fp32 master / grad / state shards
+    from exporters.adapters import deepspeed_internals
+    deepspeed_internals.require_deepspeed()                    # ImportError / DeepSpeedVersionError
+    deepspeed_internals.replace_setup_hooks(my_setup)          # DeepSpeedZeRoOffload.setup_zero_stage3_hooks
+    deepspeed_internals.fetch_for_forward(offload, module)     # gather the module's partitioned parameters
+    owner = deepspeed_internals.zero3_optimizer_of(optimizer, model.parameters())   # in a torch optimizer step hook
+    deepspeed_internals.zero3_stepping(owner, optimizer).shards  # this rank's fp32 master / grad / state shards
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def check_version(version_text: str) -> None:
     if not SUPPORTED_MIN <= (major, minor) < SUPPORTED_MAX:
         raise DeepSpeedVersionError(
             f"DeepSpeed {version_text} is not supported by probes.zero3 (supported: deepspeed{SUPPORTED_RANGE}, "
-            "tested with 0.19.8); install a supported release or update exporters/_deepspeed_compat.py"
+            "tested with 0.19.8); install a supported release or update exporters/adapters/deepspeed_internals.py"
         )
 
 
@@ -96,7 +96,7 @@ def require_deepspeed() -> ModuleType:
         if missing:
             raise DeepSpeedInternalsError(
                 f"{_OFFLOAD_MODULE}.{_OFFLOAD_CLASS} in DeepSpeed {deepspeed.__version__} lacks {missing}; "
-                "exporters/_deepspeed_compat.py must be updated for this release"
+                "exporters/adapters/deepspeed_internals.py must be updated for this release"
             )
         if not isinstance(getattr(_offload_module(), "FWD_MODULE_STACK", None), list):
             raise DeepSpeedInternalsError(f"{_OFFLOAD_MODULE}.FWD_MODULE_STACK is missing or no longer a list")
@@ -244,7 +244,7 @@ def _forget_release_plans(coordinator: Any) -> None:
     if not callable(getattr(plans, "cache_clear", None)):
         raise DeepSpeedInternalsError(
             f"{type(coordinator).__name__}.__params_to_release (DeepSpeed {_deepspeed_version()}) is missing or no "
-            "longer an lru_cache; exporters/_deepspeed_compat.py must be updated for this release")
+            "longer an lru_cache; exporters/adapters/deepspeed_internals.py must be updated for this release")
     plans.cache_clear()
 
 
@@ -389,7 +389,7 @@ def zero3_optimizer_of(optimizer: Any, params: Iterable[torch.Tensor]) -> Any | 
             if missing:
                 raise DeepSpeedInternalsError(
                     f"{type(owner).__name__} (DeepSpeed {_deepspeed_version()}) lacks {missing}; "
-                    "exporters/_deepspeed_compat.py must be updated for this release")
+                    "exporters/adapters/deepspeed_internals.py must be updated for this release")
             return owner
     return None
 

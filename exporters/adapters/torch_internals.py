@@ -14,7 +14,7 @@ a torch upgrade touches one file. Supported: torch >= 2.1, < 2.15 (tested: 2.4.1
   thread, and what an operator's schema says (its name, whether an output aliases an input); the
   calibration run of ``probes.rounding`` uses them.
 
-    from exporters import _torch_compat as compat
+    from exporters.adapters import torch_internals as compat
     with compat.override_symbolic("prim::PythonOp", 17, my_symbolic): ...   # or keep the Handle, .remove()
     compat.onnx_export(model, args, buffer, opset_version=17, training=torch.onnx.TrainingMode.TRAINING)
     task = compat.current_backward()          # None outside a backward pass
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree  # noqa: F401  (re-exported: torch's pytree, private by name)
 
-from .handles import Handle
+from ..handles import Handle
 
 Symbolic = Callable[..., Any]
 
@@ -48,7 +48,7 @@ def _missing(what: str) -> TorchInternalsError:
     low, high = (".".join(map(str, bound)) for bound in SUPPORTED_TORCH)
     return TorchInternalsError(
         f"torch {torch.__version__} has no {what}; probes supports torch >= {low}, < {high}: install a "
-        "supported torch or update exporters/_torch_compat.py"
+        "supported torch or update exporters/adapters/torch_internals.py"
     )
 
 
