@@ -23,6 +23,7 @@ from benchmarks.step_overhead import FULL, QUICK
 from probes import StatisticsSubscriber, SubscriberManager
 from probes.dump.live import flush_writers
 from probes.models import TinyTransformer, make_batch
+from probes.dump.rowblock import RecordNames
 from probes.stats.rows import StepRows
 
 
@@ -30,7 +31,7 @@ def _rows_case(tensor: torch.Tensor, backend: str, hash: bool):
     os.environ["PROBES_NUMERICS_BACKEND"] = backend
     rows = StepRows(rank=0, sample_count=32, hash=hash)
     os.environ.pop("PROBES_NUMERICS_BACKEND")
-    names = ("t", 0, "m", "Linear", "output", 1, "t", None)
+    names = RecordNames("t", 0, "m", "Linear", "output", 1, "t", None)
 
     def run() -> None:
         for _ in range(8):

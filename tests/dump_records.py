@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from probes.dump.columns import records_to_table
+from probes.dump.rowblock import RecordNames
 from probes.dump.writer import DumpWriter
 
 
@@ -28,8 +29,8 @@ def row_block(step: int, tensors: Sequence[Any], *, names: Sequence[str] | None 
     rows = StepRows(rank=rank, sample_count=sample_count)
     for seq, tensor in enumerate(tensors):
         name = names[seq] if names is not None else f"layer{seq}.output.0"
-        error = rows.add_named((name, 0, name.rsplit(".output", 1)[0], "Linear", "output", 1, f"Linear_{seq}_0th_output",
-                                None), step, phase, seq, tensor)
+        error = rows.add_named(RecordNames(name, 0, name.rsplit(".output", 1)[0], "Linear", "output", 1,
+                                           f"Linear_{seq}_0th_output", None), step, phase, seq, tensor)
         assert error is None, error
     (block,) = rows.take()
     return block

@@ -9,8 +9,8 @@ order, then up to ``sample_count`` samples, then (``hashed``) the tensor's 64-bi
 int64 bit patterns. An entry says what names one record and where its row is:
 ``(names, phase, seq, described, part, row, step)``:
 
-- ``names``: ``(name, tensor_index, module, module_class, kind, depth, legacy_name, inputs)``, held once per
-  site (``inputs``: None but for an op record);
+- ``names``: ``RecordNames(name, tensor_index, module, module_class, kind, depth, legacy_name, inputs)``, held
+  once per site (``inputs``: None but for an op record);
 - ``described``: ``Described``, what the record says of its tensor (shape, dtype, ...), held once per kind
   of tensor;
 - ``part``, ``row``: the row's host array in ``parts`` and its index; ``part`` is None for a record without
@@ -33,12 +33,26 @@ import pyarrow as pa
 from .columns import SCHEMA
 from .statistics import ACCUMULATED, DERIVED
 
-__all__ = ["ACCUMULATED_WIDTH", "NAME_FIELDS", "Described", "Entry", "EntryColumns", "RowBlock"]
+__all__ = ["ACCUMULATED_WIDTH", "NAME_FIELDS", "Described", "Entry", "EntryColumns", "RecordNames", "RowBlock"]
 
 ACCUMULATED_WIDTH = len(ACCUMULATED)
-NAME_FIELDS = ("name", "tensor_index", "module", "module_class", "kind", "depth", "legacy_name",  # an entry's names
-               "inputs")
 _DESCRIBING = ("shape", "dtype", "layout", "stats_of", "unsupported")
+
+
+class RecordNames(NamedTuple):
+    """What names one record: made once per site (or parameter) and shared by the entries of every step."""
+
+    name: str  # the record's name, e.g. "blocks.0.fc.output.0"
+    tensor_index: int
+    module: str  # the module's qualified name ("<root>" for the root), or the inspect name
+    module_class: str
+    kind: str  # the site's kind ("output", "input", "inspect", "op"), or "param"
+    depth: int
+    legacy_name: str  # the original ORT hooks' name for it
+    inputs: list[str] | None  # an op record's inputs, by record name (None: not an op record)
+
+
+NAME_FIELDS = RecordNames._fields  # the record columns an entry's names fill, in order
 
 
 class Described(NamedTuple):
@@ -58,7 +72,7 @@ class Described(NamedTuple):
 class Entry(NamedTuple):
     """One record of a step in the making: what names it, and where its statistics row is."""
 
-    names: tuple  # the NAME_FIELDS values, made once per site
+    names: RecordNames
     phase: str
     seq: int
     described: Described

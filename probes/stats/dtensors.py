@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..dump.rowblock import RecordNames
 from .rows import StepRows
 from .shards import ShardGroups
 from .views import UnsupportedTensor
@@ -60,7 +61,7 @@ class DTensorRecords:
         self._rows = rows
         self._shards = shards
 
-    def add(self, names: tuple, step: int, phase: str, seq: int, tensor: Any) -> BaseException | None:
+    def add(self, names: RecordNames, step: int, phase: str, seq: int, tensor: Any) -> BaseException | None:
         """The record of DTensor ``tensor`` (sharded: merged at the shards' flush); the error when it has no statistics."""
         placements, mesh = tuple(tensor.placements), tensor.device_mesh
         if all(placement.is_replicate() for placement in placements):

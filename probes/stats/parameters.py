@@ -85,6 +85,7 @@ from ..utils.names import ROOT_NAME
 from ..core.selection import Selection
 from ..core.wrappers import user_named_modules
 from ..dump.layout import DumpWriteError
+from ..dump.rowblock import RecordNames
 from .dtensors import DTensorRecords
 from .rows import StepRows
 from .shards import ShardGroups
@@ -110,15 +111,15 @@ class Tracked:
         self.module = module
         self.module_class = module_class
         self.selected = selected
-        self.names = (name, 0, module, module_class, KIND, depth, name, None)  # probes.dump.rowblock's names
-        self.state_names: dict[str, tuple] = {}
+        self.names = RecordNames(name, 0, module, module_class, KIND, depth, name, None)
+        self.state_names: dict[str, RecordNames] = {}
 
-    def state_name(self, key: str) -> tuple:
+    def state_name(self, key: str) -> RecordNames:
         """The names of the record of its optimizer state ``key`` (``<name>.<key>``), made once."""
         names = self.state_names.get(key)
         if names is None:
             name = f"{self.name}.{key}"
-            names = self.state_names[key] = (name, *self.names[1:6], name, None)
+            names = self.state_names[key] = self.names._replace(name=name, legacy_name=name)
         return names
 
 
@@ -352,10 +353,10 @@ class ParameterRecords:
         if stepping.last:
             self.settle()
 
-    def _add_shard(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor, shard: object) -> None:
+    def _add_shard(self, names: RecordNames, step: int, phase: str, seq: int, tensor: torch.Tensor, shard: object) -> None:
         error = self._zero3.add(names, step, phase, seq, tensor, shard)
         if error is not None:
-            self._warn(names[0], phase, error)
+            self._warn(names.name, phase, error)
 
     def _drop_step_end_grads(self) -> None:
         if self._step_end_grads:  # the first update: its gradients replace those read at the step's end
@@ -372,13 +373,13 @@ class ParameterRecords:
                 if grad is not None:
                     self._add(t.names, step, "grad", self._seq + t.index, grad)
 
-    def _add(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> None:
+    def _add(self, names: RecordNames, step: int, phase: str, seq: int, tensor: torch.Tensor) -> None:
         if is_dtensor(tensor):
             error = self._dtensors.add(names, step, phase, seq, tensor)
         else:
             error = self._rows.add_named(names, step, phase, seq, tensor)
         if error is not None:
-            self._warn(names[0], phase, error)
+            self._warn(names.name, phase, error)
 
     def _holds(self, optimizer: torch.optim.Optimizer) -> tuple[Tracked, ...]:
         """The model's parameters ``optimizer`` holds, cached until its parameter groups change."""
@@ -405,6 +406,6 @@ class ParameterRecords:
                               f"the step's records say so (\"{FAILED}\"). This warning is not repeated.",
                               ProbeFailureWarning, stacklevel=4)
             if step is not None and step == self._pending:
-                self._rows.add_unsupported_named((FAILED, 0, ROOT_NAME, "", KIND, 0, FAILED, None), step, self._phase,
+                self._rows.add_unsupported_named(RecordNames(FAILED, 0, ROOT_NAME, "", KIND, 0, FAILED, None), step, self._phase,
                                                  self._next_seq, None, f"probe failed: {reason}")
                 self._next_seq += 1

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..core import ProbeEvent, ProbeSite
-from ..dump.rowblock import ACCUMULATED_WIDTH, Described, Entry, RowBlock
+from ..dump.rowblock import ACCUMULATED_WIDTH, Described, Entry, RecordNames, RowBlock
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .hashing import tensor_hash
@@ -107,7 +107,7 @@ class StepRows:
         self._part_of: dict[torch.device, int] = {}
         self._entries: list[Entry] = []
         self._checked = 0  # entries already read by ``anomalies``
-        self._names: dict[tuple[ProbeSite, int, int], tuple] = {}  # (site, index, call) -> names
+        self._names: dict[tuple[ProbeSite, int, int], RecordNames] = {}  # (site, index, call) -> names
         self._described: dict[tuple, Described] = {}
         choice = default_backend()
         self._kernel = kernel.load(required=choice == "cpp") if choice != "torch" else None
@@ -142,7 +142,7 @@ class StepRows:
                     errors.append((index, error))
         return errors
 
-    def add_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
+    def add_named(self, names: RecordNames, step: int, phase: str, seq: int, tensor: torch.Tensor) -> BaseException | None:
         """``add`` for a record named by ``names`` (see ``probes.dump.rowblock``)."""
         try:
             # The common tensor in one kernel call (``Kernel.fast_row``: a plain contiguous CPU tensor of a kernel
@@ -169,7 +169,7 @@ class StepRows:
         self._entries.append(tuple.__new__(Entry, (names, phase, seq, described, part, row, step)))
         return None
 
-    def _failed(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor,
+    def _failed(self, names: RecordNames, step: int, phase: str, seq: int, tensor: torch.Tensor,
                 error: Exception) -> BaseException:
         """The entry of a record whose statistics failed; the error, without its frames (they would keep the
         tensor alive)."""
@@ -181,21 +181,21 @@ class StepRows:
         """An entry without statistics: what is known of ``tensor`` (None: nothing), and why."""
         self.add_unsupported_named(self._names_of(event, index), event.step, event.phase, event.seq, tensor, reason)
 
-    def add_unsupported_named(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor | None,
+    def add_unsupported_named(self, names: RecordNames, step: int, phase: str, seq: int, tensor: torch.Tensor | None,
                               reason: str) -> None:
         """``add_unsupported`` for a record named by ``names``."""
         self._entries.append(Entry(names, phase, seq, unsupported_description(tensor, reason), None, None, step))
 
-    def _names_of(self, event: ProbeEvent, index: int) -> tuple:
+    def _names_of(self, event: ProbeEvent, index: int) -> RecordNames:
         site = event.site
         key = (site, index, event.call)  # sites hash by identity
         names = self._names.get(key)
         if names is None:
-            names = self._names[key] = (event.record_name(index), index, site.module, site.module_class, site.kind,
-                                        site.depth, site.legacy_name(index), site.inputs)
+            names = self._names[key] = RecordNames(event.record_name(index), index, site.module, site.module_class,
+                                                   site.kind, site.depth, site.legacy_name(index), site.inputs)
         return names
 
-    def add_row(self, names: tuple, step: int, phase: str, seq: int, row: torch.Tensor | None,
+    def add_row(self, names: RecordNames, step: int, phase: str, seq: int, row: torch.Tensor | None,
                 described: Described) -> None:
         """A record whose row was computed elsewhere (``probes.stats.shards``: merged from shards), copied into
         the buffer of its device; ``row`` None: a record without statistics (``described.unsupported`` says why).

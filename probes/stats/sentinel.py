@@ -118,8 +118,8 @@ class AnomalyWatch:
                     lo, hi = (int(value) for value in extremes.view(np.int64))
                 else:
                     lo, hi = (float(value) if np.isfinite(value) else None for value in extremes)
-                record = {"rank": rank, "step": entry.step, "phase": entry.phase, "seq": entry.seq, "name": names[0],
-                          "module": names[2], "tensor_index": names[1], "numel": described.numel,
+                record = {"rank": rank, "step": entry.step, "phase": entry.phase, "seq": entry.seq, "name": names.name,
+                          "module": names.module, "tensor_index": names.tensor_index, "numel": described.numel,
                           "nan": int(stats[position, 0]), "inf": int(stats[position, 1]), "min": lo, "max": hi}
                 if self.check(record) is not None:
                     found.append(record)

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from ..dump.rowblock import ACCUMULATED_WIDTH, Described
+from ..dump.rowblock import ACCUMULATED_WIDTH, Described, RecordNames
 from ..dump.statistics import ACCUMULATED
 from . import kernel
 from .kernel import KernelRow, default_backend
@@ -157,7 +157,7 @@ def _fill(out: torch.Tensor, shard: torch.Tensor, spec: ShardSpec, rank: int, bu
 class _ShardRecord(NamedTuple):
     """A shard's record waiting for the gather: what names it, and where its shard lies in the whole tensor."""
 
-    names: tuple
+    names: RecordNames
     step: int
     phase: str
     seq: int
@@ -182,7 +182,7 @@ class ShardRows:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, names: tuple, step: int, phase: str, seq: int, shard: torch.Tensor, *,
+    def add(self, names: RecordNames, step: int, phase: str, seq: int, shard: torch.Tensor, *,
             full_shape: Sequence[int], bounds: Sequence[tuple[int, int]], rank: int) -> BaseException | None:
         """The row of ``shard`` (rank ``rank``'s elements ``bounds[rank]`` of a tensor of ``full_shape``) for the
         record named by ``names``; on failure a nan row (the collective still matches) and the error returned.
@@ -193,7 +193,7 @@ class ShardRows:
         spec.check()
         start, end = spec.bounds[rank]
         if shard.numel() != end - start:
-            raise ValueError(f"the shard of {names[0]!r} has {shard.numel()} elements, but rank {rank}'s bounds "
+            raise ValueError(f"the shard of {names.name!r} has {shard.numel()} elements, but rank {rank}'s bounds "
                              f"({start}, {end}) hold {end - start}")
         out = torch.empty((1, self.width), dtype=torch.float64, device=shard.device)
         integer = not (_WIDENED.get(shard.dtype) or shard.dtype).is_floating_point
@@ -260,7 +260,7 @@ class ShardGroups:
         self.rows = rows
         self._groups: dict[int, ShardRows] = {}  # id(process group) -> its shard rows (which keep the group alive)
 
-    def add(self, names: tuple, step: int, phase: str, seq: int, shard: torch.Tensor, *, full_shape: Sequence[int],
+    def add(self, names: RecordNames, step: int, phase: str, seq: int, shard: torch.Tensor, *, full_shape: Sequence[int],
             bounds: Sequence[tuple[int, int]], rank: int, group: Any) -> BaseException | None:
         rows = self._groups.get(id(group))
         if rows is None:

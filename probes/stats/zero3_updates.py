@@ -27,6 +27,7 @@ import torch
 
 from exporters.adapters import deepspeed_internals
 
+from ..dump.rowblock import RecordNames
 from .shards import ShardGroups
 
 __all__ = ["Zero3Updates"]
@@ -53,7 +54,7 @@ class Zero3Updates:
         """This rank's shards of the sub-groups ``optimizer`` steps now."""
         return deepspeed_internals.zero3_stepping(owner, optimizer)
 
-    def add(self, names: tuple, step: int, phase: str, seq: int, tensor: torch.Tensor,
+    def add(self, names: RecordNames, step: int, phase: str, seq: int, tensor: torch.Tensor,
             shard: deepspeed_internals.Zero3Shard) -> BaseException | None:
         """The row of one shard; merged with the other ranks' at the shards' flush. The error of failed statistics."""
         return self._shards.add(names, step, phase, seq, tensor, full_shape=shard.full_shape, bounds=shard.bounds,

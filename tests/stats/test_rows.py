@@ -14,12 +14,12 @@ import torch
 
 from helpers import assert_moments, same_values as _same
 from probes.dump.columns import records_to_table, table_to_records, write_parquet
-from probes.dump.rowblock import EntryColumns
+from probes.dump.rowblock import EntryColumns, RecordNames
 from probes.dump.statistics import ACCUMULATED, DERIVED, STATISTICS, names
 from probes.stats import kernel
 from probes.stats.rows import StepRows
 
-NAMES = ("t.output.0", 0, "t", "T", "output", 1, "T_0_0th_output", None)
+NAMES = RecordNames("t.output.0", 0, "t", "T", "output", 1, "T_0_0th_output", None)
 EXACT = ("numel", "finite", "nan", "inf", "neg", "pos", "zero", "min", "max", "samples", "sample_indices", "shape",
          "dtype", "stats_of", "layout")
 
@@ -143,9 +143,9 @@ def _same_table(a: pa.Table, b: pa.Table) -> bool:
 
 
 def test_columns_taken_again_from_the_last_step_are_the_ones_built_afresh(tmp_path: Path) -> None:
-    site_a, site_b, site_c = (("a.output.0", 0, "a", "A", "output", 1, "A_0_0th_output", None),
-                              ("b.output.0", 0, "b", "B", "output", 1, "B_0_0th_output", None),
-                              ("c.output.0", 0, "c", "C", "output", 2, "C_0_0th_output", None))
+    site_a, site_b, site_c = (RecordNames("a.output.0", 0, "a", "A", "output", 1, "A_0_0th_output", None),
+                              RecordNames("b.output.0", 0, "b", "B", "output", 1, "B_0_0th_output", None),
+                              RecordNames("c.output.0", 0, "c", "C", "output", 2, "C_0_0th_output", None))
     g = torch.Generator().manual_seed(0)
     steps = [  # (names, phase, tensor) per record, step after step
         [(site_a, "forward", torch.randn(3, 4, generator=g)), (site_b, "forward", torch.randn(5, generator=g))],
@@ -157,7 +157,7 @@ def test_columns_taken_again_from_the_last_step_are_the_ones_built_afresh(tmp_pa
          (site_c, "forward", torch.tensor([[1, -2], [3, 4]]))],
         [(site_a, "backward", torch.randn(6, 2, generator=g)),  # another phase, a record without finite values
          (site_c, "forward", torch.full((2, 2), math.nan))],
-        [(tuple(site_a), "backward", torch.randn(6, 2, generator=g)),  # equal names, not the same tuple
+        [(RecordNames(*site_a), "backward", torch.randn(6, 2, generator=g)),  # equal names, not the same tuple
          (site_c, "forward", torch.empty(2, device="meta"))],  # a record without statistics
     ]
     rows = StepRows(rank=0, sample_count=4, hash=True)

@@ -12,14 +12,14 @@ import torch
 
 from helpers import assert_moments, same_values as _same
 from probes.dump.columns import table_to_records
-from probes.dump.rowblock import ACCUMULATED_WIDTH, Described
+from probes.dump.rowblock import ACCUMULATED_WIDTH, Described, RecordNames
 from probes.stats import kernel
 from probes.stats.numerics import sample_indices
 from probes.stats.rows import StepRows
 from probes.stats.shards import ShardRows, ShardSpec, merge_shard_rows, shard_row
 
 COUNT = 8  # samples per record
-NAMES = ("blocks.0.fc.weight", 0, "blocks.0.fc", "Linear", "parameter", 3, "blocks.0.fc.weight", None)
+NAMES = RecordNames("blocks.0.fc.weight", 0, "blocks.0.fc", "Linear", "parameter", 3, "blocks.0.fc.weight", None)
 EXACT = ("numel", "finite", "nan", "inf", "neg", "pos", "zero", "min", "max", "samples", "sample_indices", "shape",
          "dtype")
 
