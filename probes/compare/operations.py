@@ -35,7 +35,7 @@ from ..dump.record import RecordKey, execution_order
 from ..utils.names import ROOT_NAME
 from ..utils.phases import GRADIENT_PHASES, phase_rank
 from .recorddiffs import RecordDiffs
-from .reading import LoadedDump
+from .reading import LoadedDump, rms
 from .results import (AGREES, DIFFERS, NO_RECORD, UNPAIRED, Check, Divergence, ModuleOps, OpFinding, OpName,
                       Operations, Rename, module_record, op_name)
 
@@ -328,6 +328,14 @@ class _Steps:
     def __init__(self, base: LoadedDump, other: LoadedDump, pairs: tuple[np.ndarray, np.ndarray],
                  records: RecordDiffs, alone: tuple[np.ndarray, np.ndarray], steps: set[tuple[int, int]]) -> None:
         self.records = records
+        self._base_rows = pairs[0]
+        # Records whose mask fills set their magnitude (reading._unfilled gave them a smaller scale than their
+        # rms): a difference relative to that magnitude says nothing, so they are weighed by ratio alone.
+        table = base.table
+        with np.errstate(invalid="ignore"):
+            self._filled = table.column("scale").to_numpy(zero_copy_only=False) < rms(
+                *(table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+                  for name in ("numel", "mean", "std")))
         self.rows: dict[tuple[int, int, str, str], _Row] = {}
         self._metrics: dict[int, tuple[str, float]] = {}
         renamed = self._renamed(other, steps)
@@ -397,8 +405,11 @@ class _Steps:
                      rel_error)
 
     def rel_error(self, row: _Row) -> float | None:
-        """The record's difference relative to its magnitude (None: in one run only)."""
-        return None if row.pair is None else float(self.records.rel_error[row.pair])
+        """The record's difference relative to its magnitude (None: in one run only, or mask fills set the
+        magnitude)."""
+        if row.pair is None or self._filled[self._base_rows[row.pair]]:
+            return None
+        return float(self.records.rel_error[row.pair])
 
 
 def _mapped(row: _Row, inputs: list[str] | None, renamed: dict[tuple[int, int, str], str]) -> list[str] | None:

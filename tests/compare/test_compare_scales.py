@@ -121,3 +121,30 @@ def test_the_gradient_floor_takes_only_gradients_of_the_same_shape(tmp_path):
     write(tmp_path / "clean", [base[0], {**base[2], "samples": [v * 1.01 for v in base[2]["samples"]]}])
     report = compare_dumps(tmp_path / "base", tmp_path / "clean")
     assert report.first_divergence is not None and report.first_divergence.name == "attn.k_proj.output.0"
+
+
+@pytest.mark.parametrize("bug", ["values", "mask"])
+def test_a_masked_operation_that_goes_wrong_itself_is_local_although_its_input_carries_rounding(tmp_path, bug):
+    """Mask fills set a masked record's magnitude, so its values 1% off are ~1e-40 of it: weighed by relative
+    difference, any input with rounding noise would seem to carry that. A record whose fills set its magnitude is
+    weighed by ratio alone: the masked operation that goes wrong itself (its values 1% off, or one position more
+    masked) is local, although its input carries another backend's rounding."""
+    fill = torch.finfo(torch.float32).min
+    scores, mask = masked_scores(fill)
+    wrong, values = mask.clone(), scores * 1.01
+    if bug == "mask":
+        wrong[3, 2] = True
+        values = scores
+    op = dict(kind="op", module="attn")
+
+    def run(scores: torch.Tensor, masked: torch.Tensor) -> list[dict]:
+        return [record("attn/matmul:0.output.0", scores, seq=0, inputs=[], **op),
+                record("attn/where:0.output.0", masked, seq=1, inputs=["attn/matmul:0.output.0"], **op)]
+
+    write(tmp_path / "base", run(scores, scores.masked_fill(mask, fill)))
+    write(tmp_path / "bug", run(rounded(scores, 1, 1), values.masked_fill(wrong, fill)))
+    report = compare_dumps(tmp_path / "base", tmp_path / "bug")
+    first = report.first_operation
+    assert first is not None and first.name == "attn/where:0.output.0", report.first_divergence
+    assert first.inputs[0].status == "agrees" and first.inputs[0].ratio > 0  # rounding: not identical
+    assert first.rel_error is None and first.cause == "local", first.explained()
