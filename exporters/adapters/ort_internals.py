@@ -429,10 +429,10 @@ def _inlined_by_ort(node: Any) -> bool:
     return node.op_type in _INLINED_BODY and node.domain in ("", "ai.onnx") and _unseeded(node)
 
 
-def _inline_draws(graph: Any, unprobed: Any) -> dict[str, int]:
-    """Replace each unseeded Bernoulli node of ``graph`` by the nodes of its ONNX function body, in place (a
+def _inline_draws(graph: Any, unprobed: Any) -> tuple[list[Any], dict[str, int]]:
+    """Copies of ``graph``'s nodes, each unseeded Bernoulli node replaced by the nodes of its ONNX function body (a
     RandomUniformLike, then Greater and CastLike: what ORT inlines, the cast written against the input's type),
-    and say where each new RandomUniformLike must stand: where ORT puts the one it inlines into ``unprobed`` (its
+    and where each new RandomUniformLike must stand: where ORT puts the one it inlines into ``unprobed`` (its
     node count, plus the bodies inlined before it, in node order)."""
     import onnx
     from onnx import helper
@@ -457,9 +457,7 @@ def _inline_draws(graph: Any, unprobed: Any) -> dict[str, int]:
                   helper.make_node("Greater", [uniform, probability], [greater], name=f"{node.name}/greater"),
                   helper.make_node("Cast", [greater], [drawn], name=f"{node.name}/cast", to=dtype[0]) if dtype else
                   helper.make_node("CastLike", [greater, probability], [drawn], name=f"{node.name}/cast")]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return wanted
+    return nodes, wanted
 
 
 def _holds_probes(graph: Any) -> bool:
@@ -476,13 +474,7 @@ def _place_random_nodes(graph: Any, unprobed: Any) -> list[str]:
     """Move each random node of ``graph`` to its namesake's index in ``unprobed`` (by swapping), a Bernoulli's
     draw to where ORT's inlining puts it there (``_inline_draws``); the names of those that cannot move (no
     namesake, or an index past ``graph``'s end)."""
-    import onnx
-
-    inlined = _inline_draws(graph, unprobed)
-    nodes = []
-    for node in graph.node:
-        nodes.append(onnx.NodeProto())
-        nodes[-1].CopyFrom(node)
+    nodes, inlined = _inline_draws(graph, unprobed)
     wanted = {node.name: index for index, node in enumerate(unprobed.node) if _draws_by_index(node)}
     wanted.update(inlined)
     unplaced = [node.name for node in nodes

@@ -80,8 +80,9 @@ class ProbeEvent(NamedTuple):
     ``"subscribe"`` carries the ``model``.
 
     A named tuple: one is made per probe call, and a tuple is the cheapest immutable record Python makes (a probe
-    firing's are built by position in ``probe_firing`` alone: a new field goes before ``tensors``, which stays last). The tensors are the live
-    ones: read them during the call, keep no reference (``event._replace(tensors=())`` keeps the rest).
+    firing's are built by position in ``probe_firing`` alone: a new field goes before ``tensors``, which stays
+    last). The tensors are the live ones: read them during the call, keep no reference (``event._replace(tensors=())``
+    keeps the rest).
     """
 
     site: ProbeSite | None  # None for a step's events and "subscribe"
